@@ -1,0 +1,253 @@
+"""The model configuration: one frozen dataclass that every other module reads.
+
+- `ModelConfig` holds the text model (K3.1, K3 or plain Kimi-Linear) with 0-indexed layer lists.
+- `DSAConfig` holds the lightning indexer of K3.1's sparse-attention layers.
+- `VisionConfig` holds the MoonViT-V2 tower sizes (parsed and counted; the engine runs text).
+- Layer kinds and derived sizes are properties, checked once in `__post_init__`.
+
+Reading and writing `config.json` lives in `engine.config_io`; named presets in `engine.presets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.errors import ConfigError
+
+Variant = Literal["k3.1", "k3", "kimi-linear"]
+ExpertFormat = Literal["mxfp4", "dense"]
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention indexer on the full-attention layers (K3.1).
+
+    Attributes:
+        n_heads: indexer query heads (32 in K3.1 Pro).
+        head_dim: indexer query/key width (128).
+        topk: keys kept per query (2048); queries with fewer past keys keep them all.
+        layers: 0-indexed layers that run the indexer (a subset of the MLA layers).
+        k_norm_eps: eps of the indexer key LayerNorm (1e-6 as in DeepSeek V3.2).
+    """
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    layers: tuple[int, ...]
+    k_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 tower and patch-merger projector sizes (spec section 8)."""
+
+    patch_size: int = 14
+    hidden_size: int = 1024
+    num_layers: int = 27
+    num_heads: int = 12
+    qkv_hidden_size: int = 1536  # width of each of q, k, v (12 heads x 128)
+    intermediate_size: int = 4096
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    merge_kernel: tuple[int, int] = (2, 2)
+    text_hidden_size: int = 7168
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Kimi K3.1 / K3 / Kimi-Linear text model. All layer indices are 0-indexed.
+
+    Attributes:
+        variant: which family the config describes; K3 is K3.1 without `dsa`.
+        kda_layers / mla_layers: the token mixer of each layer; together they cover every layer once.
+        q_lora_rank: None means a direct `q_proj` (Kimi-Linear 48B); K3 uses a low-rank query.
+        mla_use_output_gate: K3's sigmoid gate `g_proj` on the attention output.
+        kda_full_rank_gate: K3's full-rank `g_proj` output gate; Kimi-Linear uses `g_a_proj`/`g_b_proj`.
+        kda_gate_lower_bound: K3's bounded decay `lb * sigmoid(exp(A_log) * z)`; None selects
+            Kimi-Linear's `-exp(A_log) * softplus(z)`.
+        routed_expert_hidden_size: latent MoE width (K3); None runs experts at full width.
+        hidden_act: `situ` (K3) or `silu` (Kimi-Linear), used by every MLP. The KDA short conv
+            always uses SiLU.
+        attn_res_block_size: Block Attention Residuals period (K3); None means plain residuals.
+        expert_format: how routed experts are stored on disk (`mxfp4` = compressed-tensors pack).
+        weight_prefix: prefix of text tensors in the checkpoint (`language_model.` for K3).
+    """
+
+    variant: Variant
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    kda_layers: tuple[int, ...]
+    mla_layers: tuple[int, ...]
+    # gated MLA
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mla_use_output_gate: bool
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_kernel_size: int
+    kda_full_rank_gate: bool
+    kda_gate_lower_bound: float | None
+    # DSA indexer (K3.1 only)
+    dsa: DSAConfig | None
+    # MoE and dense MLP
+    first_k_dense_replace: int
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int | None
+    latent_moe_use_norm: bool
+    routed_scaling_factor: float
+    moe_renormalize: bool
+    num_expert_group: int
+    topk_group: int
+    hidden_act: Literal["situ", "silu"]
+    situ_beta: float
+    situ_linear_beta: float
+    # residual stream and norms
+    attn_res_block_size: int | None
+    rms_norm_eps: float
+    latent_norm_eps: float = 1e-6
+    # tokens and context
+    max_position_embeddings: int = 1048576
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    media_placeholder_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    # storage
+    expert_format: ExpertFormat = "dense"
+    weight_prefix: str = ""
+    vision: VisionConfig | None = None
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ---- derived layout -------------------------------------------------------------------
+    def is_kda_layer(self, layer: int) -> bool:
+        return layer in self._kda_set
+
+    def is_mla_layer(self, layer: int) -> bool:
+        return layer in self._mla_set
+
+    def is_dsa_layer(self, layer: int) -> bool:
+        return self.dsa is not None and layer in self.dsa.layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and self.num_experts > 0
+
+    def layer_kind(self, layer: int) -> str:
+        """`kda`, `mla` or `dsa` (MLA with the indexer)."""
+        if self.is_kda_layer(layer):
+            return "kda"
+        return "dsa" if self.is_dsa_layer(layer) else "mla"
+
+    @property
+    def _kda_set(self) -> frozenset[int]:
+        return frozenset(self.kda_layers)
+
+    @property
+    def _mla_set(self) -> frozenset[int]:
+        return frozenset(self.mla_layers)
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def expert_in_dim(self) -> int:
+        """Width the routed experts read: the latent (K3) or the hidden size."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Block residuals at the head: the embedding plus one per completed block."""
+        if self.attn_res_block_size is None:
+            return 0
+        return len(range(0, self.num_hidden_layers, self.attn_res_block_size))
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything that changes the model's function (for snapshots, traces)."""
+        payload = dataclasses.asdict(self)
+        payload.pop("extra")
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- validation -----------------------------------------------------------------------
+    def _validate(self) -> None:
+        def need(cond: bool, fld: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config field `{fld}`: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "kda_num_heads",
+                     "kda_head_dim", "conv_kernel_size", "intermediate_size"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
+        n = self.num_hidden_layers
+        all_layers = set(range(n))
+        kda, mla = set(self.kda_layers), set(self.mla_layers)
+        overlap = sorted(kda & mla)
+        need(not overlap, "linear_attn_config.kda_layers/full_attn_layers",
+             f"layers {[i + 1 for i in overlap]} (1-indexed) are listed as both KDA and full attention")
+        missing = sorted(all_layers - kda - mla)
+        need(not missing, "linear_attn_config.kda_layers/full_attn_layers",
+             f"layers {[i + 1 for i in missing]} (1-indexed) are in neither list; every layer needs one mixer")
+        extra = sorted((kda | mla) - all_layers)
+        need(not extra, "linear_attn_config", f"layers {[i + 1 for i in extra]} (1-indexed) exceed "
+             f"num_hidden_layers={n}")
+        need(len(kda) == len(self.kda_layers) and len(mla) == len(self.mla_layers),
+             "linear_attn_config", "a layer is listed twice")
+        need(self.hidden_act in ("situ", "silu"), "hidden_act",
+             f"unknown activation {self.hidden_act!r}; supported: 'situ' (K3) and 'silu' (Kimi-Linear)")
+        need(0 <= self.first_k_dense_replace <= n, "first_k_dense_replace", f"must be in [0, {n}]")
+        if self.num_experts:
+            need(0 < self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+                 f"must be in [1, num_experts={self.num_experts}]")
+            need(self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
+                 "num_expert_group", f"must divide num_experts={self.num_experts}")
+            need(1 <= self.topk_group <= self.num_expert_group, "topk_group",
+                 f"must be in [1, num_expert_group={self.num_expert_group}]")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive")
+        if self.expert_format == "mxfp4":
+            for fld, width in (("routed_expert_hidden_size/hidden_size", self.expert_in_dim),
+                               ("moe_intermediate_size", self.moe_intermediate_size)):
+                need(width % 32 == 0, fld, f"MXFP4 experts need widths divisible by 32, got {width}")
+        if self.attn_res_block_size is not None:
+            need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive or null")
+        if self.kda_gate_lower_bound is not None:
+            need(self.kda_gate_lower_bound < 0, "linear_attn_config.gate_lower_bound",
+                 f"must be negative (a log-decay bound), got {self.kda_gate_lower_bound}")
+        if self.dsa is not None:
+            d = self.dsa
+            need(d.n_heads > 0 and d.head_dim > 0, "dsa_config", "indexer heads and head_dim must be positive")
+            need(d.topk > 0, "dsa_config.index_topk", f"must be positive, got {d.topk}")
+            not_mla = sorted(set(d.layers) - mla)
+            need(not not_mla, "dsa_config.layers",
+                 f"layers {[i + 1 for i in not_mla]} (1-indexed) run the indexer but are not full-attention layers")
+            need(self.q_lora_rank is not None, "q_lora_rank",
+                 "the DSA indexer reads the low-rank query latent; q_lora_rank must be set")
+        need(self.max_position_embeddings > 0, "max_position_embeddings", "must be positive")

@@ -1,0 +1,99 @@
+"""Kimi Delta Attention layer (spec section 3): projections, short conv, gates and output norm.
+
+The core recurrence lives in `engine.ops.kda`; this module only wires the checkpoint's tensors to
+it. With a `KDAState` the layer continues from it and leaves the new state in it (conv tail and
+recurrent S); without one it starts from zeros (the full causal forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache import KDAState
+from engine.config import ModelConfig
+from engine.layers.common import GatedRMSNorm, l2norm
+from engine.ops.kda.reference import kda_chunked, kda_recurrent
+from engine.runtime import RuntimeOptions
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv (no bias) over time; `weight` is [D, 1, kernel] as in the checkpoint."""
+
+    def __init__(self, dim: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, 1, kernel))
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (silu(conv(x)) [B, T, D] fp32, new tail [B, D, kernel - 1] fp32)."""
+        kernel = self.weight.shape[-1]
+        xt = x.float().transpose(1, 2)  # [B, D, T]
+        if tail is None:
+            tail = xt.new_zeros(xt.shape[0], xt.shape[1], kernel - 1)
+        padded = torch.cat((tail.float(), xt), dim=-1)  # [B, D, kernel - 1 + T]
+        out = F.conv1d(padded, self.weight.float(), groups=xt.shape[1])
+        return F.silu(out).transpose(1, 2), padded[:, :, padded.shape[-1] - (kernel - 1):]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions) -> None:
+        super().__init__()
+        h, d, hd, nh = config.hidden_size, config.kda_dim, config.kda_head_dim, config.kda_num_heads
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = nh, hd
+        self.lower_bound = config.kda_gate_lower_bound
+        self.runtime = runtime
+        self.q_proj = nn.Linear(h, d, bias=False)
+        self.k_proj = nn.Linear(h, d, bias=False)
+        self.v_proj = nn.Linear(h, d, bias=False)
+        self.q_conv1d = ShortConv(d, config.conv_kernel_size)
+        self.k_conv1d = ShortConv(d, config.conv_kernel_size)
+        self.v_conv1d = ShortConv(d, config.conv_kernel_size)
+        self.f_a_proj = nn.Linear(h, hd, bias=False)
+        self.f_b_proj = nn.Linear(hd, d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(d))
+        self.A_log = nn.Parameter(torch.zeros(nh))
+        self.b_proj = nn.Linear(h, nh, bias=False)
+        self.full_rank_gate = config.kda_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(h, d, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(h, hd, bias=False)
+            self.g_b_proj = nn.Linear(hd, d, bias=False)
+        self.o_norm = GatedRMSNorm(hd, config.rms_norm_eps)
+        self.o_proj = nn.Linear(d, h, bias=False)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g [B, T, H, K] (fp32, <= 0)."""
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        z = z.unflatten(-1, (self.num_heads, self.head_dim))
+        a = self.A_log.float().exp().view(self.num_heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * z)  # K3: bounded in (lb, 0)
+        return -a * F.softplus(z)  # Kimi-Linear
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+        """x [B, T, hidden] (normed) -> [B, T, hidden]; updates `state` in place when given."""
+        B, T, _ = x.shape
+        heads = (self.num_heads, self.head_dim)
+        tails = (None, None, None) if state is None else state.conv.chunk(3, dim=1)
+        q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
+        k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
+        v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
+        q = l2norm(q.unflatten(-1, heads))  # [B, T, H, K]
+        k = l2norm(k.unflatten(-1, heads))
+        v = v.unflatten(-1, heads)
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        initial = None if state is None else state.recurrent
+        if T <= self.runtime.kda_recurrent_max_tokens:
+            o, final = kda_recurrent(q, k, v, g, beta, initial)
+        else:
+            o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size)
+        if state is not None:
+            state.recurrent = final
+            state.conv = torch.cat((q_tail, k_tail, v_tail), dim=1)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o.to(x.dtype), gate.unflatten(-1, heads))  # [B, T, H, V]
+        return self.o_proj(o.flatten(-2))

@@ -1,0 +1,123 @@
+"""Gated MLA with the optional DSA indexer (spec section 4).
+
+K3 and K3.1 share this code: a layer with an `indexer` (K3.1) reads only the top-k keys its indexer
+selects; without one (K3, Kimi-Linear) or with `runtime.dsa_force_dense` it reads every past key.
+When every query sees at most top-k keys the two are the same function, and the cheaper dense
+path runs.
+
+Attention itself is in `engine.ops.mla`: expanded keys for dense prefill, latent (absorbed) form
+for decode and sparse reads. The model is NoPE: `k_r` is a shared, unrotated key part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.cache import MLACache
+from engine.config import ModelConfig
+from engine.layers.common import RMSNorm
+from engine.layers.indexer import Indexer
+from engine.ops.dsa.reference import indexer_topk
+from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
+from engine.runtime import RuntimeOptions
+
+
+@dataclass
+class Selection:
+    """What the indexer chose for the queries of one forward call (for probes and tests)."""
+
+    positions: torch.Tensor  # [T] query positions
+    indices: torch.Tensor  # [B, T, topk] int64 key positions, -1 = empty
+    scores: torch.Tensor  # [B, T, topk] fp32
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.runtime = runtime
+        self.num_heads = c.num_attention_heads
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.scale = c.qk_head_dim ** -0.5
+        h, nh = c.hidden_size, c.num_attention_heads
+        self.q_lora_rank = c.q_lora_rank
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.latent_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, nh * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=False)
+        self.use_output_gate = c.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(h, nh * c.v_head_dim, bias=False)
+        self.indexer = Indexer(c.dsa, h, c.q_lora_rank) if c.is_dsa_layer(layer_idx) else None
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as per-head W_kb [H, Dk, R] and W_vb [H, Dv, R]."""
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
+        """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden].
+
+        With a cache, rows [start, start + T) are written and attention reads rows [0, start + T);
+        without one, `start` must be 0 and attention reads this call's tokens only.
+        """
+        B, T, _ = x.shape
+        if self.q_lora_rank is None:
+            q_resid = None
+            q = self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.unflatten(-1, (self.num_heads, self.nope + self.rope))  # [B, T, H, Dk + Dr]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, T, R]
+        index_keys = self.indexer.keys(x) if self.indexer is not None else None
+        if cache is not None:
+            cache.write(start, latent, k_rope, index_keys)
+            end = start + T
+            latent_all, k_rope_all = cache.latent[:, :end], cache.k_rope[:, :end]
+            keys_all = cache.index_keys[:, :end] if cache.index_keys is not None else None
+        else:
+            if start != 0:
+                raise ValueError("MLA without a cache can only run from position 0")
+            latent_all, k_rope_all, keys_all = latent, k_rope, index_keys
+        positions = torch.arange(start, start + T, device=x.device)
+        w_kb, w_vb = self._kv_b()
+
+        selection = None
+        if self.indexer is not None:
+            assert keys_all is not None and q_resid is not None
+            iq, iw = self.indexer.queries(q_resid, x)
+            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk)
+            selection = Selection(positions, idx, scores)
+        sparse = selection is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
+
+        if sparse:
+            q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
+            o_lat = sparse_attention_latent(q_lat, q_rope, latent_all, k_rope_all, selection.indices, self.scale)
+            attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float())
+        elif T * 4 < start + T:
+            # few queries over a long cache (decode): stay in latent space
+            q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
+            o_lat = dense_attention_latent(q_lat, q_rope, latent_all, k_rope_all, positions, self.scale)
+            attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float())
+        else:
+            kv = self.kv_b_proj(latent_all).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
+            k = torch.cat((kv[..., : self.nope], k_rope_all.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), -1)
+            attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale)
+        attn = attn.to(x.dtype)  # [B, T, H, Dv]
+        if self.use_output_gate:
+            attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))
+        return self.o_proj(attn.flatten(-2))

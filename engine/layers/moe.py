@@ -1,0 +1,144 @@
+"""Latent MoE (spec section 5): sigmoid/bias router, routed experts (MXFP4 or dense), shared experts.
+
+    s = sigmoid(x W_gate^T)                       fp32, on the full-width normed input
+    idx = topk(s + e_score_correction_bias, k)    (grouped top-k when num_expert_group > 1)
+    w = s[idx] / (sum + 1e-20) * routed_scaling_factor
+    h = routed_expert_down_proj(x)                K3: into the latent; Kimi-Linear: h = x
+    y = routed_expert_norm(sum_k w_k W2_k act(W1_k h, W3_k h))
+    out = routed_expert_up_proj(y) + shared_experts(x)
+
+Routed experts are stored stacked per layer (`w1_packed [E, F, in/2]`, ...). A module may hold a
+subset of the experts (`expert_ids`, global ids in order): expert parallelism gives each rank its
+slice. MXFP4 experts stay packed and are dequantized one expert at a time at use.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.common import GatedMLP, RMSNorm, activation
+from engine.runtime import RuntimeOptions
+from engine.weights import mxfp4
+
+
+class Router(nn.Module):
+    """`block_sparse_moe.gate`: weight [E, hidden] and the selection-only bias [E]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+        self.top_k = config.num_experts_per_token
+        self.groups, self.topk_group = config.num_expert_group, config.topk_group
+        self.renormalize = config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.groups > 1 and self.topk_group < self.groups:
+            grouped = choice.unflatten(-1, (self.groups, -1))  # [N, G, E/G]
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class RoutedExperts(nn.Module):
+    """Stacked routed experts of one layer: w1 (gate) and w3 (up) [F, in], w2 (down) [in, F]."""
+
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        f, d = config.moe_intermediate_size, config.expert_in_dim
+        self.num_experts = config.num_experts
+        ids = list(range(config.num_experts)) if expert_ids is None else list(expert_ids)
+        self.expert_ids: list[int] = ids  # global ids of the experts held here, in slot order
+        # global id -> local slot, -1 when another rank holds it (plain list: survives meta init)
+        self._slot_of = [-1] * config.num_experts
+        for slot, e in enumerate(ids):
+            self._slot_of[e] = slot
+        self.packed = config.expert_format == "mxfp4"
+        self.runtime = runtime
+        self.act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = activation(config)
+        e = len(ids)
+        shapes = {"w1": (f, d), "w3": (f, d), "w2": (d, f)}
+        for name, (out_f, in_f) in shapes.items():
+            if self.packed:
+                self.register_buffer(name + "_packed", torch.zeros(e, out_f, in_f // 2, dtype=torch.uint8))
+                self.register_buffer(name + "_scale", torch.zeros(e, out_f, in_f // 32, dtype=torch.uint8))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.zeros(e, out_f, in_f)))
+
+    def weight(self, name: str, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dense [out, in] weight of local expert `slot` (dequantized on the fly when packed)."""
+        if self.packed:
+            return mxfp4.dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype)
+        return getattr(self, name)[slot].to(dtype)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """h [N, in], ids/weights [N, k] -> sum over the locally held experts [N, in] (fp32)."""
+        N, k = ids.shape
+        out = h.new_zeros(N, h.shape[-1], dtype=torch.float32)
+        flat = ids.flatten()
+        slots = torch.tensor(self._slot_of, device=ids.device)[flat]
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots[slots >= 0], minlength=len(self.expert_ids)).tolist()
+        start = int((slots < 0).sum())  # routes to experts held elsewhere sort first (slot -1)
+        mx8 = self.runtime.mxfp8_activations
+        for slot, count in enumerate(counts):
+            if count == 0:
+                continue
+            routes = order[start:start + count]
+            start += count
+            tokens = routes // k
+            x = h[tokens]
+            if mx8:
+                x = mxfp4.fake_quantize_mxfp8(x)
+            inner = self.act(x @ self.weight("w1", slot, x.dtype).t(), x @ self.weight("w3", slot, x.dtype).t())
+            if mx8:
+                inner = mxfp4.fake_quantize_mxfp8(inner)
+            y = inner @ self.weight("w2", slot, x.dtype).t()
+            out.index_add_(0, tokens, y.float() * weights.flatten()[routes].unsqueeze(-1))
+        return out
+
+
+class LatentMoE(nn.Module):
+    """`block_sparse_moe` of layers >= first_k_dense_replace."""
+
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        c = config
+        self.gate = Router(c)
+        self.experts = RoutedExperts(c, runtime, expert_ids)
+        act = activation(c)
+        self.shared_experts = GatedMLP(c.hidden_size, c.shared_intermediate_size, act) if c.num_shared_experts else None
+        self.latent = c.routed_expert_hidden_size is not None
+        if self.latent:
+            r = c.routed_expert_hidden_size
+            self.routed_expert_down_proj = nn.Linear(c.hidden_size, r, bias=False)
+            self.routed_expert_norm = RMSNorm(r, c.rms_norm_eps) if c.latent_moe_use_norm else None
+            self.routed_expert_up_proj = nn.Linear(r, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(flat)
+        h = self.routed_expert_down_proj(flat) if self.latent else flat
+        y = self.experts(h, ids, weights).to(x.dtype)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)

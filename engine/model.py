@@ -1,0 +1,154 @@
+"""The decoder: embeddings, 93 (or N) layers with Block Attention Residuals, norm and LM head.
+
+Module names equal the checkpoint's tensor names (`model.layers.{L}.self_attn.q_proj.weight`, ...)
+except the routed experts, which are stacked per layer (see `engine.weights.names`). The layer kind
+comes from the config: KDA or gated MLA (with the DSA indexer on K3.1's sparse layers); a dense MLP
+in the first `first_k_dense_replace` layers and the latent MoE elsewhere.
+
+Residual stream (K3, spec section 2): a prefix sum P and a list of block residuals B; each layer
+mixes them with a learned softmax before its mixer and before its FFN. Kimi-Linear (no
+`attn_res_block_size`) uses plain residual sums.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from engine.cache import KDAState, MLACache, ModelState
+from engine.config import ModelConfig
+from engine.errors import InputError
+from engine.layers.attn_res import ResNorm, attn_res
+from engine.layers.common import GatedMLP, RMSNorm, activation
+from engine.layers.kda import KimiDeltaAttention
+from engine.layers.mla import GatedMLA
+from engine.layers.moe import LatentMoE
+from engine.runtime import RuntimeOptions
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions,
+                 expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.eps = c.rms_norm_eps
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.block_size = c.attn_res_block_size
+        if self.block_size is not None:
+            self.self_attention_res_norm = ResNorm(c.hidden_size)
+            self.self_attention_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+            self.mlp_res_norm = ResNorm(c.hidden_size)
+            self.mlp_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+        if c.is_kda_layer(layer_idx):
+            self.self_attn: nn.Module = KimiDeltaAttention(c, layer_idx, runtime)
+        else:
+            self.self_attn = GatedMLA(c, layer_idx, runtime)
+        self.is_moe = c.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(c, runtime, expert_ids)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, activation(c))
+
+    def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int) -> torch.Tensor:
+        if isinstance(self.self_attn, KimiDeltaAttention):
+            return self.self_attn(x, state)
+        return self.self_attn(x, state, start)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+    def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0) -> torch.Tensor:
+        """One layer. Returns the new prefix sum; appends to `blocks` at block starts (K3)."""
+        if self.block_size is None:
+            h = prefix + self.mixer(self.input_layernorm(prefix), state, start)
+            return h + self.ffn(self.post_attention_layernorm(h))
+        h = attn_res(prefix, blocks, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight,
+                     self.eps) if blocks else prefix
+        if self.layer_idx % self.block_size == 0:
+            blocks.append(prefix)
+            prefix = torch.zeros_like(prefix)
+        prefix = prefix + self.mixer(self.input_layernorm(h), state, start)
+        m = attn_res(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps)
+        return prefix + self.ffn(self.post_attention_layernorm(m))
+
+
+class KimiModel(nn.Module):
+    """`model.*`: embeddings, decoder layers, final norm (and the output AttnRes mix)."""
+
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, runtime, expert_ids) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_res = c.attn_res_block_size is not None
+        self.eps = c.rms_norm_eps
+        if self.attn_res:
+            self.output_attn_res_norm = ResNorm(c.hidden_size)
+            self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
+                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden [B, T, hidden]."""
+        start = 0 if state is None else state.length
+        prefix = self.embed_tokens(input_ids)
+        blocks: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            prefix = layer(prefix, blocks, None if state is None else state.layers[i], start)
+            if layer_outputs is not None:
+                layer_outputs.append(prefix)
+        if self.attn_res:
+            prefix = attn_res(prefix, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                              self.eps)
+        return self.norm(prefix)
+
+
+class KimiForCausalLM(nn.Module):
+    """The text model. `forward(input_ids [B, T]) -> logits [B, T, vocab]`.
+
+    Attributes:
+        config: the parsed `ModelConfig`.
+        runtime: switches shared by all layers (`RuntimeOptions`).
+    """
+
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions | None = None,
+                 expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.runtime = runtime or RuntimeOptions()
+        self.model = KimiModel(config, self.runtime, expert_ids)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dim() != 2:
+            raise InputError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+            raise InputError(f"token ids {bad.unique()[:8].tolist()} are outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+
+    def forward(self, input_ids: torch.Tensor, state: ModelState | None = None, *, last_only: bool = False,
+                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Causal forward.
+
+        Args:
+            input_ids (torch.Tensor): `[B, T]` token ids.
+            state (ModelState, Optional): continue after `state.length` tokens; layers read and update
+                it, but `state.length` is left for the caller (the session) to advance.
+            last_only (bool): compute logits for the last position only (`[B, 1, vocab]`).
+            layer_outputs (list, Optional): receives each layer's output (the residual prefix).
+
+        Returns:
+            logits `[B, T, vocab]` (or `[B, 1, vocab]`).
+        """
+        self.check_input_ids(input_ids)
+        hidden = self.model(input_ids, state, layer_outputs)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.lm_head(hidden)

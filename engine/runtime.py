@@ -1,0 +1,25 @@
+"""Runtime switches: how to compute, never what the model is (that is `ModelConfig`).
+
+One `RuntimeOptions` object is shared by every layer of a model (`model.runtime`), so flipping a
+switch affects the next forward call. Nothing here changes the checkpoint or the config hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeOptions:
+    """Attributes:
+    dsa_force_dense: DSA layers read every past key (K3-style reads) instead of the indexer's
+        top-k; the indexer still runs so its selections can be compared.
+    mxfp8_activations: round routed-expert GEMM inputs through MXFP8 (training-time format).
+    kda_chunk_size: tokens per chunk of the chunked KDA form.
+    kda_recurrent_max_tokens: at or below this many new tokens KDA steps token by token.
+    """
+
+    dsa_force_dense: bool = False
+    mxfp8_activations: bool = False
+    kda_chunk_size: int = 64
+    kda_recurrent_max_tokens: int = 8

@@ -1,0 +1,163 @@
+"""Tokenizer: the Kimi tiktoken files, offline, and the chat format (spec section 9).
+
+Files (the real layout): `tiktoken.model` (one `base64(token) rank` line per base token) and
+`tokenizer_config.json` whose `added_tokens_decoder` names the special ids that follow the base
+vocabulary ([BOS], [EOS], <|end_of_msg|>, <|open|>, <|close|>, <|sep|>, media tokens, reserved).
+
+User text is always encoded with no special tokens allowed: a document containing `<|open|>` is
+tokenized as the characters `<`, `|`, `open`, ..., never as the control token, so it cannot inject
+chat structure. Only `chat_prompt` (built here in code, no templates) emits control tokens.
+
+`write_byte_level_tokenizer` writes the small byte-level tokenizer our random checkpoints ship
+(256 single-byte ranks + 256 specials) in the same file format.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tiktoken
+
+from engine.errors import CheckpointError, InputError
+
+# Kimi's pre-tokenization split (Han runs, cased words with contractions, 1-3 digit groups, ...)
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+NUM_SPECIAL = 256
+# offset from the first special id -> name (the real Kimi ids are 163584 + offset)
+SPECIAL_NAMES = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
+                 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>"}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+
+
+class Tokenizer:
+    """tiktoken encoding + named special ids + the chat format."""
+
+    def __init__(self, encoding: tiktoken.Encoding, special: dict[str, int]) -> None:
+        self.encoding = encoding
+        self.special = special
+        self.special_ids = set(special.values())
+        self.vocab_size = encoding.n_vocab
+        self.bos_id = special.get("[BOS]")
+        self.end_of_msg_id = special.get("<|end_of_msg|>")
+        self.open_id, self.close_id, self.sep_id = (special.get(n) for n in ("<|open|>", "<|close|>", "<|sep|>"))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Tokenizer":
+        """Read `tiktoken.model` + `tokenizer_config.json` from `directory` (no network)."""
+        d = Path(directory)
+        model_file, config_file = d / "tiktoken.model", d / "tokenizer_config.json"
+        if not model_file.exists():
+            raise CheckpointError(f"{model_file}: tokenizer file is missing")
+        ranks: dict[bytes, int] = {}
+        for lineno, line in enumerate(model_file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise CheckpointError(f"{model_file}:{lineno}: expected `base64-token rank`") from None
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise CheckpointError(f"{model_file}: ranks must be 0..{len(ranks) - 1} without gaps")
+        special: dict[str, int] = {}
+        if config_file.exists():
+            try:
+                decoder = json.loads(config_file.read_text()).get("added_tokens_decoder", {})
+                special = {v["content"]: int(k) for k, v in decoder.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CheckpointError(f"{config_file}: cannot read added_tokens_decoder ({exc})") from None
+        base, named = len(ranks), set(special.values())
+        for offset in range(NUM_SPECIAL):  # unnamed special ids still decode
+            if base + offset not in named:
+                special[f"<|reserved_token_{offset}|>"] = base + offset
+        below = sorted(i for i in special.values() if i < base)
+        if below:
+            raise CheckpointError(f"{config_file}: special token ids {below[:5]} collide with base ranks (< {base})")
+        encoding = tiktoken.Encoding(name=d.name or "kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        return cls(encoding, special)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids; special-token text is encoded literally (no injection)."""
+        return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(list(ids), errors="replace")
+
+    def piece(self, token_id: int) -> str:
+        """Display text of one token (special names verbatim, partial UTF-8 as replacement chars)."""
+        return self.encoding.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"token ids {bad[:8]} are outside the tokenizer's vocabulary [0, {self.vocab_size})")
+
+    def _tag(self, ids: list[int], opening: bool, name: str) -> None:
+        ids.append(self.open_id if opening else self.close_id)
+        ids.extend(self.encode(name))
+        ids.append(self.sep_id)
+
+    def chat_prompt(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the K3 chat format, built in code.
+
+        Each message: `<|open|>message role="R"<|sep|>{text}<|close|>message<|sep|><|end_of_msg|>`;
+        the generation prompt opens an assistant message and its `think` section.
+        """
+        if None in (self.open_id, self.close_id, self.sep_id, self.end_of_msg_id):
+            raise InputError("this tokenizer has no chat control tokens (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>)")
+        ids: list[int] = []
+        for m in messages:
+            if m.role not in ("system", "user", "assistant", "tool"):
+                raise InputError(f"unknown chat role {m.role!r}")
+            self._tag(ids, True, f'message role="{m.role}"')
+            ids.extend(self.encode(m.content))
+            self._tag(ids, False, "message")
+            ids.append(self.end_of_msg_id)  # type: ignore[arg-type]
+        if add_generation_prompt:
+            self._tag(ids, True, 'message role="assistant"')
+            self._tag(ids, True, "think")
+        return ids
+
+
+def write_byte_level_tokenizer(directory: str | Path, *, base_vocab: int = 256) -> None:
+    """Write a byte-level tokenizer (ranks 0..255 = single bytes) in the Kimi file format."""
+    if base_vocab != 256:
+        raise ValueError("the byte-level tokenizer has exactly 256 base tokens")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    (d / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    decoder = {}
+    for offset in range(NUM_SPECIAL):
+        name = SPECIAL_NAMES.get(offset, f"<|reserved_token_{offset}|>")
+        decoder[str(base_vocab + offset)] = {"content": name, "lstrip": False, "normalized": False,
+                                             "rstrip": False, "single_word": False, "special": True}
+    config = {
+        "added_tokens_decoder": decoder,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[EOS]",
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -1,0 +1,155 @@
+"""Sharded safetensors checkpoints: headers checked before any data is touched, tensors mmapped.
+
+`CheckpointFiles.open(dir)` reads `model.safetensors.index.json` (or a lone `model.safetensors`),
+parses every shard's header itself and checks it against the file size, so a truncated or missing
+shard is reported by name instead of failing deep inside a reader. Tensor data is read lazily
+through memory maps (`safetensors.safe_open`): only what is asked for is paged in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_HEADER = 512 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check one shard's header. Raises CheckpointError naming the file on any defect."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{path}: truncated or not safetensors: header claims {header_len} bytes, "
+                                      f"file has {size}")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard file is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
+    data_size = size - 8 - header_len
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {entry!r}") from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        expected = numel * _ITEMSIZE.get(dtype, 0)
+        if dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
+        if end - begin != expected:
+            raise CheckpointError(f"{path}: tensor {name}: header says {end - begin} bytes for "
+                                  f"{dtype}{list(shape)} ({expected} expected)")
+        if end > data_size:
+            raise CheckpointError(f"{path}: truncated: tensor {name} needs bytes up to {end} of the data "
+                                  f"section but the file holds only {max(data_size, 0)}")
+        out[name] = TensorInfo(path, dtype, shape, expected)
+    return out
+
+
+class CheckpointFiles:
+    """All tensors of a (sharded) safetensors checkpoint, by name; data read on demand."""
+
+    def __init__(self, root: Path, tensors: dict[str, TensorInfo]) -> None:
+        self.root = root
+        self.tensors = tensors
+        self._handles: dict[Path, object] = {}
+
+    @classmethod
+    def open(cls, root: str | os.PathLike) -> "CheckpointFiles":
+        root = Path(root)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a checkpoint directory")
+        index_path = root / INDEX_FILE
+        tensors: dict[str, TensorInfo] = {}
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path}: corrupt index ({exc})") from None
+            by_file: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                by_file.setdefault(file, []).append(name)
+            for file, names in sorted(by_file.items()):
+                shard = root / file
+                if not shard.exists():
+                    raise CheckpointError(f"{shard}: shard file is missing (the index maps {len(names)} tensors "
+                                          f"to it, e.g. {names[0]})")
+                header = read_header(shard)
+                for name in names:
+                    if name not in header:
+                        raise CheckpointError(f"{shard}: tensor {name} is listed in {INDEX_FILE} but not in the shard")
+                    tensors[name] = header[name]
+                for name in header.keys() - set(names):
+                    tensors.setdefault(name, header[name])
+        else:
+            files = [root / SINGLE_FILE] if (root / SINGLE_FILE).exists() else sorted(root.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{root}: no {INDEX_FILE} and no *.safetensors files")
+            for shard in files:
+                tensors.update(read_header(shard))
+        return cls(root, tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor (memory-mapped; copy or convert before writing to it)."""
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            try:
+                handle = safe_open(str(info.file), framework="pt")
+            except Exception as exc:  # the library's own errors are not user-readable
+                raise CheckpointError(f"{info.file}: cannot open shard ({exc})") from None
+            self._handles[info.file] = handle
+        try:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise CheckpointError(f"{info.file}: tensor {name}: cannot read ({exc})") from None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())

@@ -1,0 +1,79 @@
+"""Write checkpoints in the exact real layout: config.json, sharded safetensors + index, tokenizer.
+
+Tensors are produced one shard at a time from a source (random weights by default), so writing
+needs memory for one shard, not the model. Shards are balanced by bytes; an expert's packed
+weight and its scale always land in the same shard (as in the real K3 files).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.config_io import config_to_hf
+from engine.errors import InputError
+from engine.tokenizer import NUM_SPECIAL, write_byte_level_tokenizer
+from engine.weights.names import TensorSpec, checkpoint_tensors
+from engine.weights.random_init import RandomSource, storage_dtype
+from engine.weights.safetensors_io import INDEX_FILE
+
+
+def _plan_shards(specs: list[TensorSpec], n_shards: int, float_dtype: torch.dtype) -> list[list[TensorSpec]]:
+    sizes = [s.numel * storage_dtype(s, float_dtype).itemsize for s in specs]
+    target = sum(sizes) / n_shards
+    shards: list[list[TensorSpec]] = [[]]
+    acc = 0.0
+    for i, (spec, size) in enumerate(zip(specs, sizes)):
+        pair_break = spec.kind == "scale"  # keep weight_packed + weight_scale together
+        if acc >= target and len(shards) < n_shards and not pair_break:
+            shards.append([])
+            acc = 0.0
+        shards[-1].append(spec)
+        acc += size
+    return shards
+
+
+def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0, shards: int = 2,
+                     float_dtype: torch.dtype = torch.bfloat16, source=None, tokenizer: bool = True,
+                     overwrite: bool = False) -> Path:
+    """Write a checkpoint of `config` (random weights from `seed` unless `source` is given).
+
+    Args:
+        shards: number of `model-XXXXX-of-YYYYY.safetensors` files.
+        float_dtype: storage dtype of float tensors (bf16 like the real checkpoint; A_log, dt_bias,
+            conv weights, o_norm and the router bias stay fp32).
+        tokenizer: also write the byte-level tokenizer files (when vocab = 256 bytes + 256 specials).
+        overwrite: replace an existing non-empty directory.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise InputError(f"{out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = source or RandomSource(config, seed, float_dtype)
+    specs = list(checkpoint_tensors(config))
+    plan = _plan_shards(specs, max(1, shards), float_dtype)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard_specs in enumerate(plan):
+        file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        tensors = {}
+        for spec in shard_specs:
+            t = source.get(spec).contiguous()
+            tensors[spec.name] = t
+            weight_map[spec.name] = file
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    hf = config_to_hf(config)
+    hf.setdefault("torch_dtype", str(float_dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer and config.vocab_size == 256 + NUM_SPECIAL:  # byte-level vocabulary
+        write_byte_level_tokenizer(out)
+    return out

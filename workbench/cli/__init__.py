@@ -1,0 +1,37 @@
+"""The `workbench` command line: one parser, subcommands registered by topic modules.
+
+User errors (`engine.errors.EngineError` and friends) print one line, `error: ...`, and exit 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from engine.errors import EngineError
+from workbench.cli import model_cmds
+
+COMMAND_MODULES = [model_cmds]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description="Kimi K3.1 inference engine and long-context "
+                                     "memory inspector")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

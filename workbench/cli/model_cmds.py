@@ -1,0 +1,162 @@
+"""Model commands: `checkpoint random`, `inspect`, `logits`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine import get_preset, load_config, load_model
+from engine.census import census, human, human_bytes
+from engine.config import ModelConfig
+from engine.errors import InputError
+from engine.presets import PRESETS
+from engine.weights.load import validate
+from engine.weights.safetensors_io import CheckpointFiles
+from engine.weights.write import write_checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    ck = sub.add_parser("checkpoint", help="create checkpoints")
+    ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
+    rnd = ck_sub.add_parser("random", help="write a random checkpoint in the real on-disk layout")
+    rnd.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    rnd.add_argument("--variant", default="k3.1", choices=["k3.1", "k3", "kimi-linear"])
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--out", required=True, type=Path)
+    rnd.add_argument("--shards", type=int, default=2)
+    rnd.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of float tensors")
+    rnd.add_argument("--overwrite", action="store_true")
+    rnd.set_defaults(func=cmd_checkpoint_random)
+
+    ins = sub.add_parser("inspect", help="config summary, parameter counts, bytes, tensor validation")
+    ins.add_argument("path", nargs="?", type=Path, help="checkpoint directory")
+    ins.add_argument("--preset", choices=sorted(PRESETS))
+    ins.add_argument("--variant", choices=["k3.1", "k3", "kimi-linear"])
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.set_defaults(func=cmd_inspect)
+
+    lg = sub.add_parser("logits", help="full causal forward of token id lists; write logits")
+    lg.add_argument("--model", required=True, help="checkpoint directory or preset:NAME[:VARIANT]")
+    lg.add_argument("--input-ids", required=True, type=Path, help="JSON list of token-id lists")
+    lg.add_argument("--out", required=True, type=Path, help="output .safetensors (logits.0, logits.1, ...)")
+    lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    lg.add_argument("--seed", type=int, default=0, help="weights seed for preset: models")
+    lg.add_argument("--dsa-dense", action="store_true", help="read every past key on DSA layers (K3-style)")
+    lg.set_defaults(func=cmd_logits)
+
+
+def cmd_checkpoint_random(args: argparse.Namespace) -> int:
+    if args.shards < 1:
+        raise InputError("--shards must be >= 1")
+    config = get_preset(args.preset, args.variant)
+    out = write_checkpoint(config, args.out, seed=args.seed, shards=args.shards, float_dtype=DTYPES[args.dtype],
+                           overwrite=args.overwrite)
+    print(f"wrote {config.variant} checkpoint of preset {args.preset!r} (seed {args.seed}) to {out}")
+    return 0
+
+
+def summarize(config: ModelConfig) -> dict:
+    c = config
+    kinds = [c.layer_kind(i) for i in range(c.num_hidden_layers)]
+    return {
+        "variant": c.variant,
+        "layers": c.num_hidden_layers,
+        "kda_layers": kinds.count("kda"),
+        "mla_layers": kinds.count("mla") + kinds.count("dsa"),
+        "dsa_layers": kinds.count("dsa"),
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "attention_heads": c.num_attention_heads,
+        "kda_heads": f"{c.kda_num_heads} x {c.kda_head_dim}",
+        "dsa": None if c.dsa is None else f"{c.dsa.n_heads} heads x {c.dsa.head_dim}, top-k {c.dsa.topk}",
+        "experts": f"{c.num_experts} routed (top {c.num_experts_per_token}) + {c.num_shared_experts} shared",
+        "expert_format": c.expert_format,
+        "latent_moe": c.routed_expert_hidden_size,
+        "attn_res_block_size": c.attn_res_block_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "config_hash": c.fingerprint(),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if (args.path is None) == (args.preset is None):
+        raise InputError("give a checkpoint directory or --preset NAME (exactly one)")
+    files = None
+    problems: list[str] = []
+    if args.preset:
+        config = get_preset(args.preset, args.variant)
+        source = f"preset {args.preset}" + (f" ({args.variant})" if args.variant else "")
+    else:
+        config = load_config(args.path)
+        files = CheckpointFiles.open(args.path)
+        problems = validate(config, files)
+        source = str(args.path)
+    counts = census(config, files)
+    report = {
+        "source": source,
+        "config": summarize(config),
+        "parameters": {"total": counts.total, "active_per_token": counts.active, "vision": counts.vision,
+                       "by_component": dict(counts.by_component)},
+        "bytes_by_dtype": dict(counts.bytes_by_dtype),
+        "total_bytes": counts.total_bytes,
+        "validation": {"checked": files is not None, "problems": problems},
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"source: {source}")
+        for k, v in report["config"].items():
+            print(f"  {k:24s} {v}")
+        print(f"parameters: {human(counts.total)} total, {human(counts.active)} active per token"
+              + (f", vision {human(counts.vision)}" if counts.vision else ""))
+        for comp, n in sorted(counts.by_component.items(), key=lambda kv: -kv[1]):
+            print(f"  {comp:24s} {human(n)}")
+        print(f"bytes: {human_bytes(counts.total_bytes)}")
+        for dt, n in sorted(counts.bytes_by_dtype.items(), key=lambda kv: -kv[1]):
+            print(f"  {dt:24s} {human_bytes(n)}")
+        if files is not None:
+            if problems:
+                print(f"validation: {len(problems)} problems")
+                for p in problems:
+                    print(f"  - {p}")
+            else:
+                print(f"validation: ok ({len(files.tensors)} tensors match config.json)")
+    return 1 if problems else 0
+
+
+def read_id_lists(path: Path) -> list[list[int]]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if (not isinstance(data, list) or not data
+            or not all(isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
+                       for s in data)):
+        raise InputError(f"{path}: expected a non-empty JSON list of non-empty lists of integer token ids")
+    return data
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    sequences = read_id_lists(args.input_ids)
+    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+    model.runtime.dsa_force_dense = args.dsa_dense
+    out: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for i, seq in enumerate(sequences):
+            if len(seq) > model.config.max_position_embeddings:
+                raise InputError(f"sequence {i} has {len(seq)} tokens; the model's limit is "
+                                 f"{model.config.max_position_embeddings}")
+            ids = torch.tensor([seq], dtype=torch.long)
+            out[f"logits.{i}"] = model(ids)[0].float().contiguous()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(args.out), metadata={"model": str(args.model), "config_hash": model.config.fingerprint()})
+    print(f"wrote {len(out)} logits tensors to {args.out}")
+    return 0
