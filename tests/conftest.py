@@ -1,0 +1,40 @@
+"""Shared fixtures: small random checkpoints in the real on-disk layout, written once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# keep CPU tests deterministic and light on the 2-core CI machine
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.manual_seed(42)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - e|| / ||e|| in float64 (the house metric for numerical oracles)."""
+    a, e = actual.double(), expected.double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: `checkpoint_dir("tiny", "k3.1", seed=0, dtype=torch.float32)` -> Path (cached)."""
+    from engine.presets import get_preset
+    from engine.weights.write import write_checkpoint
+
+    cache: dict[tuple, Path] = {}
+
+    def make(preset: str = "tiny", variant: str = "k3.1", seed: int = 0, dtype: torch.dtype = torch.float32,
+             shards: int = 2) -> Path:
+        key = (preset, variant, seed, dtype, shards)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{preset}-{variant}-{seed}")
+            write_checkpoint(get_preset(preset, variant), out, seed=seed, shards=shards, float_dtype=dtype,
+                             overwrite=True)
+            cache[key] = out
+        return cache[key]
+
+    return make
