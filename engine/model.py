@@ -25,6 +25,7 @@ from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import GatedMLA
 from engine.layers.moe import LatentMoE
+from engine.probes import ProbeContext
 from engine.runtime import RuntimeOptions
 
 
@@ -120,6 +121,7 @@ class KimiForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.runtime = runtime or RuntimeOptions()
+        self.probe_context = ProbeContext()  # set by the session around each forward call
         self.model = KimiModel(config, self.runtime, expert_ids)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

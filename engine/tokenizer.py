@@ -96,6 +96,25 @@ class Tokenizer:
                                      special_tokens=special)
         return cls(encoding, special)
 
+    @classmethod
+    def byte_level(cls) -> "Tokenizer":
+        """The byte-level tokenizer of our random checkpoints, built in memory (same as the files)."""
+        ranks = {bytes([b]): b for b in range(256)}
+        special = {SPECIAL_NAMES.get(o, f"<|reserved_token_{o}|>"): 256 + o for o in range(NUM_SPECIAL)}
+        return cls(tiktoken.Encoding(name="byte-level", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                     special_tokens=special), special)
+
+    @classmethod
+    def for_model(cls, path: str | Path, vocab_size: int) -> "Tokenizer | None":
+        """The tokenizer that goes with a model: its directory's files, or byte-level for a preset
+        whose vocabulary is 256 bytes + 256 specials; None when there is none."""
+        d = Path(path)
+        if d.is_dir() and (d / "tiktoken.model").exists():
+            return cls.load(d)
+        if vocab_size == 256 + NUM_SPECIAL:
+            return cls.byte_level()
+        return None
+
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids; special-token text is encoded literally (no injection)."""
         return self.encoding.encode(text, allowed_special=set(), disallowed_special=())

@@ -9,6 +9,12 @@ blocks; a block's scores are merged into the running top-k, so the largest tenso
 A query with fewer than `topk` visible keys keeps all of them; unused slots hold index -1 and
 score -inf. Indices come back sorted by position (ascending), which recorders and the gather in
 sparse attention both like.
+
+Ties are common (relu makes every key whose head logits are all negative score exactly 0), and
+an arbitrary tie-break would make the selection depend on how keys were blocked: chunked prefill
+would then disagree with the full forward. So selection ranks by the exact pair (score, -position):
+among equal scores the earlier key wins, whatever the blocking. The pair is packed into one int64
+(order-preserving bits of the fp32 score above, the inverted position below) and top-k runs on it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.T
     scale = q.shape[-1] ** -0.5
     logits = torch.einsum("bqhd,bkd->bqhk", q.float(), k.float()) * scale
     return torch.einsum("bqhk,bqh->bqk", logits.relu_(), w.float())
+
+
+def _rank_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """fp32 scores [..., n] and key positions [n] -> int64 keys ordered by (score, -position)."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in the float
+    return (ordered << 32) | (0xFFFFFFFF - positions)
 
 
 def indexer_topk(
@@ -74,6 +87,7 @@ def indexer_topk(
         pos = q_pos[q0:q1]
         last = int(pos.max()) + 1  # keys beyond the last query position are never visible
         run_score = torch.full((B, q1 - q0, 0), float("-inf"), device=q.device)
+        run_rank = torch.empty((B, q1 - q0, 0), dtype=torch.long, device=q.device)
         run_idx = torch.empty((B, q1 - q0, 0), dtype=torch.long, device=q.device)
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
@@ -82,10 +96,11 @@ def indexer_topk(
             s = s.masked_fill(~visible, float("-inf"))
             idx = key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)
             run_score = torch.cat((run_score, s), dim=-1)
+            run_rank = torch.cat((run_rank, _rank_keys(s, key_pos[k0:k1])), dim=-1)
             run_idx = torch.cat((run_idx, idx), dim=-1)
             if run_score.shape[-1] > topk:
-                run_score, sel = run_score.topk(topk, dim=-1)
-                run_idx = run_idx.gather(-1, sel)
+                sel = run_rank.topk(topk, dim=-1).indices
+                run_score, run_rank, run_idx = (t.gather(-1, sel) for t in (run_score, run_rank, run_idx))
         n = run_score.shape[-1]
         run_idx = run_idx.masked_fill(run_score == float("-inf"), -1)
         # ascending positions, empty slots (-1) last

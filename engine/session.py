@@ -1,0 +1,294 @@
+"""Sessions: a growing context (documents, chat turns) with chunked prefill and streaming decode.
+
+The session owns the per-sequence state (`engine.cache.ModelState`) and is the only place that
+moves positions forward. Consistency law: logits from chunked prefill + one-token decode equal the
+full causal forward's logits at every position.
+
+    session = Session(model, tokenizer)
+    session.append(document_text, name="report.txt")        # raw text segment
+    session.append("What is the planted fact?", role="user")  # chat message
+    for tok in session.generate(max_new_tokens=64, temperature=0):
+        print(tok.text, end="")
+    session.save("snap/")                                    # safetensors + JSON
+    again = Session.load("snap/", model, tokenizer)          # continues identically
+
+Observers (`session.observers`) receive `(event, payload)` for progress and tokens, so the CLI,
+recorders and the dashboard follow a session without the session knowing them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from engine.cache import KDAState, ModelState
+from engine.deployment import DeploymentRecord
+from engine.errors import InputError
+from engine.model import KimiForCausalLM
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.tokenizer import Message, Tokenizer
+
+Observer = Callable[[str, dict], None]
+PROGRESS_MIN_TOKENS = 8192
+
+
+@dataclass
+class Segment:
+    """A labelled token range of the context: a document, a chat turn, generated text or an image."""
+
+    id: int
+    kind: str  # "document" | "turn" | "generated" | "image"
+    name: str
+    start: int
+    end: int
+    role: str | None = None
+    modality: str = "text"
+
+
+@dataclass
+class GeneratedToken:
+    id: int
+    text: str
+    position: int
+    logprob: float
+
+
+class Session:
+    """One sequence: its tokens, segments, model state, sampler and deployment record."""
+
+    def __init__(self, model: KimiForCausalLM, tokenizer: Tokenizer | None = None, *, prefill_chunk: int = 2048,
+                 model_name: str = "", progress: bool | None = None) -> None:
+        if prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.prefill_chunk = prefill_chunk
+        self.progress = progress
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.state = ModelState.empty(self.config, 1, dtype=self.dtype, device=self.device)
+        self.tokens: list[int] = []
+        self.segments: list[Segment] = []
+        self.last_logits: torch.Tensor | None = None  # [V] fp32 after the last consumed token
+        self.step = 0  # forward calls so far (prefill chunks and decode steps)
+        self.sampling = SamplingParams()
+        self.generator = make_generator(None)
+        self.observers: list[Observer] = []
+        self._stop = False
+        self.record = DeploymentRecord(model=model_name or "unnamed", config_hash=self.config.fingerprint(),
+                                       variant=self.config.variant, precision=str(self.dtype).removeprefix("torch."),
+                                       device=str(self.device))
+
+    # ---- context ----------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens already consumed into the state."""
+        return self.state.length
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.state.length
+
+    def _emit(self, event: str, **payload) -> None:
+        for observer in self.observers:
+            observer(event, payload)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("this session has no tokenizer: append token ids (ids=...) instead of text")
+        return self.tokenizer.encode(text)
+
+    def append(self, text: str | None = None, *, role: str | None = None, ids: Sequence[int] | None = None,
+               name: str | None = None, kind: str | None = None) -> Segment:
+        """Add a segment to the context (not yet run through the model; see `prefill`).
+
+        Args:
+            text: plain text, encoded with no special tokens allowed (no chat-structure injection).
+            role: make it a chat message (`user`, `system`, `assistant`, `tool`) in the K3 format.
+            ids: token ids instead of text.
+            name: label shown by the inspector (a file name, "question", ...).
+            kind: segment kind (default: "turn" for chat messages, "document" otherwise).
+        """
+        if (text is None) == (ids is None):
+            raise InputError("append needs exactly one of text= or ids=")
+        if text is not None:
+            if not text:
+                raise InputError("empty text: nothing to append")
+            if role is not None:
+                if self.tokenizer is None:
+                    raise InputError("chat messages need a tokenizer")
+                new = self.tokenizer.chat_prompt([Message(role, text)], add_generation_prompt=False)
+            else:
+                new = self._encode(text)
+        else:
+            new = [int(i) for i in ids]  # type: ignore[union-attr]
+            if not new:
+                raise InputError("empty token list: nothing to append")
+        self.model.check_input_ids(torch.tensor([new]))
+        limit = self.config.max_position_embeddings
+        if len(self.tokens) + len(new) > limit:
+            raise InputError(f"context would hold {len(self.tokens) + len(new)} tokens; the model's limit is {limit}")
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        seg = Segment(id=len(self.segments), kind=kind or ("turn" if role else "document"),
+                      name=name or (role or f"segment {len(self.segments)}"), start=start, end=len(self.tokens),
+                      role=role)
+        self.segments.append(seg)
+        self._emit("segment", segment=seg)
+        return seg
+
+    # ---- running the model ------------------------------------------------------------------
+    def _forward(self, ids: list[int], phase: str, all_logits: bool) -> torch.Tensor:
+        """Run `ids` at positions [length, length + n); returns logits [n or 1, V] fp32."""
+        kda = [s for s in self.state.layers if isinstance(s, KDAState)]
+        saved = [(s.recurrent, s.conv) for s in kda]  # layers rebind, never mutate: cheap rollback
+        self.model.probe_context.begin(step=self.step, phase=phase, start=self.state.length, count=len(ids))
+        try:
+            with torch.inference_mode():
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                logits = self.model(x, self.state, last_only=not all_logits)[0].float()
+        except BaseException:
+            for s, (rec, conv) in zip(kda, saved):
+                s.recurrent, s.conv = rec, conv
+            raise
+        finally:
+            self.model.probe_context.end()
+        self.state.length += len(ids)
+        self.step += 1
+        self.last_logits = logits[-1]
+        return logits
+
+    def prefill(self, *, return_logits: bool = False) -> torch.Tensor | None:
+        """Consume every pending token, `prefill_chunk` at a time (bounded memory at any length).
+
+        Returns the logits [pending, V] when `return_logits`, else the last position's [V]
+        (None when nothing was pending and nothing was ever run).
+        """
+        total = self.pending
+        if total == 0:
+            return None if return_logits else self.last_logits
+        collected = []
+        show = self.progress if self.progress is not None else total >= PROGRESS_MIN_TOKENS
+        bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, disable=not show, smoothing=0.1)
+        started = time.perf_counter()
+        done = 0
+        with bar:
+            while self.pending:
+                if self._stop:
+                    break
+                chunk = self.tokens[self.state.length: self.state.length + self.prefill_chunk]
+                logits = self._forward(chunk, "prefill", return_logits)
+                if return_logits:
+                    collected.append(logits)
+                done += len(chunk)
+                bar.update(len(chunk))
+                elapsed = time.perf_counter() - started
+                self._emit("prefill_progress", done=done, total=total, elapsed=elapsed)
+        self.record.note_prefill(done, time.perf_counter() - started)
+        return torch.cat(collected) if return_logits else self.last_logits
+
+    def feed(self, ids: Sequence[int], *, name: str = "forced") -> torch.Tensor:
+        """Append `ids` and run them now (teacher forcing); returns their logits [n, V]."""
+        self.prefill()
+        self.append(ids=ids, name=name, kind="document")
+        return self.prefill(return_logits=True)  # type: ignore[return-value]
+
+    def request_stop(self) -> None:
+        """Ask a running prefill/generate (in another thread) to stop after the current step."""
+        self._stop = True
+
+    def generate(self, max_new_tokens: int | None = None, *, params: SamplingParams | None = None,
+                 add_generation_prompt: bool | None = None, **overrides) -> Iterator[GeneratedToken]:
+        """Stream sampled tokens.
+
+        Pending context is prefilled first (TTFT includes it). Stops at `max_new_tokens`, on a stop
+        id (the model's end-of-message token plus `params.stop_ids`; the stop token is yielded), at
+        the context limit, or on `request_stop()`. `max_new_tokens=0` only prefills.
+
+        Args:
+            params: full sampling parameters (default: the session's, i.e. the model card's).
+            add_generation_prompt: open an assistant turn first; default: when the last segment is a
+                chat message from someone other than the assistant.
+            overrides: individual SamplingParams fields (temperature=0, seed=1, ...).
+        """
+        base = params or self.sampling
+        if max_new_tokens is not None:
+            overrides["max_new_tokens"] = max_new_tokens
+        p = SamplingParams(**{**asdict(base), **overrides}) if overrides else base
+        if p is not self.sampling or p.seed is not None:
+            self.sampling = p
+            self.generator = make_generator(p.seed)
+        if not self.tokens:
+            raise InputError("the session is empty: append a prompt first")
+        last = self.segments[-1] if self.segments else None
+        if add_generation_prompt is None:
+            add_generation_prompt = last is not None and last.kind == "turn" and last.role not in (None, "assistant")
+        if add_generation_prompt:
+            if self.tokenizer is None:
+                raise InputError("a generation prompt needs a tokenizer")
+            prompt = self.tokenizer.chat_prompt([], add_generation_prompt=True)
+            self.append(ids=prompt, name="assistant", kind="turn", role="assistant")
+        self._stop = False
+        requested = time.perf_counter()
+        self.prefill()
+        stops = set(p.stop_ids)
+        if self.config.eos_token_id is not None:
+            stops.add(self.config.eos_token_id)
+        if p.max_new_tokens == 0:
+            return
+        seg = Segment(id=len(self.segments), kind="generated", name="generated", start=len(self.tokens),
+                      end=len(self.tokens), role="assistant")
+        self.segments.append(seg)
+        for i in range(p.max_new_tokens):
+            if self._stop or len(self.tokens) >= self.config.max_position_embeddings:
+                break
+            assert self.last_logits is not None
+            token = sample(self.last_logits, p, self.generator)
+            logprob = float(torch.log_softmax(self.last_logits, -1)[token])
+            position = len(self.tokens)
+            self.tokens.append(token)
+            seg.end = len(self.tokens)
+            if i == 0:
+                self.record.note_first_token(time.perf_counter() - requested)
+            self.record.note_output_token()
+            text = self.tokenizer.piece(token) if self.tokenizer else ""
+            out = GeneratedToken(token, text, position, logprob)
+            self._emit("token", token=out)
+            yield out
+            if token in stops or i + 1 == p.max_new_tokens:
+                break
+            t0 = time.perf_counter()
+            self._forward([token], "decode", False)
+            self.record.note_decode_step(time.perf_counter() - t0)
+
+    def text(self, start: int = 0, end: int | None = None) -> str:
+        if self.tokenizer is None:
+            raise InputError("this session has no tokenizer")
+        return self.tokenizer.decode(self.tokens[start:end])
+
+    # ---- branching and snapshots --------------------------------------------------------------
+    def fork(self) -> "Session":
+        """An independent copy (same model) that continues from exactly this point."""
+        from engine.snapshot import clone_session
+
+        return clone_session(self)
+
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        from engine.snapshot import save_session
+
+        return save_session(self, Path(path), overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str | Path, model: KimiForCausalLM, tokenizer: Tokenizer | None = None, *,
+             expect_tokens: Sequence[int] | None = None, **kwargs) -> "Session":
+        """Restore a snapshot; refuses a different model, or `expect_tokens` other than its prefix."""
+        from engine.snapshot import load_session
+
+        return load_session(cls, Path(path), model, tokenizer, expect_tokens=expect_tokens, **kwargs)

@@ -1,0 +1,94 @@
+"""`workbench run`: a scripted session that streams generated text to stdout.
+
+Progress of long prefills (tokens done, tokens/s, ETA) and the deployment record go to stderr, so
+stdout carries only the generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import sys
+from pathlib import Path
+
+from engine import load_model
+from engine.errors import InputError
+from engine.sampling import SamplingParams
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from workbench.cli.model_cmds import DTYPES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a session: prefill a prompt and stream generated tokens")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset:NAME[:VARIANT]")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (model card default 1.0)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed = same tokens)")
+    p.add_argument("--weights-seed", type=int, default=0, help="weights seed for preset: models")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill step (bounds memory)")
+    p.add_argument("--save", type=Path, help="save a snapshot of the session here afterwards")
+    p.add_argument("--load", type=Path, help="continue a saved snapshot (the prompt, if any, is appended)")
+    p.add_argument("--overwrite", action="store_true", help="allow --save to replace an existing snapshot")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
+    p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
+    p.set_defaults(func=cmd_run)
+
+
+def read_prompt(args: argparse.Namespace) -> str | None:
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InputError(f"{args.prompt_file}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{args.prompt_file}: not UTF-8 text ({exc})") from None
+    return args.prompt
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    if prompt is None and args.load is None:
+        raise InputError("give --prompt TEXT or --prompt-file FILE (or --load SNAPSHOT)")
+    if prompt is not None and not prompt:
+        raise InputError("the prompt is empty")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens)
+    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed)
+    tokenizer = Tokenizer.for_model(args.model, model.config.vocab_size)
+    if tokenizer is None:
+        raise InputError(f"{args.model}: no tokenizer files (tiktoken.model) found next to the model")
+    kwargs = dict(prefill_chunk=args.prefill_chunk, model_name=str(args.model), progress=args.progress)
+    if args.load is not None:
+        session = Session.load(args.load, model, tokenizer, **kwargs)
+    else:
+        session = Session(model, tokenizer, **kwargs)
+    if prompt is not None:
+        session.append(prompt, role="user" if args.chat else None, name="prompt")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = sys.stdout
+    for token in session.generate(params=params):
+        out.write(decoder.decode(tokenizer.encoding.decode_single_token_bytes(token.id)))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    if args.save is not None:
+        session.save(args.save, overwrite=args.overwrite)
+        print(f"saved snapshot to {args.save}", file=sys.stderr)
+    rec = session.record
+    if args.stats:
+        print(json.dumps(rec.to_json(), indent=1), file=sys.stderr)
+    else:
+        tps = f"{rec.tokens_per_s:.1f} tok/s" if rec.tokens_per_s else "n/a"
+        ttft = f"{rec.ttft_s:.3f}s" if rec.ttft_s is not None else "n/a"
+        print(f"[{rec.prompt_tokens} prompt + {rec.output_tokens} generated tokens; TTFT {ttft}; decode {tps}; "
+              f"peak RSS {rec.peak_memory_bytes / 2**20:.0f} MiB]", file=sys.stderr)
+    return 0
