@@ -42,8 +42,10 @@ def _component(spec: TensorSpec, config: ModelConfig) -> str:
     return "norms_and_attn_res"
 
 
-def _params(spec: TensorSpec) -> int:
-    """Logical parameters (an MXFP4 byte holds two; scales are not parameters)."""
+def _params(spec: TensorSpec, config: ModelConfig) -> int:
+    """Logical parameters (an MXFP4 byte holds two; scales and A_log's padding are not parameters)."""
+    if spec.init == "a_log":
+        return config.kda_num_heads
     if spec.kind == "packed":
         return spec.numel * 2
     if spec.kind == "scale":
@@ -70,7 +72,7 @@ def census(config: ModelConfig, files: CheckpointFiles | None = None,
     out = Census()
     expert_fraction = config.num_experts_per_token / config.num_experts if config.num_experts else 0.0
     for spec in checkpoint_tensors(config):
-        n = _params(spec)
+        n = _params(spec, config)
         comp = _component(spec, config)
         out.by_component[comp] += n
         if comp == "vision":

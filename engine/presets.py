@@ -5,6 +5,8 @@
 - `demo`: the same architecture sized so a 128K-token session runs on 2 CPU cores; DSA top-k is
   256 so sparsity shows at demo lengths.
 - `tiny`: the smallest config that still exercises every layer kind (tests, notebooks).
+- `tiny-tp`: `tiny` with 8 KDA and 8 MLA heads, 16 experts and a 512-token vocabulary, so it
+  splits over 1, 2, 4 or 8 ranks (tensor/expert-parallel tests).
 
 `make_variant(config, "k3" | "kimi-linear")` derives the K3 (no indexer) and plain Kimi-Linear
 layouts from any preset, so every test size exists in all three on-disk formats.
@@ -79,7 +81,15 @@ def tiny() -> ModelConfig:
                       attn_res=2, max_pos=65536, expert_format="mxfp4", vision=None)
 
 
-PRESETS = {"k3.1-pro": k31_pro, "demo": demo, "tiny": tiny}
+def tiny_tp() -> ModelConfig:
+    """`tiny` with every split divisible by 8 (heads, vocabulary, widths, experts): parallel tests."""
+    return _k3_family(vocab_base=256, hidden=64, n_layers=6, full_attn_every=3, heads=8, q_lora=32,
+                      kv_lora=32, nope=8, rope=8, v_dim=8, kda_heads=8, kda_dim=8, idx_heads=2, idx_dim=16,
+                      topk=16, experts=16, top_k=4, shared=1, moe_inter=32, latent=32, dense_inter=96,
+                      attn_res=2, max_pos=65536, expert_format="mxfp4", vision=None)
+
+
+PRESETS = {"k3.1-pro": k31_pro, "demo": demo, "tiny": tiny, "tiny-tp": tiny_tp}
 
 
 def make_variant(config: ModelConfig, variant: Variant) -> ModelConfig:
@@ -95,7 +105,7 @@ def make_variant(config: ModelConfig, variant: Variant) -> ModelConfig:
             variant="kimi-linear", dsa=None, kda_full_rank_gate=False, kda_gate_lower_bound=None,
             hidden_act="silu", attn_res_block_size=None, routed_expert_hidden_size=None,
             latent_moe_use_norm=False, routed_scaling_factor=2.446, mla_use_output_gate=False,
-            expert_format="dense", weight_prefix="", vision=None,
+            expert_format="dense", weight_prefix="", vision=None, media_placeholder_token_id=None,
         )
     raise ConfigError(f"unknown variant {variant!r}; choose k3.1, k3 or kimi-linear")
 

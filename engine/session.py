@@ -82,6 +82,7 @@ class Session:
         self.generator = make_generator(None)
         self.observers: list[Observer] = []
         self._stop = False
+        self.previous_records: list[dict] = []  # records of earlier runs this session was restored from
         self.record = DeploymentRecord(model=model_name or "unnamed", config_hash=self.config.fingerprint(),
                                        variant=self.config.variant, precision=str(self.dtype).removeprefix("torch."),
                                        device=str(self.device))

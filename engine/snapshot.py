@@ -26,7 +26,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from engine.cache import KDAState, MLACache, ModelState
-from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.sampling import SamplingParams
 
@@ -187,7 +186,8 @@ def load_session(cls: type, path: Path, model: "KimiForCausalLM", tokenizer: "To
         session.generator.set_state(tensors["generator"])
     if "last_logits" in tensors:
         session.last_logits = tensors["last_logits"].to(device)
-    session.record = DeploymentRecord.from_json(meta.get("record", {})) if meta.get("record") else session.record
+    # the record describes a run (this process, this hardware): a restored session starts a new one
+    session.previous_records = [meta["record"]] if meta.get("record") else []
     return session
 
 

@@ -1,0 +1,60 @@
+"""The `workbench` command line end to end (in-process `main`, plus one real `python -m workbench`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from engine import load_model
+from workbench.cli import main
+
+
+def test_inspect_k31_pro_reports_true_sizes(capsys):
+    assert main(["inspect", "--preset", "k3.1-pro"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 2.78T total, 104.37B active per token" in out
+    assert "1.56 TB" in out and "dsa" in out
+
+
+def test_checkpoint_random_inspect_and_logits(tmp_path, capsys):
+    ckpt = tmp_path / "ck"
+    assert main(["checkpoint", "random", "--preset", "tiny", "--variant", "k3", "--seed", "5", "--out", str(ckpt),
+                 "--dtype", "float32"]) == 0
+    assert main(["checkpoint", "random", "--preset", "tiny", "--out", str(ckpt)]) == 2  # never overwrites silently
+    capsys.readouterr()
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["validation"] == {"checked": True, "problems": []}
+    assert report["config"]["variant"] == "k3" and report["config"]["dsa_layers"] == 0
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7], [300, 20]]))
+    out = tmp_path / "logits.safetensors"
+    assert main(["logits", "--model", str(ckpt), "--input-ids", str(ids), "--out", str(out)]) == 0
+    logits = load_file(str(out))
+    assert logits["logits.0"].shape == (7, 512) and logits["logits.1"].shape == (2, 512)
+    expected = load_model(ckpt)(torch.tensor([[300, 20]]))[0]
+    assert torch.equal(logits["logits.1"], expected)
+
+
+def test_run_streams_text_and_saves_a_snapshot(tmp_path, capsys):
+    snap = tmp_path / "snap"
+    argv = ["run", "--model", "preset:tiny", "--prompt", "Hello", "--chat", "--max-new-tokens", "6",
+            "--temperature", "0", "--save", str(snap)]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "prompt +" in first.err and (snap / "snapshot.json").exists()
+    assert main(["run", "--model", "preset:tiny", "--load", str(snap), "--max-new-tokens", "3", "--stats"]) == 0
+    stats = capsys.readouterr().err
+    assert '"output_tokens": 3' in stats and '"ttft_s"' in stats
+    assert main(["run", "--model", "preset:tiny", "--prompt", ""]) == 2
+    assert main(["run", "--model", "preset:tiny:k3", "--load", str(snap)]) == 2  # foreign snapshot
+
+
+def test_python_dash_m_workbench():
+    result = subprocess.run([sys.executable, "-m", "workbench", "inspect", "--preset", "tiny"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "parameters:" in result.stdout
