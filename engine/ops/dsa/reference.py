@@ -12,9 +12,8 @@ sparse attention both like.
 
 Ties are common (relu makes every key whose head logits are all negative score exactly 0), and
 an arbitrary tie-break would make the selection depend on how keys were blocked: chunked prefill
-would then disagree with the full forward. So selection ranks by the exact pair (score, -position):
-among equal scores the earlier key wins, whatever the blocking. The pair is packed into one int64
-(order-preserving bits of the fp32 score above, the inverted position below) and top-k runs on it.
+would then disagree with the full forward. So selection is exact and deterministic: the keys with
+the largest scores, and among keys tied at the k-th score the earliest ones, whatever the blocking.
 """
 
 from __future__ import annotations
@@ -26,9 +25,38 @@ _SCORE_BUDGET = 16 * 1024 * 1024
 
 
 def _block_sizes(n_heads: int, topk: int, n_keys: int, q_block: int | None, key_block: int | None) -> tuple[int, int]:
-    kb = key_block or max(topk, min(n_keys, 8192))
-    qb = q_block or max(1, min(256, _SCORE_BUDGET // max(1, kb * n_heads)))
+    # wide key blocks: one selection per query over its whole context when it fits the budget
+    kb = key_block or max(1, min(n_keys, max(2 * topk, 65536)))
+    qb = q_block or max(1, min(1024, _SCORE_BUDGET // max(1, kb * (n_heads + 1))))
     return qb, kb
+
+
+def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k best of each row: largest score, ties at the k-th score go to the earliest position.
+
+    Args:
+        scores: `[B, q, n]` fp32, -inf for invisible keys.
+        positions: `[n]` or `[B, q, n]` key positions, ascending along the last dim.
+
+    Returns:
+        scores and positions `[B, q, k]` in ascending position order (-inf entries remain when a
+        row has fewer than k visible keys; they are its latest positions).
+    """
+    positions = positions.expand_as(scores)
+    vals, sel = scores.topk(k, dim=-1, sorted=False)
+    kth = vals.amin(-1, keepdim=True)
+    # topk's choice among keys tied at the k-th score is arbitrary: redo the rows that have surplus ties
+    surplus = (scores >= kth).sum(-1) > k  # [B, q]
+    idx = positions.gather(-1, sel)
+    if bool(surplus.any()):
+        rows = surplus.nonzero(as_tuple=True)
+        s_rows, p_rows, t_rows = scores[rows], positions[rows], kth[rows]  # [r, n], [r, n], [r, 1]
+        above, tied = s_rows > t_rows, s_rows == t_rows
+        take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        vals[rows] = s_rows[take].view(-1, k)
+        idx[rows] = p_rows[take].view(-1, k)
+    order = idx.argsort(dim=-1)
+    return vals.gather(-1, order), idx.gather(-1, order)
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -45,13 +73,6 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.T
     scale = q.shape[-1] ** -0.5
     logits = torch.einsum("bqhd,bkd->bqhk", q.float(), k.float()) * scale
     return torch.einsum("bqhk,bqh->bqk", logits.relu_(), w.float())
-
-
-def _rank_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """fp32 scores [..., n] and key positions [n] -> int64 keys ordered by (score, -position)."""
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in the float
-    return (ordered << 32) | (0xFFFFFFFF - positions)
 
 
 def indexer_topk(
@@ -87,24 +108,19 @@ def indexer_topk(
         pos = q_pos[q0:q1]
         last = int(pos.max()) + 1  # keys beyond the last query position are never visible
         run_score = torch.full((B, q1 - q0, 0), float("-inf"), device=q.device)
-        run_rank = torch.empty((B, q1 - q0, 0), dtype=torch.long, device=q.device)
         run_idx = torch.empty((B, q1 - q0, 0), dtype=torch.long, device=q.device)
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
             s = indexer_scores(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
             visible = key_pos[k0:k1].unsqueeze(0) <= pos.unsqueeze(1)  # [qb, kb]
             s = s.masked_fill(~visible, float("-inf"))
-            idx = key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)
+            # running set first: its positions all precede this block's, so ties keep favouring earlier keys
             run_score = torch.cat((run_score, s), dim=-1)
-            run_rank = torch.cat((run_rank, _rank_keys(s, key_pos[k0:k1])), dim=-1)
-            run_idx = torch.cat((run_idx, idx), dim=-1)
+            run_idx = torch.cat((run_idx, key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)), dim=-1)
             if run_score.shape[-1] > topk:
-                sel = run_rank.topk(topk, dim=-1).indices
-                run_score, run_rank, run_idx = (t.gather(-1, sel) for t in (run_score, run_rank, run_idx))
+                run_score, run_idx = _select(run_score, run_idx, topk)
         n = run_score.shape[-1]
-        run_idx = run_idx.masked_fill(run_score == float("-inf"), -1)
-        # ascending positions, empty slots (-1) last
-        order = torch.where(run_idx < 0, torch.full_like(run_idx, Tk), run_idx).argsort(dim=-1)
-        out_idx[:, q0:q1, :n] = run_idx.gather(-1, order)
-        out_score[:, q0:q1, :n] = run_score.gather(-1, order)
+        # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
+        out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
+        out_score[:, q0:q1, :n] = run_score
     return out_idx, out_score
