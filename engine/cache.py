@@ -27,14 +27,17 @@ class KDAState:
     conv: torch.Tensor  # [B, 3 * H * K, kernel - 1] fp32: the last pre-conv q|k|v inputs
 
     @staticmethod
-    def shapes(config: ModelConfig, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        h, d = config.kda_num_heads, config.kda_head_dim
+    def shapes(config: ModelConfig, batch: int,
+               heads: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """`heads`: the heads this process holds (tensor parallelism shards them); default all."""
+        h, d = heads or config.kda_num_heads, config.kda_head_dim
         return {"recurrent": ((batch, h, d, d), torch.float32),
-                "conv": ((batch, 3 * config.kda_dim, config.conv_kernel_size - 1), torch.float32)}
+                "conv": ((batch, 3 * h * d, config.conv_kernel_size - 1), torch.float32)}
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, device: torch.device | str = "cpu") -> "KDAState":
-        s = cls.shapes(config, batch)
+    def zeros(cls, config: ModelConfig, batch: int, device: torch.device | str = "cpu",
+              heads: int | None = None) -> "KDAState":
+        s = cls.shapes(config, batch, heads)
         return cls(**{k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in s.items()})
 
 
@@ -108,11 +111,12 @@ class ModelState:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int = 1, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", capacity: int = 256) -> "ModelState":
+              device: torch.device | str = "cpu", capacity: int = 256, kda_heads: int | None = None) -> "ModelState":
+        """`kda_heads`: KDA heads per process under tensor parallelism (MLA caches are replicated)."""
         layers: list[LayerState] = []
         for i in range(config.num_hidden_layers):
             if config.is_kda_layer(i):
-                layers.append(KDAState.zeros(config, batch, device))
+                layers.append(KDAState.zeros(config, batch, device, kda_heads))
             else:
                 layers.append(MLACache.empty(config, i, batch, capacity, dtype, device))
         return cls(layers=layers)

@@ -25,16 +25,21 @@ from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import GatedMLA
 from engine.layers.moe import LatentMoE
+from engine.parallel import comm
+from engine.parallel.ep import expert_range
+from engine.parallel.mesh import SINGLE, ParallelContext, check_divisible
+from engine.parallel.tp import VocabParallelEmbedding
 from engine.probes import ProbeContext
 from engine.runtime import RuntimeOptions
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions,
-                 expert_ids: Sequence[int] | None = None) -> None:
+                 expert_ids: Sequence[int] | None = None, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.parallel = parallel
         self.eps = c.rms_norm_eps
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -45,14 +50,15 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = ResNorm(c.hidden_size)
             self.mlp_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
         if c.is_kda_layer(layer_idx):
-            self.self_attn: nn.Module = KimiDeltaAttention(c, layer_idx, runtime)
+            self.self_attn: nn.Module = KimiDeltaAttention(c, layer_idx, runtime, parallel)
         else:
-            self.self_attn = GatedMLA(c, layer_idx, runtime)
+            self.self_attn = GatedMLA(c, layer_idx, runtime, parallel)
         self.is_moe = c.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(c, runtime, expert_ids)
+            self.block_sparse_moe = LatentMoE(c, runtime, expert_ids, parallel)
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, activation(c))
+            # tensor parallel: this rank's slice of the width; down_proj is row-parallel
+            self.mlp = GatedMLP(c.hidden_size, parallel.split(c.intermediate_size), activation(c))
 
     def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int) -> torch.Tensor:
         if isinstance(self.self_attn, KimiDeltaAttention):
@@ -60,7 +66,9 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, state, start)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+        if self.is_moe:
+            return self.block_sparse_moe(x)
+        return comm.all_reduce(self.mlp(x), self.parallel, "mlp")
 
     def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0) -> torch.Tensor:
         """One layer. Returns the new prefix sum; appends to `blocks` at block starts (K3)."""
@@ -80,11 +88,13 @@ class DecoderLayer(nn.Module):
 class KimiModel(nn.Module):
     """`model.*`: embeddings, decoder layers, final norm (and the output AttnRes mix)."""
 
-    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, runtime, expert_ids) for i in range(c.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, runtime, expert_ids, parallel)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn_res = c.attn_res_block_size is not None
         self.eps = c.rms_norm_eps
@@ -114,16 +124,30 @@ class KimiForCausalLM(nn.Module):
     Attributes:
         config: the parsed `ModelConfig`.
         runtime: switches shared by all layers (`RuntimeOptions`).
+        parallel: this process's place in the tensor/expert-parallel layout (`ParallelContext`);
+            with world > 1 every rank holds its heads, widths, vocabulary rows and experts, and
+            `forward` returns the full logits on every rank.
     """
 
     def __init__(self, config: ModelConfig, runtime: RuntimeOptions | None = None,
-                 expert_ids: Sequence[int] | None = None) -> None:
+                 expert_ids: Sequence[int] | None = None, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        if parallel.world > 1:
+            check_divisible(config, parallel.world)
+            if expert_ids is None:
+                expert_ids = expert_range(config.num_experts, parallel.rank, parallel.world)
         self.config = config
         self.runtime = runtime or RuntimeOptions()
+        self.parallel = parallel
         self.probe_context = ProbeContext()  # set by the session around each forward call
-        self.model = KimiModel(config, self.runtime, expert_ids)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = KimiModel(config, self.runtime, expert_ids, parallel)
+        self.lm_head = nn.Linear(config.hidden_size, parallel.split(config.vocab_size), bias=False)
+
+    def empty_state(self, batch: int = 1, *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", capacity: int = 256) -> ModelState:
+        """Per-sequence state shaped for this process: its KDA heads under tensor parallelism."""
+        return ModelState.empty(self.config, batch, dtype=dtype, device=device, capacity=capacity,
+                                kda_heads=self.parallel.split(self.config.kda_num_heads))
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 2:
@@ -153,4 +177,4 @@ class KimiForCausalLM(nn.Module):
         hidden = self.model(input_ids, state, layer_outputs)
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(hidden)
+        return comm.all_gather(self.lm_head(hidden), self.parallel, dim=-1, tag="lm_head")

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from engine.cache import KDAState, ModelState
+from engine.cache import KDAState
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
@@ -73,7 +73,7 @@ class Session:
         self.progress = progress
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.state = ModelState.empty(self.config, 1, dtype=self.dtype, device=self.device)
+        self.state = model.empty_state(1, dtype=self.dtype, device=self.device)
         self.tokens: list[int] = []
         self.segments: list[Segment] = []
         self.last_logits: torch.Tensor | None = None  # [V] fp32 after the last consumed token

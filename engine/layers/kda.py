@@ -15,6 +15,8 @@ from engine.cache import KDAState
 from engine.config import ModelConfig
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.ops.kda.reference import kda_chunked, kda_recurrent
+from engine.parallel import comm
+from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.runtime import RuntimeOptions
 
 
@@ -37,10 +39,14 @@ class ShortConv(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        h, d, hd, nh = config.hidden_size, config.kda_dim, config.kda_head_dim, config.kda_num_heads
+        # tensor parallel: this rank's heads (their state lives here too); o_proj is row-parallel
+        hd, nh = config.kda_head_dim, parallel.split(config.kda_num_heads)
+        h, d = config.hidden_size, nh * hd
         self.layer_idx = layer_idx
+        self.parallel = parallel
         self.num_heads, self.head_dim = nh, hd
         self.lower_bound = config.kda_gate_lower_bound
         self.runtime = runtime
@@ -96,4 +102,4 @@ class KimiDeltaAttention(nn.Module):
             state.conv = torch.cat((q_tail, k_tail, v_tail), dim=1)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.to(x.dtype), gate.unflatten(-1, heads))  # [B, T, H, V]
-        return self.o_proj(o.flatten(-2))
+        return comm.all_reduce(self.o_proj(o.flatten(-2)), self.parallel, "attn.o_proj")

@@ -22,6 +22,8 @@ from engine.layers.common import RMSNorm
 from engine.layers.indexer import Indexer
 from engine.ops.dsa.reference import indexer_topk
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
+from engine.parallel import comm
+from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.runtime import RuntimeOptions
 
 
@@ -35,16 +37,20 @@ class Selection:
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, runtime: RuntimeOptions,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.runtime = runtime
-        self.num_heads = c.num_attention_heads
+        # tensor parallel: this rank's heads; the latent (shared by all heads), its cache and the
+        # indexer are replicated, so every rank selects the same top-k; o_proj is row-parallel
+        self.parallel = parallel
+        self.num_heads = parallel.split(c.num_attention_heads)
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.scale = c.qk_head_dim ** -0.5
-        h, nh = c.hidden_size, c.num_attention_heads
+        h, nh = c.hidden_size, self.num_heads
         self.q_lora_rank = c.q_lora_rank
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(h, nh * c.qk_head_dim, bias=False)
@@ -102,6 +108,8 @@ class GatedMLA(nn.Module):
             iq, iw = self.indexer.queries(q_resid, x)
             idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk)
             selection = Selection(positions, idx, scores)
+            if self.parallel.debug_checks:
+                comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
         sparse = selection is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
 
         if sparse:
@@ -120,4 +128,4 @@ class GatedMLA(nn.Module):
         attn = attn.to(x.dtype)  # [B, T, H, Dv]
         if self.use_output_gate:
             attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))
-        return self.o_proj(attn.flatten(-2))
+        return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")

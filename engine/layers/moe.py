@@ -21,6 +21,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.common import GatedMLP, RMSNorm, activation
+from engine.parallel import comm
+from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.runtime import RuntimeOptions
 from engine.weights import mxfp4
 
@@ -115,30 +117,43 @@ class RoutedExperts(nn.Module):
 class LatentMoE(nn.Module):
     """`block_sparse_moe` of layers >= first_k_dense_replace."""
 
-    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         c = config
+        # parallel layout: router, routed_expert_down_proj and the norm replicated; experts held
+        # per `expert_ids`; shared experts split by width and routed_expert_up_proj by latent columns
+        # (row-parallel), so both end in partial sums that share one all-reduce
+        self.parallel = parallel
         self.gate = Router(c)
         self.experts = RoutedExperts(c, runtime, expert_ids)
         act = activation(c)
-        self.shared_experts = GatedMLP(c.hidden_size, c.shared_intermediate_size, act) if c.num_shared_experts else None
+        self.shared_experts = (GatedMLP(c.hidden_size, parallel.split(c.shared_intermediate_size), act)
+                               if c.num_shared_experts else None)
         self.latent = c.routed_expert_hidden_size is not None
         if self.latent:
             r = c.routed_expert_hidden_size
+            self.latent_cols = parallel.local_range(r)
             self.routed_expert_down_proj = nn.Linear(c.hidden_size, r, bias=False)
             self.routed_expert_norm = RMSNorm(r, c.rms_norm_eps) if c.latent_moe_use_norm else None
-            self.routed_expert_up_proj = nn.Linear(r, c.hidden_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(parallel.split(r), c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
+        if self.parallel.debug_checks:
+            comm.assert_same(ids, self.parallel, "routed expert ids")
         h = self.routed_expert_down_proj(flat) if self.latent else flat
-        y = self.experts(h, ids, weights).to(x.dtype)
+        y = self.experts(h, ids, weights).to(x.dtype)  # this rank's experts only
         if self.latent:
+            # combine: sum the ranks' partial outputs in the latent, before the norm (the bytes
+            # per token of this choice against all-to-all are in engine.parallel.ep)
+            y = comm.all_reduce(y, self.parallel, "moe.routed")
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+            a, b = self.latent_cols
+            y = self.routed_expert_up_proj(y[:, a:b])
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return y.view(shape)
+        return comm.all_reduce(y, self.parallel, "moe.out").view(shape)

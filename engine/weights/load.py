@@ -3,7 +3,9 @@
 - `validate(config, files)`: every expected tensor present, nothing unexpected, shapes and dtypes
   as the config implies. All problems are reported at once, each naming file and tensor.
 - `load_model(path, ...)`: the public entry point (`from engine import load_model`). Tensors are
-  read lazily through memory maps; only the experts this process holds are read at all.
+  read lazily through memory maps; only the experts this process holds are read at all, and under
+  tensor parallelism only this rank's rows/columns of split tensors (`engine.weights.shard`).
+  Ranks of a parallel job first check they all load the same config and dtype.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from engine.config import ModelConfig
 from engine.config_io import load_config
 from engine.errors import CheckpointError, ConfigError
 from engine.model import KimiForCausalLM
+from engine.parallel import comm
+from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.presets import get_preset
 from engine.runtime import RuntimeOptions
 from engine.weights.names import DENSE_MLP_ALIAS, TensorSpec, checkpoint_tensors
 from engine.weights.random_init import RandomSource
 from engine.weights.safetensors_io import FLOAT_DTYPES, CheckpointFiles
+from engine.weights.shard import shard_dim
 
 PROGRESS_MIN_BYTES = 512 * 1024 * 1024
 _SHOW_AT_MOST = 25
@@ -31,6 +36,8 @@ _SHOW_AT_MOST = 25
 
 class TensorSource(Protocol):
     def get(self, spec: TensorSpec) -> torch.Tensor: ...
+
+    def get_slice(self, spec: TensorSpec, dim: int, start: int, stop: int) -> torch.Tensor: ...
 
 
 def _alias(name: str) -> str | None:
@@ -106,6 +113,21 @@ class CheckpointSource:
                                   f"at {where}; the checkpoint is corrupt")
         return t
 
+    def get_slice(self, spec: TensorSpec, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.files.get_slice(self.mapping[spec.name], dim, start, stop)
+
+
+def _read(source: TensorSource, spec: TensorSpec, config: ModelConfig, parallel: ParallelContext) -> torch.Tensor:
+    """This rank's part of `spec`: the whole tensor, or the rows/columns the shard table gives it."""
+    if spec.init == "a_log":  # stored padded (or [1, 1, H, 1]): split its [num_heads] view
+        start, stop = parallel.local_range(config.kda_num_heads)
+        return source.get(spec).reshape(-1)[start:stop]
+    dim = shard_dim(spec) if parallel.world > 1 else None
+    if dim is None:
+        return source.get(spec)
+    start, stop = parallel.local_range(spec.shape[dim])
+    return source.get_slice(spec, dim, start, stop)
+
 
 def _target(model: torch.nn.Module, path: str) -> torch.Tensor:
     module_path, _, leaf = path.rpartition(".")
@@ -118,7 +140,11 @@ def _target(model: torch.nn.Module, path: str) -> torch.Tensor:
 
 def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, progress: bool | None = None,
          total_bytes: int = 0) -> None:
-    """Copy every text tensor from `source` into `model` (already materialised with to_empty)."""
+    """Copy every text tensor from `source` into `model` (already materialised with to_empty).
+
+    Routed experts other than the model's `expert_ids` and, under tensor parallelism, other
+    ranks' slices of split tensors are never read.
+    """
     config = model.config
     filled: set[str] = set()
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights", file=sys.stderr,
@@ -140,10 +166,8 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
             if spec.optional and isinstance(source, CheckpointSource) and spec.name not in source.mapping:
                 dest.zero_()
             else:
-                t = source.get(spec)
+                t = _read(source, spec, config, model.parallel)
                 bar.update(t.numel() * t.element_size())
-                if spec.init == "a_log":
-                    t = t.reshape(-1)[: config.kda_num_heads]
                 dest.copy_(t if spec.kind != "float" else t.to(dtype))
             filled.add(spec.target)
     expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
@@ -161,9 +185,18 @@ def parse_model_path(path: str | Path) -> tuple[ModelConfig, str | None]:
     return load_config(path), text
 
 
+def _check_same_model(config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext) -> None:
+    """Every rank must load the same config and dtype; all of them raise when one differs."""
+    mine = f"config {config.fingerprint()} dtype {str(dtype).removeprefix('torch.')}"
+    everyone = comm.gather_strings(mine, parallel)
+    if len(set(everyone)) > 1:
+        listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+        raise ConfigError(f"ranks disagree on the model to load ({listing})")
+
+
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                seed: int = 0, runtime: RuntimeOptions | None = None, expert_ids: Sequence[int] | None = None,
-               progress: bool | None = None) -> KimiForCausalLM:
+               progress: bool | None = None, parallel: ParallelContext = SINGLE) -> KimiForCausalLM:
     """Load a checkpoint directory, or `preset:NAME[:VARIANT]` with random weights (`seed`).
 
     Args:
@@ -172,13 +205,17 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         dtype: compute dtype of all float weights (MXFP4 experts stay packed).
         seed: random-weight seed for presets.
         runtime: switches shared by all layers (default `RuntimeOptions()`).
-        expert_ids: global ids of the routed experts to hold (default: all).
+        expert_ids: global ids of the routed experts to hold (default: all, or this rank's range).
         progress: force the progress bar on/off (default: on for loads over 512 MB).
+        parallel: this process's place in a tensor/expert-parallel job (`engine.parallel`);
+            each rank then reads only its slices and experts.
 
     Returns:
         a `KimiForCausalLM` in eval mode with `.config` set.
     """
     config, root = parse_model_path(path)
+    if parallel.communicates:
+        _check_same_model(config, dtype, parallel)
     if config.num_experts and expert_ids is not None:
         bad = [e for e in expert_ids if not 0 <= e < config.num_experts]
         if bad:
@@ -195,7 +232,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         source = CheckpointSource(files, mapping)
         total = files.total_bytes
     with torch.device("meta"):
-        model = KimiForCausalLM(config, runtime, expert_ids)
+        model = KimiForCausalLM(config, runtime, expert_ids, parallel)
     model.to_empty(device=device)
     fill(model, source, dtype, progress=progress, total_bytes=total)
     model.eval()

@@ -46,6 +46,10 @@ class RandomSource:
         value = self._float(spec)
         return value.to(storage_dtype(spec, self.float_dtype))
 
+    def get_slice(self, spec: TensorSpec, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows/columns [start, stop) of `dim`: drawn whole, then cut (so every rank agrees)."""
+        return self.get(spec).narrow(dim, start, stop - start)
+
     def _mxfp4_part(self, spec: TensorSpec) -> torch.Tensor:
         base = spec.name.rsplit(".", 1)[0]  # ...experts.{e}.w1
         if self._mx_cache is None or self._mx_cache[0] != base:

@@ -3,7 +3,8 @@
 `CheckpointFiles.open(dir)` reads `model.safetensors.index.json` (or a lone `model.safetensors`),
 parses every shard's header itself and checks it against the file size, so a truncated or missing
 shard is reported by name instead of failing deep inside a reader. Tensor data is read lazily
-through memory maps (`safetensors.safe_open`): only what is asked for is paged in.
+through memory maps (`safetensors.safe_open`): only what is asked for is paged in, and
+`get_slice` reads just one rank's rows or columns of a tensor. `bytes_read` counts what was read.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class CheckpointFiles:
         self.root = root
         self.tensors = tensors
         self._handles: dict[Path, object] = {}
+        self.bytes_read = 0  # tensor bytes handed out by get / get_slice
 
     @classmethod
     def open(cls, root: str | os.PathLike) -> "CheckpointFiles":
@@ -135,9 +137,7 @@ class CheckpointFiles:
     def names(self) -> Iterator[str]:
         return iter(self.tensors)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor (memory-mapped; copy or convert before writing to it)."""
-        info = self.tensors[name]
+    def _handle(self, info: TensorInfo) -> object:
         handle = self._handles.get(info.file)
         if handle is None:
             try:
@@ -145,10 +145,33 @@ class CheckpointFiles:
             except Exception as exc:  # the library's own errors are not user-readable
                 raise CheckpointError(f"{info.file}: cannot open shard ({exc})") from None
             self._handles[info.file] = handle
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor (memory-mapped; copy or convert before writing to it)."""
+        info = self.tensors[name]
         try:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
+            t = self._handle(info).get_tensor(name)  # type: ignore[attr-defined]
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"{info.file}: tensor {name}: cannot read ({exc})") from None
+        self.bytes_read += info.nbytes
+        return t
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows/columns [start, stop) of `dim` of a tensor, reading only those bytes."""
+        info = self.tensors[name]
+        index = (slice(None),) * dim + (slice(start, stop),)
+        try:
+            t = self._handle(info).get_slice(name)[index]  # type: ignore[attr-defined]
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{info.file}: tensor {name}: cannot read [{start}:{stop}] of dim {dim} "
+                                  f"({exc})") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     @property
     def total_bytes(self) -> int:

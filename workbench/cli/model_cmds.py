@@ -13,6 +13,7 @@ from engine import get_preset, load_config, load_model
 from engine.census import census, human, human_bytes
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.parallel import distributed
 from engine.presets import PRESETS
 from engine.weights.load import validate
 from engine.weights.safetensors_io import CheckpointFiles
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     lg.add_argument("--seed", type=int, default=0, help="weights seed for preset: models")
     lg.add_argument("--dsa-dense", action="store_true", help="read every past key on DSA layers (K3-style)")
+    add_parallel_args(lg)
     lg.set_defaults(func=cmd_logits)
 
 
@@ -144,19 +146,28 @@ def read_id_lists(path: Path) -> list[list[int]]:
     return data
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Options of commands that also run split over ranks (`torchrun --nproc-per-node N -m workbench ...`)."""
+    p.add_argument("--check-ranks", action="store_true",
+                   help="under torchrun: verify every forward that all ranks chose the same DSA keys and experts")
+
+
 def cmd_logits(args: argparse.Namespace) -> int:
     sequences = read_id_lists(args.input_ids)
-    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
-    model.runtime.dsa_force_dense = args.dsa_dense
-    out: dict[str, torch.Tensor] = {}
-    with torch.inference_mode():
-        for i, seq in enumerate(sequences):
-            if len(seq) > model.config.max_position_embeddings:
-                raise InputError(f"sequence {i} has {len(seq)} tokens; the model's limit is "
-                                 f"{model.config.max_position_embeddings}")
-            ids = torch.tensor([seq], dtype=torch.long)
-            out[f"logits.{i}"] = model(ids)[0].float().contiguous()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(args.out), metadata={"model": str(args.model), "config_hash": model.config.fingerprint()})
-    print(f"wrote {len(out)} logits tensors to {args.out}")
+    with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
+        model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
+        model.runtime.dsa_force_dense = args.dsa_dense
+        out: dict[str, torch.Tensor] = {}
+        with torch.inference_mode():
+            for i, seq in enumerate(sequences):
+                if len(seq) > model.config.max_position_embeddings:
+                    raise InputError(f"sequence {i} has {len(seq)} tokens; the model's limit is "
+                                     f"{model.config.max_position_embeddings}")
+                ids = torch.tensor([seq], dtype=torch.long, device=ctx.device)
+                out[f"logits.{i}"] = model(ids)[0].float().cpu().contiguous()
+        if ctx.is_leader:  # every rank holds the full logits; one writes them
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            save_file(out, str(args.out), metadata={"model": str(args.model),
+                                                    "config_hash": model.config.fingerprint()})
+            print(f"wrote {len(out)} logits tensors to {args.out}")
     return 0

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import io
 import json
 import sys
 from pathlib import Path
 
 from engine import load_model
 from engine.errors import InputError
+from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.tokenizer import Tokenizer
-from workbench.cli.model_cmds import DTYPES
+from workbench.cli.model_cmds import DTYPES, add_parallel_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
     p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
+    add_parallel_args(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -63,11 +66,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError("the prompt is empty")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
-    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed)
+    with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
+        if ctx.world > 1 and (args.save or args.load):
+            raise InputError("--save/--load snapshots are single-process for now (KDA state is split across ranks)")
+        # every rank samples the same token from the same all-gathered logits; rank 0 prints
+        return _run(args, prompt, params, ctx)
+
+
+def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
+    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed, parallel=ctx, device=ctx.device)
     tokenizer = Tokenizer.for_model(args.model, model.config.vocab_size)
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer files (tiktoken.model) found next to the model")
-    kwargs = dict(prefill_chunk=args.prefill_chunk, model_name=str(args.model), progress=args.progress)
+    kwargs = dict(prefill_chunk=args.prefill_chunk, model_name=str(args.model),
+                  progress=args.progress if ctx.is_leader else False)
     if args.load is not None:
         session = Session.load(args.load, model, tokenizer, **kwargs)
     else:
@@ -75,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is not None:
         session.append(prompt, role="user" if args.chat else None, name="prompt")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = sys.stdout
+    out = sys.stdout if ctx.is_leader else io.StringIO()
     for token in session.generate(params=params):
         out.write(decoder.decode(tokenizer.encoding.decode_single_token_bytes(token.id)))
         out.flush()
@@ -83,6 +95,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save is not None:
         session.save(args.save, overwrite=args.overwrite)
         print(f"saved snapshot to {args.save}", file=sys.stderr)
+    if not ctx.is_leader:
+        return 0
     rec = session.record
     if args.stats:
         print(json.dumps(rec.to_json(), indent=1), file=sys.stderr)
