@@ -1,0 +1,92 @@
+"""Running sums of delta tables, updated part by part as a live trace grows.
+
+The dashboard asks for the DSA heat map and the expert-count matrix every second. Re-summing all
+delta rows each time would cost O(rows so far); `DenseSums` folds each new part in once and keeps
+one dense vector per group (e.g. per layer: counts by key bin), so a refresh costs O(new rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from workbench.trace.schema import MODALITIES
+
+
+def _codes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Integer codes of a column; dictionary (modality) columns map to their index in MODALITIES."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if pa.types.is_dictionary(column.type):
+        lookup = np.array([MODALITIES.index(v) for v in column.dictionary.to_pylist()], dtype=np.int64)
+        return lookup[column.indices.to_numpy(zero_copy_only=False)] if len(lookup) else np.zeros(0, np.int64)
+    return column.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+class DenseSums:
+    """Sum of `value` over rows, as a dense vector over `index` for each distinct tuple of `groups`.
+
+    Args:
+        groups (tuple[str, ...]): columns that pick the vector (e.g. ("layer",)).
+        index (str): integer column giving the slot inside the vector (e.g. "key_bin").
+        value (str): column to add up (e.g. "count").
+    """
+
+    def __init__(self, groups: tuple[str, ...], index: str, value: str) -> None:
+        self.groups = groups
+        self.index = index
+        self.value = value
+        self.sums: dict[tuple[int, ...], np.ndarray] = {}
+        self.seen: set[str] = set()
+
+    def add(self, part_id: str, table: pa.Table) -> None:
+        """Fold one part in (a part already folded in is ignored)."""
+        if part_id in self.seen:
+            return
+        self.seen.add(part_id)
+        if table.num_rows == 0:
+            return
+        idx = _codes(table[self.index])
+        if idx.min() < 0:
+            raise ValueError(f"negative {self.index} in part {part_id}")
+        val = table[self.value].to_numpy().astype(np.int64)
+        keys = np.stack([_codes(table[g]) for g in self.groups], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        size = int(idx.max()) + 1
+        # bincount over (group, slot) pairs; exact in float64 up to 2**53 per slot and part
+        flat = np.bincount(inv.reshape(-1) * size + idx, weights=val, minlength=len(uniq) * size)
+        flat = np.rint(flat).astype(np.int64).reshape(len(uniq), size)
+        for row, key in enumerate(map(tuple, uniq.tolist())):
+            current = self.sums.get(key)
+            if current is None or len(current) < size:
+                grown = np.zeros(max(size, 0 if current is None else len(current)), np.int64)
+                if current is not None:
+                    grown[:len(current)] = current
+                current = grown
+                self.sums[key] = current
+            current[:size] += flat[row]
+
+    def total(self, select: dict[str, list[int] | None] | None = None, by: str | None = None
+              ) -> dict[int, np.ndarray]:
+        """Sum of the vectors whose group values are in `select`, keyed by the group column `by`.
+
+        Args:
+            select (dict, Optional): {group column: allowed values or None for all}.
+            by (str, Optional): group column to keep apart (e.g. "layer"); None sums everything under key 0.
+        """
+        select = select or {}
+        positions = {g: i for i, g in enumerate(self.groups)}
+        out: dict[int, np.ndarray] = {}
+        for key, vec in self.sums.items():
+            if any(allowed is not None and key[positions[g]] not in allowed for g, allowed in select.items()):
+                continue
+            k = key[positions[by]] if by is not None else 0
+            acc = out.get(k)
+            if acc is None or len(acc) < len(vec):
+                grown = np.zeros(len(vec), np.int64)
+                if acc is not None:
+                    grown[:len(acc)] = acc
+                acc = grown
+            acc[:len(vec)] += vec
+            out[k] = acc
+        return out

@@ -1,0 +1,228 @@
+"""Export a trace to plain files: Parquet, CSV, JSON Lines or NumPy `.npz`, one file per table.
+
+Output directory layout: `<table>.<ext>` for each table (tokens included), a copy of session.json,
+and `export.json` (source, format, layers, rows and file per table). Conventions per format:
+- parquet: one file per table, same schema and encodings as the trace parts.
+- csv / jsonl: list columns as JSON arrays (`[12,40,977]`), nulls as empty fields / null.
+- npz: one array per column; a list column becomes `<col>.values` + `<col>.offsets` (row i is
+  values[offsets[i]:offsets[i+1]]); strings become fixed-width unicode; a nullable column also gets
+  `<col>.valid` (bool) with nulls stored as -1 / NaN. Loads with `np.load(path)` (no pickle).
+
+Safety: the trace is opened strictly (a corrupt or missing part is an error, not a silent hole); the
+export is written to a temporary directory next to the target and moved into place only when
+complete; an existing non-empty target is refused unless `overwrite=True`, and even then only files
+named by the previous export's manifest (or about to be rewritten) are replaced, never anything else.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from workbench.trace.errors import TraceError
+from workbench.trace.reader import Trace, open_trace
+from workbench.trace.schema import EXPORT_MANIFEST, SESSION_FILE, TABLES, parquet_options
+
+FORMATS = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl", "npz": "npz"}
+MANIFEST = EXPORT_MANIFEST
+_LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_layers(text: str) -> list[int]:
+    """"0,3,5-7" -> [0, 3, 5, 6, 7] (sorted, unique); a clear TraceError for anything else."""
+    layers: set[int] = set()
+    for item in (s.strip() for s in text.split(",")):
+        m = _LAYER_ITEM.match(item)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise TraceError(f"bad layer list {text!r}: use numbers and ranges like 0,3,5-7")
+        lo = int(m.group(1))
+        layers.update(range(lo, int(m.group(2) or lo) + 1))
+    return sorted(layers)
+
+
+def _jsonable(table: pa.Table) -> pa.Table:
+    """Half floats become float32 (CSV/JSON writers and Python floats have no float16)."""
+    cols = []
+    for field, col in zip(table.schema, table.columns):
+        t = field.type
+        if t == pa.float16():
+            col = col.cast(pa.float32())
+        elif pa.types.is_list(t) and t.value_type == pa.float16():
+            col = col.cast(pa.list_(pa.float32()))
+        elif pa.types.is_dictionary(t):
+            col = col.cast(t.value_type)
+        cols.append(col)
+    return pa.table(cols, names=table.column_names)
+
+
+def _csv_ready(table: pa.Table) -> pa.Table:
+    table = _jsonable(table)
+    cols = []
+    for field, col in zip(table.schema, table.columns):
+        if pa.types.is_list(field.type):
+            joined = pc.binary_join(col.cast(pa.list_(pa.string())), ",")
+            col = pc.binary_join_element_wise("[", joined, "]", "")
+        cols.append(col)
+    return pa.table(cols, names=table.column_names)
+
+
+class _Sink:
+    """Receives one table's parts in order and writes the output file."""
+
+    def __init__(self, path: Path, fmt: str, name: str) -> None:
+        self.path, self.fmt, self.name = path, fmt, name
+        self.rows = 0
+        self._writer = None
+        self._chunks: list[pa.Table] = []
+        self._file = open(path, "w", encoding="utf-8") if fmt == "jsonl" else None
+
+    def write(self, table: pa.Table) -> None:
+        self.rows += table.num_rows
+        if self.fmt == "parquet":
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.path, table.schema, **parquet_options(TABLES[self.name]))
+            self._writer.write_table(table.unify_dictionaries())
+        elif self.fmt == "csv":
+            ready = _csv_ready(table)
+            if self._writer is None:
+                self._writer = pacsv.CSVWriter(self.path, ready.schema)
+            self._writer.write_table(ready)
+        elif self.fmt == "jsonl":
+            for batch in _jsonable(table).to_batches(max_chunksize=65536):
+                self._file.writelines(json.dumps(row, separators=(",", ":")) + "\n" for row in batch.to_pylist())
+        else:
+            self._chunks.append(table)
+
+    def close(self, schema: pa.Schema) -> None:
+        if self.fmt == "parquet" and self._writer is None:
+            pq.write_table(schema.empty_table(), self.path, **parquet_options(TABLES[self.name]))
+        elif self.fmt == "csv" and self._writer is None:
+            with pacsv.CSVWriter(self.path, _csv_ready(schema.empty_table()).schema):
+                pass
+        elif self.fmt == "npz":
+            table = pa.concat_tables(self._chunks).unify_dictionaries() if self._chunks else schema.empty_table()
+            np.savez(self.path, **_npz_arrays(table))
+        if self._writer is not None:
+            self._writer.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _npz_arrays(table: pa.Table) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for field, col in zip(table.schema, table.columns):
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        t, name = field.type, field.name
+        if pa.types.is_list(t):
+            out[f"{name}.offsets"] = col.offsets.to_numpy().astype(np.int64) - (col.offsets[0].as_py() if len(col.offsets) else 0)
+            out[f"{name}.values"] = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            if field.nullable:
+                out[f"{name}.valid"] = col.is_valid().to_numpy(zero_copy_only=False)
+            continue
+        if pa.types.is_dictionary(t) or pa.types.is_string(t):
+            values = col.cast(pa.string()).fill_null("").to_pylist()
+            out[name] = np.array(values, dtype=str) if values else np.zeros(0, dtype="<U1")
+            continue
+        if field.nullable:
+            out[f"{name}.valid"] = col.is_valid().to_numpy(zero_copy_only=False)
+            fill = -1 if pa.types.is_integer(t) else float("nan")
+            col = col.fill_null(pa.scalar(fill, t))
+        out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
+    """Check the target; returns files of a previous export there that the new one replaces."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise TraceError(f"export target {out} is inside the trace {source}; choose another directory")
+    if dst.exists() and not dst.is_dir():
+        raise TraceError(f"export target {out} exists and is not a directory")
+    if not dst.exists() or not any(dst.iterdir()):
+        return []
+    if not overwrite:
+        raise TraceError(f"export target {out} exists and is not empty; pass --overwrite to replace the export there")
+    try:
+        previous = json.loads((dst / MANIFEST).read_text())
+        return [dst / f for f in previous.get("files", []) if "/" not in f and f != ".."]
+    except (OSError, ValueError):
+        return []
+
+
+def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parquet", *,
+                 layers: Sequence[int] | None = None, tables: Sequence[str] | None = None,
+                 overwrite: bool = False, progress: Callable[[str, int], None] | None = None) -> dict:
+    """Write each table of a trace (and session.json) to `out` in `fmt`; returns the manifest dict.
+
+    Args:
+        source (str | Path | Trace): the trace directory (opened strictly) or an open Trace.
+        out (str | Path): output directory (created; must be empty or absent unless `overwrite`).
+        fmt (str): parquet, csv, jsonl or npz.
+        layers (Sequence[int], Optional): keep only these layers in signal tables (tokens are whole).
+        tables (Sequence[str], Optional): tables to export (default: all).
+        overwrite (bool): replace a previous export at `out`.
+        progress (Callable, Optional): called with (table, rows) after each table.
+    """
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    trace = source if isinstance(source, Trace) else open_trace(source, strict=True)
+    names = list(TABLES) if tables is None else list(dict.fromkeys(tables))
+    unknown = [t for t in names if t not in TABLES]
+    if unknown:
+        raise TraceError(f"unknown table(s) {', '.join(unknown)}; tables are: {', '.join(TABLES)}")
+    out = Path(out)
+    stale = _prepare_target(out, trace.path, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = {"source": str(trace.path), "format": fmt, "schema_version": trace.session.get("schema_version"),
+                    "layers": None if layers is None else list(layers),
+                    "exported": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "tables": {}}
+        for name in names:
+            spec = TABLES[name]
+            file = f"{name}.{FORMATS[fmt]}"
+            sink = _Sink(tmp / file, fmt, name)
+            try:
+                for part in trace.parts(name):
+                    piece = trace.table_part(name, part, layers if spec.has_layer else None)
+                    if piece.num_rows:
+                        sink.write(piece)
+            finally:
+                sink.close(spec.arrow_schema)
+            manifest["tables"][name] = {"file": file, "rows": sink.rows}
+            if progress:
+                progress(name, sink.rows)
+        shutil.copyfile(trace.path / SESSION_FILE, tmp / SESSION_FILE)
+        manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [MANIFEST]
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _move_into_place(tmp, out, stale)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _move_into_place(tmp: Path, out: Path, stale: list[Path]) -> None:
+    if not out.exists() or not any(out.iterdir()):
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+        return
+    produced = {p.name for p in tmp.iterdir()}
+    for old in stale:
+        if old.name not in produced and old.is_file():
+            old.unlink()
+    for p in tmp.iterdir():
+        os.replace(p, out / p.name)

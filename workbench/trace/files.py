@@ -1,0 +1,104 @@
+"""File-level rules of the store, shared by the writer, the reader and export.
+
+- Part names: `part-000000.parquet`; temporaries: `.part-000000.parquet.tmp` (hidden and not
+  `*.parquet`, so neither our reader nor a `part-*.parquet` glob in DuckDB ever picks one up).
+- Atomic publication: write the temporary, fsync it, `os.replace` it onto the final name, fsync the
+  directory (so the rename itself survives a power cut, not only a process kill).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+
+
+def part_name(seq: int) -> str:
+    return f"part-{seq:06d}.parquet"
+
+
+def temp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
+def list_parts(directory: Path) -> list[tuple[int, Path]]:
+    """(sequence number, path) of the visible parts of a table directory, in order; [] if it is absent."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    parts = []
+    for entry in entries:
+        m = PART_RE.match(entry.name)
+        if m:
+            parts.append((int(m.group(1)), Path(entry.path)))
+    parts.sort()
+    return parts
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path, *, fsync: bool) -> None:
+    """Rename a fully written temporary onto its final name."""
+    os.replace(tmp, final)
+    if fsync:
+        fsync_dir(final.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    tmp = temp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    publish(tmp, path, fsync=fsync)
+
+
+def write_json_atomic(path: Path, obj: dict, *, fsync: bool = True) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode(), fsync=fsync)
+
+
+def write_parquet_atomic(table: pa.Table, path: Path, options: dict, *, fsync: bool = True) -> int:
+    """Write `table` to `path` through a temporary; returns the file size in bytes."""
+    tmp = temp_name(path)
+    pq.write_table(table, tmp, **options)
+    if fsync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    size = tmp.stat().st_size
+    publish(tmp, path, fsync=fsync)
+    return size
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Delete temporaries a crashed writer left behind (only the writer calls this, never a reader)."""
+    removed = []
+    for p in directory.glob(".*.tmp"):
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,467 @@
+"""Read a trace, finished or live: `open_trace(path) -> Trace`.
+
+What `open_trace` checks, and how problems surface:
+- the directory exists, holds session.json with the schema marker, and its schema_version is one this
+  workbench reads: otherwise a `TraceError` (`TraceVersionError` for a newer or older version) with
+  one clear line naming the path and the versions;
+- every visible part's Parquet footer and columns: a corrupt part is SKIPPED and described in
+  `trace.problems` (naming the file), so a dashboard keeps working on the rest; `strict=True`
+  raises `TraceCorruptError` instead (export uses it). Damage found later, when data pages are
+  decoded, is handled the same way;
+- gaps in part numbering, and parts session.json says exist but are missing: listed in
+  `trace.problems`; everything else stays readable.
+
+Following a live trace: `trace.refresh()` re-reads session.json, lists new `part-*.parquet` files
+(parts are renamed into place whole, so a half-written one is never visible) and returns the names
+of what changed. Reads between refreshes see a fixed snapshot. Small tables are cached in memory;
+large ones (`dsa_topk`, `moe_routes`, the delta tables behind the heat map and expert counts) are read
+on demand or folded once into running sums.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from workbench.analysis.dsa import rebin_counts
+from workbench.trace.aggregates import DenseSums
+from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
+from workbench.trace.files import list_parts
+from workbench.trace.schema import (EXPORT_MANIFEST, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS,
+                                    TABLES, TOKENS_FILE, TableSpec, table_spec)
+
+_READ_ERRORS = (OSError, pa.ArrowException, ValueError)
+
+
+@dataclass
+class Part:
+    """One visible part file and what its footer says."""
+
+    seq: int
+    path: Path
+    rows: int
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # column -> (min, max) from statistics
+
+
+def read_session(path: Path) -> dict:
+    """Read and validate session.json of the trace at `path` (raises TraceError subclasses)."""
+    if not path.exists():
+        raise TraceError(f"no trace at {path}: the directory does not exist")
+    if not path.is_dir():
+        raise TraceError(f"{path} is not a trace: not a directory")
+    file = path / SESSION_FILE
+    if (path / EXPORT_MANIFEST).is_file():
+        raise TraceError(f"{path} is an export written by `workbench export`, not a trace; read its files "
+                         f"directly (its {EXPORT_MANIFEST} names the source trace)")
+    if not file.is_file():
+        raise TraceError(f"{path} is not a K3 Workbench trace: it has no {SESSION_FILE}")
+    try:
+        session = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceCorruptError(f"{file} cannot be read as JSON: {exc}") from None
+    if not isinstance(session, dict) or session.get("schema") != SCHEMA_NAME:
+        raise TraceError(f"{path} is not a K3 Workbench trace: {SESSION_FILE} lacks the schema marker "
+                         f"\"schema\": \"{SCHEMA_NAME}\"")
+    version = session.get("schema_version")
+    if not isinstance(version, int):
+        raise TraceCorruptError(f"{file}: schema_version must be an integer, got {version!r}")
+    supported = ", ".join(map(str, SUPPORTED_VERSIONS))
+    if version > max(SUPPORTED_VERSIONS):
+        raise TraceVersionError(f"{path} was written with trace schema version {version}, newer than this "
+                                f"workbench reads (version {supported}); upgrade k3-workbench to open it")
+    if version not in SUPPORTED_VERSIONS:
+        raise TraceVersionError(f"{path} has trace schema version {version}, which this workbench no longer "
+                                f"reads (it reads version {supported})")
+    return session
+
+
+def _footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Rows and integer column ranges of a part; raises ValueError/ArrowException when it is unusable."""
+    meta = pq.read_metadata(path)
+    arrow = meta.schema.to_arrow_schema()
+    missing = [c.name for c in spec.columns if c.name not in arrow.names]
+    if missing:
+        raise ValueError(f"missing column(s) {', '.join(missing)}")
+    ranges: dict[str, tuple[int, int]] = {}
+    for name in ("layer", "position", "step"):
+        if name not in arrow.names or meta.num_row_groups == 0:
+            continue
+        col = arrow.names.index(name)
+        lo = hi = None
+        for rg in range(meta.num_row_groups):
+            stats = meta.row_group(rg).column(col).statistics
+            if stats is None or not stats.has_min_max:
+                lo = None
+                break
+            lo = stats.min if lo is None else min(lo, stats.min)
+            hi = stats.max if hi is None else max(hi, stats.max)
+        if lo is not None:
+            ranges[name] = (int(lo), int(hi))
+    return meta.num_rows, ranges
+
+
+class Trace:
+    """A trace directory opened for reading; create it with `open_trace`.
+
+    Attributes:
+        path (Path): the trace directory.
+        session (dict): session.json as last read (`trace.policy` adds the defaults of missing keys).
+        problems (list[str]): missing or corrupt parts found so far, one line each.
+    """
+
+    def __init__(self, path: Path, *, strict: bool = False) -> None:
+        self.path = path
+        self.strict = strict
+        self.session: dict = {}
+        self.problems: list[str] = []
+        self._parts: dict[str, list[Part]] = {name: [] for name in TABLES}
+        self._bad: set[Path] = set()
+        self._tokens_compact = False
+        self._cache: dict[Path, pa.Table] = {}
+        self._sums: dict[str, DenseSums] = {
+            "dsa_key_counts": DenseSums(("layer",), "key_bin", "count"),
+            "moe_counts": DenseSums(("segment", "modality", "layer"), "expert", "count"),
+        }
+        self.refresh()
+
+    def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
+        if self.strict:
+            raise exc_type(message)
+        if message not in self.problems:
+            self.problems.append(message)
+
+    @property
+    def status(self) -> str:
+        return self.session.get("status", "recording")
+
+    @property
+    def policy(self) -> dict:
+        return {**POLICY_DEFAULTS, **self.session.get("policy", {})}
+
+    def refresh(self) -> set[str]:
+        """Pick up a new session.json and new parts; returns the names that changed ("session", tables)."""
+        changed: set[str] = set()
+        session = read_session(self.path)
+        if session != self.session:
+            self.session = session
+            changed.add("session")
+        for name in TABLES:
+            if self._refresh_table(name):
+                changed.add(name)
+        return changed
+
+    def _refresh_table(self, name: str) -> bool:
+        spec = TABLES[name]
+        if name == "tokens" and not self._tokens_compact and (self.path / TOKENS_FILE).is_file():
+            # the writer closed and compacted the tokens parts: switch to the single file
+            self._tokens_compact = True
+            for part in self._parts["tokens"]:
+                self._cache.pop(part.path, None)
+            self._parts["tokens"] = []
+        if name == "tokens" and self._tokens_compact:
+            if self._parts["tokens"]:
+                return False
+            listing = [(0, self.path / TOKENS_FILE)]
+        else:
+            listing = list_parts(self.path / name)
+        known = {p.seq for p in self._parts[name]} | {seq for seq, path in listing if path in self._bad}
+        added = False
+        for seq, path in listing:
+            if seq in known:
+                continue
+            try:
+                rows, ranges = _footer(path, spec)
+            except FileNotFoundError:
+                continue
+            except _READ_ERRORS as exc:
+                self._bad.add(path)
+                self._problem(f"corrupt Parquet part {path}: {exc}; skipped")
+                continue
+            self._parts[name].append(Part(seq, path, rows, ranges))
+            added = True
+        self._parts[name].sort(key=lambda p: p.seq)
+        if not (name == "tokens" and self._tokens_compact):
+            self._check_numbering(name, listing)
+        return added
+
+    def _check_numbering(self, name: str, listing: list[tuple[int, Path]]) -> None:
+        present = {seq for seq, _ in listing}
+        expected = max(max(present, default=-1) + 1, int(self.session.get("parts", {}).get(name, 0)))
+        missing = [seq for seq in range(expected) if seq not in present]
+        if missing:
+            shown = ", ".join(f"part-{s:06d}.parquet" for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            self._problem(f"table {name}: {len(missing)} part(s) missing ({shown}); their rows are absent",
+                          TraceError)
+
+    def parts(self, name: str) -> list[Path]:
+        """Readable part files of a table, in order (tokens: tokens.parquet once compacted)."""
+        return [p.path for p in self._parts[table_spec(name).name] if p.path not in self._bad]
+
+    def _read(self, part: Part, spec: TableSpec, columns: list[str] | None) -> pa.Table | None:
+        try:
+            table = pq.ParquetFile(part.path, page_checksum_verification=True).read(columns=columns)
+        except FileNotFoundError:
+            if spec.name == "tokens":
+                raise
+            self._problem(f"part {part.path} disappeared after it was listed", TraceError)
+            return None
+        except _READ_ERRORS as exc:
+            self._bad.add(part.path)
+            self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
+            return None
+        # conform to the current schema (older parts of the same version may lack nullable columns)
+        return table.select([c for c in (columns or spec.names) if c in table.column_names])
+
+    def _load(self, part: Part, spec: TableSpec, columns: list[str] | None) -> pa.Table | None:
+        if not spec.cache:
+            return self._read(part, spec, columns)
+        if part.path not in self._cache:
+            table = self._read(part, spec, None)
+            if table is None:
+                return None
+            self._cache[part.path] = table
+        table = self._cache[part.path]
+        return table if columns is None else table.select(columns)
+
+    def table(self, name: str, layers: Sequence[int] | None = None, columns: Sequence[str] | None = None, *,
+              steps: tuple[int, int] | None = None, positions: tuple[int, int] | None = None) -> pa.Table:
+        """Rows of a table as one Arrow table (parts concatenated in order).
+
+        Args:
+            name (str): table name (see `workbench.trace.schema.TABLES`).
+            layers (Sequence[int], Optional): keep rows of these layers only.
+            columns (Sequence[str], Optional): columns to return (default: all).
+            steps (tuple[int, int], Optional): inclusive step range to keep.
+            positions (tuple[int, int], Optional): inclusive `position` range to keep; parts whose
+                statistics miss the range are not read at all.
+        """
+        spec = table_spec(name)
+        if name == "tokens":
+            return self._tokens_table(columns)
+        wanted = list(columns) if columns is not None else spec.names
+        unknown = [c for c in wanted if c not in spec.names]
+        if unknown:
+            raise TraceError(f"table {name} has no column(s) {', '.join(unknown)}")
+        filters = {"layer": None if layers is None else (min(layers), max(layers)), "step": steps,
+                   "position": positions}
+        needed = list(dict.fromkeys(wanted + [c for c, r in filters.items() if r is not None]))
+        pieces = []
+        for part in self._parts[name]:
+            if part.path in self._bad or not _overlaps(part, filters):
+                continue
+            table = self._load(part, spec, needed)
+            if table is not None and table.num_rows:
+                pieces.append(table)
+        table = pa.concat_tables(pieces) if pieces else spec.arrow_schema.empty_table().select(needed)
+        mask = None
+        if layers is not None:
+            mask = pc.is_in(table["layer"], value_set=pa.array(list(layers), pa.int16()))
+        for col in ("step", "position"):
+            if filters[col] is not None and table.num_rows:
+                lo, hi = filters[col]
+                inside = pc.and_(pc.greater_equal(table[col], lo), pc.less_equal(table[col], hi))
+                mask = inside if mask is None else pc.and_(mask, inside)
+        if mask is not None:
+            table = table.filter(mask)
+        return table.select(wanted)
+
+    def _tokens_table(self, columns: Sequence[str] | None) -> pa.Table:
+        spec = TABLES["tokens"]
+        for _ in range(3):
+            try:
+                pieces = [t for p in self._parts["tokens"] if p.path not in self._bad
+                          for t in [self._load(p, spec, None)] if t is not None]
+                break
+            except FileNotFoundError:
+                # the writer compacted tokens/ into tokens.parquet between our listing and the read
+                self._refresh_table("tokens")
+        else:
+            raise TraceError(f"{self.path}: the tokens table changed while it was read; retry")
+        table = pa.concat_tables(pieces) if pieces else spec.arrow_schema.empty_table()
+        return table if columns is None else table.select(list(columns))
+
+    def table_part(self, name: str, path: Path, layers: Sequence[int] | None = None) -> pa.Table:
+        """Rows of one part file of a table (a path from `parts(name)`), optionally only some layers.
+
+        Lets a consumer stream a large table part by part (export does) instead of holding it whole.
+        """
+        spec = table_spec(name)
+        part = next((p for p in self._parts[name] if p.path == Path(path)), None)
+        if part is None:
+            raise TraceError(f"{path} is not a part of table {name} of {self.path}")
+        table = self._load(part, spec, None) if name != "tokens" else self._tokens_part(part)
+        if table is None:
+            return spec.arrow_schema.empty_table()
+        if layers is not None and spec.has_layer:
+            table = table.filter(pc.is_in(table["layer"], value_set=pa.array(list(layers), pa.int16())))
+        return table
+
+    def _tokens_part(self, part: Part) -> pa.Table | None:
+        try:
+            return self._load(part, TABLES["tokens"], None)
+        except FileNotFoundError:
+            raise TraceError(f"{self.path}: the tokens table was compacted while it was read; retry") from None
+
+    def df(self, name: str, layers: Sequence[int] | None = None, columns: Sequence[str] | None = None,
+           **filters) -> pd.DataFrame:
+        """`table(...)` as a pandas DataFrame (list columns hold numpy arrays)."""
+        return self.table(name, layers, columns, **filters).to_pandas()
+
+    def tokens(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        """The token table (position, token_id, piece, segment, modality, image_id, patch_row, patch_col)."""
+        return self._tokens_table(columns).to_pandas()
+
+    def segments(self) -> pd.DataFrame:
+        """Segments from session.json, one row each, with `tokens` = end - start and image grid columns."""
+        rows = []
+        for seg in self.session.get("segments", []):
+            image = seg.get("image") or {}
+            rows.append({"id": seg["id"], "kind": seg["kind"], "name": seg.get("name", ""),
+                         "start": int(seg["start"]), "end": int(seg["end"]),
+                         "tokens": int(seg["end"]) - int(seg["start"]), "modality": seg.get("modality", "text"),
+                         **{f"image_{k}": image.get(k) for k in ("width", "height", "grid_rows", "grid_cols")}})
+        cols = ["id", "kind", "name", "start", "end", "tokens", "modality", "image_width", "image_height",
+                "image_grid_rows", "image_grid_cols"]
+        return pd.DataFrame(rows, columns=cols)
+
+    def layers(self, name: str) -> list[int]:
+        """Distinct layers that have rows in a signal table, ascending."""
+        spec = table_spec(name)
+        if not spec.has_layer:
+            raise TraceError(f"table {name} has no layer column")
+        if name in self._sums:
+            self._fold(name)
+            pos = self._sums[name].groups.index("layer")
+            return sorted({key[pos] for key in self._sums[name].sums})
+        layer = self.table(name, columns=["layer"])["layer"]
+        return sorted(pc.unique(layer).to_pylist())
+
+    def _fold(self, name: str) -> DenseSums:
+        sums = self._sums[name]
+        spec = TABLES[name]
+        cols = [*sums.groups, sums.index, sums.value]
+        for part in self._parts[name]:
+            key = str(part.path)
+            if key in sums.seen or part.path in self._bad:
+                continue
+            table = self._read(part, spec, cols)
+            if table is not None:
+                sums.add(key, table)
+        return sums
+
+    def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
+                    end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
+        """How often each context range was selected, per DSA layer: float64 [len(layers), bins].
+
+        Rows follow `layer` (an int or a list) or, when None, `trace.layers("dsa_key_counts")`.
+        Columns are `bins` equal ranges of [start, end) (end defaults to the session's tokens); counts
+        of stored bins (width policy.dsa_bin_tokens) are spread uniformly when rebinned. `steps`
+        (inclusive) restricts to deltas of those steps, e.g. the decode phase; without it the running
+        sums are used, which cost only the parts added since the last call.
+        """
+        if steps is None:
+            sums = self._fold("dsa_key_counts").total(by="layer")
+        else:
+            sums = DenseSums(("layer",), "key_bin", "count")
+            sums.add("steps", self.table("dsa_key_counts", steps=steps, columns=["layer", "key_bin", "count"]))
+            sums = sums.total(by="layer")
+        rows = sorted(sums) if layer is None else ([layer] if isinstance(layer, (int, np.integer)) else list(layer))
+        width = int(self.policy["dsa_bin_tokens"])
+        if end is None:
+            longest = max((len(v) for v in sums.values()), default=0) * width
+            end = max(int(self.session.get("tokens", 0)), longest, start + 1)
+        edges = np.linspace(start, end, bins + 1)
+        return np.stack([rebin_counts(sums.get(int(l), np.zeros(0, np.int64)), width, edges) for l in rows]) \
+            if rows else np.zeros((0, bins))
+
+    def kda_norm_matrix(self, layer: int, stat: str = "norm") -> tuple[np.ndarray, np.ndarray]:
+        """KDA state statistic of one layer over positions: (positions int64 [P], values float32 [P, H]).
+
+        `stat` is norm, max_abs, mean_decay or mean_beta. Rows are sorted by position; when a position
+        was measured twice the later record wins.
+        """
+        if stat not in ("norm", "max_abs", "mean_decay", "mean_beta"):
+            raise TraceError(f"unknown KDA statistic {stat!r}")
+        table = self.table("kda_norms", [layer], ["position", stat])
+        table = table.filter(pc.is_valid(table[stat]))
+        positions = table["position"].to_numpy().astype(np.int64)
+        if len(positions) == 0:
+            return positions, np.zeros((0, 0), np.float32)
+        lists = table[stat].combine_chunks()
+        lengths = pc.list_value_length(lists).to_numpy()
+        if (lengths != lengths[0]).any():
+            raise TraceCorruptError(f"{self.path}: kda_norms.{stat} of layer {layer} has varying head counts")
+        values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32)
+        values = values.reshape(len(positions), int(lengths[0]))
+        # stable sort, then keep the last record of each position
+        order = np.argsort(positions, kind="stable")
+        positions, values = positions[order], values[order]
+        last = np.append(positions[1:] != positions[:-1], True)
+        return positions[last], values[last]
+
+    def moe_counts_matrix(self, modality: str | None = None, segments: Sequence[int] | None = None,
+                          layers: Sequence[int] | None = None) -> np.ndarray:
+        """Expert usage: int64 [len(layers), experts] of routed token slots, summed over the selection.
+
+        Rows follow `layers` (default `trace.layers("moe_counts")`); `modality` is "text", "image" or
+        None for both; `segments` restricts to segment ids.
+        """
+        select: dict = {"segment": None if segments is None else list(segments),
+                        "modality": None if modality is None else [MODALITIES.index(modality)]}
+        per_layer = self._fold("moe_counts").total(select, by="layer")
+        rows = sorted(self.layers("moe_counts")) if layers is None else list(layers)
+        width = max([len(v) for v in per_layer.values()] + [int(self.session.get("model", {}).get("summary", {})
+                                                                 .get("num_experts", 0))])
+        out = np.zeros((len(rows), width), np.int64)
+        for i, layer in enumerate(rows):
+            vec = per_layer.get(layer)
+            if vec is not None:
+                out[i, :len(vec)] = vec
+        return out
+
+    def topk_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
+        """What each DSA layer read for the query at `position` (rows of dsa_topk, one per layer/record)."""
+        return self.table("dsa_topk", layers, positions=(position, position))
+
+    def routes_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
+        """The experts each MoE layer chose for the token at `position` (rows of moe_routes)."""
+        return self.table("moe_routes", layers, positions=(position, position))
+
+    def check(self) -> list[str]:
+        """Decode every part once (not only footers); returns `problems` (raises instead when strict)."""
+        for name, spec in TABLES.items():
+            for part in list(self._parts[name]):
+                if part.path not in self._bad:
+                    self._read(part, spec, None)
+        return self.problems
+
+    def __repr__(self) -> str:
+        counts = {name: sum(p.rows for p in parts) for name, parts in self._parts.items() if parts}
+        return f"Trace({str(self.path)!r}, status={self.status!r}, rows={counts}, problems={len(self.problems)})"
+
+
+def _overlaps(part: Part, filters: dict[str, tuple[int, int] | None]) -> bool:
+    for col, wanted in filters.items():
+        have = part.ranges.get(col)
+        if wanted is not None and have is not None and (have[1] < wanted[0] or have[0] > wanted[1]):
+            return False
+    return True
+
+
+def open_trace(path: str | Path, *, strict: bool = False) -> Trace:
+    """Open the trace directory at `path` for reading (finished or still being written).
+
+    Args:
+        path (str | Path): the trace directory (the one holding session.json).
+        strict (bool, Optional): raise `TraceCorruptError`/`TraceError` on a corrupt or missing part
+            instead of listing it in `trace.problems`. Default: False.
+    """
+    return Trace(Path(path), strict=strict)

@@ -1,0 +1,277 @@
+"""The trace format, version 1, written down as data: tables, columns, Arrow types, docs, encodings.
+
+Layout of a trace (one directory per session)::
+
+    TRACE/
+      session.json                      # schema marker + version, model, engine, policy, segments, timings, status
+      tokens.parquet                    # the token table, compacted when the writer closes
+      tokens/part-000000.parquet ...    # the token table while the session is live (gone after close)
+      dsa_topk/part-000000.parquet ...  # every other table: a directory of rolled part files
+      ...
+
+Rules that make the store crash-safe and followable:
+- A part is written under a hidden temporary name (`.part-000007.parquet.tmp`), fsynced, then renamed
+  to `part-000007.parquet`. Readers only look at `part-*.parquet`, so a crash (or a reader racing the
+  writer, even over a shared file system) never sees a half-written part. Part numbers are dense per
+  table; a gap means a part was lost after the fact, and readers report it.
+- `session.json` is rewritten the same way (temporary file, fsync, `os.replace`). After each flush it
+  lists how many parts each table has (`parts`), so a reader can tell a deleted last part from one that
+  was never written.
+- Every part carries the Arrow schema of its table, so pandas, polars and DuckDB read the files with no
+  project code (`SELECT layer, sum(count) FROM read_parquet('TRACE/dsa_key_counts/part-*.parquet') GROUP
+  BY layer`).
+
+Signal tables tag every row with `layer` (model layer index), `step` (a session-wide forward counter:
+each prefill chunk and each decode token is one step, so it only grows) and `rank` (the process that
+recorded the row). Positions are sequence positions, never KV-cache slots; experts are logical ids.
+
+Why aggregates are stored as per-flush deltas (tables with kind "delta"): the store stays append-only
+(a part is never rewritten, so there is nothing to lose in a crash and nothing for a follower to
+re-read), and a flush only writes the bins that changed. A dense snapshot of the heat map per flush
+would be layers x bins x 8 bytes every second (24 x 4096 x 8 = 786 KB at 1M tokens, 2.8 GB over an
+hour of flushes) and mostly repeat the previous one. The current value is the SUM over rows; within
+one flush the writer coalesces rows with equal keys, and `step` is the last step the delta covers.
+
+Why Parquet for the dense-ish signals too (KDA norms, top-k lists) rather than Zarr: they are
+appended row by row as the session runs (a norm vector per measured position, a key list per query),
+which is exactly a rolled Parquet part; one format keeps the trace readable by DuckDB/pandas/polars
+with no extra dependency, and per-layer matrices are rebuilt by the reader in milliseconds. Lists use
+DELTA_BINARY_PACKED (sorted key positions cost ~2.5 bytes each instead of 4) and float lists use
+BYTE_STREAM_SPLIT + zstd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from workbench.trace.errors import TraceError
+
+SCHEMA_NAME = "k3-workbench-trace"
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+SESSION_FILE = "session.json"
+TOKENS_FILE = "tokens.parquet"
+EXPORT_MANIFEST = "export.json"  # marks a `workbench export` directory (which also holds a session.json)
+PART_GLOB = "part-*.parquet"
+
+SEGMENT_KINDS = ("document", "turn", "image", "generated")
+MODALITIES = ("text", "image")
+STATUSES = ("recording", "complete", "failed")
+
+# policy keys the reader depends on, with the values assumed when a trace omits them
+POLICY_DEFAULTS = {
+    "dsa_bin_tokens": 256,  # width in tokens of a dsa_key_counts bin
+    "sink_tokens": 4,  # a query "hits the sink" when it selects one of the first sink_tokens positions
+}
+
+Encoding = Literal["plain", "dict", "delta", "bss"]
+MODALITY_TYPE = pa.dictionary(pa.int8(), pa.string())
+
+
+class Column(NamedTuple):
+    """One column: name, Arrow type, what it holds; whether it may be null; its Parquet encoding."""
+
+    name: str
+    type: pa.DataType
+    doc: str
+    nullable: bool = False
+    # dict: few distinct values (RLE'd dictionary); delta: sorted or slowly changing integers;
+    # bss: floats (byte-stream-split groups exponent bytes so zstd finds them); plain: everything else
+    encoding: Encoding = "plain"
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A table of the trace.
+
+    Attributes:
+        name: directory name of the table (and file stem in exports).
+        doc: what one row means.
+        columns: the columns in order (the tag columns first for signal tables).
+        kind: "rows" (each row is a record) or "delta" (rows are increments; the value is their sum).
+        sums: for delta tables, columns added up when rows with equal keys are coalesced.
+        maxes: for delta tables, columns that take the maximum when coalesced (`step`, `position`).
+        ragged_key: list column whose negative entries mark padding in 2-D input; the padded slots
+            are dropped from every list column of the row.
+        ascending: the writer stores each `ragged_key` list in ascending order (aligned lists follow).
+        cache: whether a reader keeps the table in memory (small tables) or reads it on demand.
+    """
+
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+    kind: Literal["rows", "delta"] = "rows"
+    sums: tuple[str, ...] = ()
+    maxes: tuple[str, ...] = ()
+    ragged_key: str | None = None
+    ascending: bool = False
+    cache: bool = True
+    arrow_schema: pa.Schema = field(init=False, repr=False, compare=False)
+    # column name -> (kind: "int" | "float" | "string" | "list", numpy dtype of the values), for the writer
+    meta: dict[str, tuple[str, np.dtype]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in self.columns]
+        tags = {b"k3wb.table": self.name.encode(), b"k3wb.schema_version": str(SCHEMA_VERSION).encode()}
+        object.__setattr__(self, "arrow_schema", pa.schema(fields, metadata=tags))
+        object.__setattr__(self, "meta", {c.name: _kind(c.type) for c in self.columns})
+
+    @property
+    def list_columns(self) -> list[str]:
+        return [name for name, (kind, _) in self.meta.items() if kind == "list"]
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    @property
+    def keys(self) -> list[str]:
+        """Columns that identify a delta row (everything not summed or maxed)."""
+        return [c.name for c in self.columns if c.name not in self.sums and c.name not in self.maxes]
+
+    @property
+    def has_layer(self) -> bool:
+        return "layer" in self.names
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+
+def _kind(t: pa.DataType) -> tuple[str, np.dtype]:
+    if pa.types.is_list(t):
+        return "list", np.dtype(t.value_type.to_pandas_dtype())
+    if pa.types.is_string(t) or pa.types.is_dictionary(t):
+        return "string", np.dtype(object)
+    return ("int" if pa.types.is_integer(t) else "float"), np.dtype(t.to_pandas_dtype())
+
+
+def _tags() -> tuple[Column, ...]:
+    return (
+        Column("layer", pa.int16(), "model layer index (0-based, as in config.json)", encoding="dict"),
+        Column("step", pa.int32(), "session-wide forward counter: prefill chunk or decode step (monotone)",
+               encoding="dict"),
+        Column("rank", pa.int16(), "process (tensor/expert-parallel rank) that recorded the row", encoding="dict"),
+    )
+
+
+_LIST_I32 = pa.list_(pa.int32())
+_LIST_F16 = pa.list_(pa.float16())
+
+TABLES: dict[str, TableSpec] = {t.name: t for t in (
+    TableSpec("tokens", "one row per token of the session (prompt, image patches and generated text)", (
+        Column("position", pa.int32(), "sequence position", encoding="delta"),
+        Column("token_id", pa.int32(), "token id"),
+        Column("piece", pa.string(), "decoded text of the token", encoding="dict"),
+        Column("segment", pa.int32(), "id of the segment (session.json segments[].id) holding the token",
+               encoding="dict"),
+        Column("modality", MODALITY_TYPE, "text or image", encoding="dict"),
+        Column("image_id", pa.int32(), "segment id of the image this patch token belongs to", True, "dict"),
+        Column("patch_row", pa.int16(), "row of the patch in the image's token grid", True),
+        Column("patch_col", pa.int16(), "column of the patch in the image's token grid", True),
+    )),
+    TableSpec("dsa_topk", "full index list of one query on one DSA layer (decode steps, sampled prefill queries)", (
+        *_tags(),
+        Column("position", pa.int32(), "query position", encoding="delta"),
+        Column("selected", _LIST_I32, "selected key positions, ascending", encoding="delta"),
+        Column("scores", pa.list_(pa.float32()), "indexer scores aligned with selected", True, "bss"),
+    ), ragged_key="selected", ascending=True, cache=False),
+    TableSpec("dsa_key_counts", "how often keys in a position bin were selected (delta); bin width is "
+              "policy.dsa_bin_tokens", (
+        *_tags(),
+        Column("key_bin", pa.int32(), "key position // policy.dsa_bin_tokens", encoding="delta"),
+        Column("count", pa.int64(), "selections of keys in the bin (delta)", encoding="delta"),
+    ), kind="delta", sums=("count",), maxes=("step",), cache=False),
+    TableSpec("dsa_distance_hist", "read distances d = query - key, log2 bins (delta)", (
+        *_tags(),
+        Column("log2_bin", pa.int8(), "b such that floor(log2(d + 1)) == b", encoding="dict"),
+        Column("count", pa.int64(), "selections at that distance (delta)", encoding="delta"),
+    ), kind="delta", sums=("count",), maxes=("step",)),
+    TableSpec("dsa_segment_totals", "selections of keys inside each segment (delta)", (
+        *_tags(),
+        Column("segment", pa.int32(), "segment id of the selected keys", encoding="dict"),
+        Column("count", pa.int64(), "selections (delta)", encoding="delta"),
+    ), kind="delta", sums=("count",), maxes=("step",)),
+    TableSpec("dsa_sink", "attention-sink hits: queries that selected one of the first policy.sink_tokens "
+              "positions (delta)", (
+        *_tags(),
+        Column("position", pa.int32(), "last query position the delta covers", encoding="delta"),
+        Column("queries", pa.int32(), "queries (delta)", encoding="delta"),
+        Column("sink_hits", pa.int32(), "queries that selected at least one sink position (delta)",
+               encoding="delta"),
+    ), kind="delta", sums=("queries", "sink_hits"), maxes=("step", "position")),
+    TableSpec("dsa_dense_mass", "fraction of the dense softmax mass inside the selected set (sampled queries)", (
+        *_tags(),
+        Column("position", pa.int32(), "query position", encoding="delta"),
+        Column("mass", pa.float32(), "sum of dense attention probabilities over the selected keys", encoding="bss"),
+    )),
+    TableSpec("kda_norms", "per-head KDA state statistics after a position (chunk boundaries, decode tokens)", (
+        *_tags(),
+        Column("position", pa.int32(), "position after which the state was measured", encoding="delta"),
+        Column("norm", _LIST_F16, "Frobenius norm of S, one per head", encoding="bss"),
+        Column("max_abs", _LIST_F16, "max |S| per head", True, "bss"),
+        Column("mean_decay", _LIST_F16, "mean exp(g) per head over the interval", True, "bss"),
+        Column("mean_beta", _LIST_F16, "mean beta per head over the interval", True, "bss"),
+    )),
+    TableSpec("moe_routes", "routing of one token on one MoE layer (decode steps, sampled windows)", (
+        *_tags(),
+        Column("position", pa.int32(), "token position", encoding="delta"),
+        Column("experts", pa.list_(pa.int16()), "logical expert ids, router order"),
+        Column("weights", _LIST_F16, "combine weights aligned with experts", encoding="bss"),
+        Column("entropy", pa.float32(), "entropy (nats) of the router distribution over all experts",
+               encoding="bss"),
+    ), ragged_key="experts", cache=False),
+    TableSpec("moe_counts", "token slots routed to each expert, by segment and modality (delta)", (
+        *_tags(),
+        Column("segment", pa.int32(), "segment id of the routed tokens", encoding="dict"),
+        Column("modality", MODALITY_TYPE, "text or image", encoding="dict"),
+        Column("expert", pa.int16(), "logical expert id", encoding="delta"),
+        Column("count", pa.int64(), "token slots (delta)", encoding="delta"),
+    ), kind="delta", sums=("count",), maxes=("step",), cache=False),
+    TableSpec("moe_rank_load", "routed token slots handled by each expert-parallel rank (delta)", (
+        *_tags(),
+        Column("ep_rank", pa.int16(), "expert-parallel rank that owns the experts", encoding="dict"),
+        Column("tokens", pa.int64(), "token slots (delta)", encoding="delta"),
+    ), kind="delta", sums=("tokens",), maxes=("step",)),
+)}
+
+SIGNAL_TABLES = tuple(name for name in TABLES if name != "tokens")
+
+
+def table_spec(name: str) -> TableSpec:
+    """The spec of a table, or a clear error naming the known tables."""
+    try:
+        return TABLES[name]
+    except KeyError:
+        raise TraceError(f"unknown trace table {name!r}; tables are: {', '.join(TABLES)}") from None
+
+
+def parquet_options(spec: TableSpec, compression_level: int = 3) -> dict:
+    """Keyword arguments for `pyarrow.parquet.write_table` that apply the spec's encodings."""
+    return {
+        "compression": "zstd",
+        "compression_level": compression_level,
+        "use_dictionary": [c.name for c in spec.columns if c.encoding == "dict"],
+        "column_encoding": {c.name: {"delta": "DELTA_BINARY_PACKED", "bss": "BYTE_STREAM_SPLIT"}[c.encoding]
+                            for c in spec.columns if c.encoding in ("delta", "bss")},
+        "write_statistics": True,
+        # CRC32 per page: readers verify it, so a damaged part is reported instead of decoding garbage
+        "write_page_checksum": True,
+    }
+
+
+def describe() -> str:
+    """The schema as Markdown (for docs and `workbench export`'s manifest)."""
+    lines = [f"# {SCHEMA_NAME} version {SCHEMA_VERSION}", ""]
+    for spec in TABLES.values():
+        lines += [f"## {spec.name} ({spec.kind})", "", spec.doc, ""]
+        lines += [f"- `{c.name}` {c.type}{' (nullable)' if c.nullable else ''}: {c.doc}" for c in spec.columns]
+        lines.append("")
+    return "\n".join(lines)

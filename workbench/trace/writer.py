@@ -1,0 +1,322 @@
+"""`TraceWriter`: the only code that writes a trace directory (crash-safe, append-only, bounded memory).
+
+Usage (what the recorders do)::
+
+    w = TraceWriter.create("traces/run1", {"model": {...}, "policy": {...}, "segments": [...]})
+    w.append("tokens", position=pos, token_id=ids, piece=pieces, segment=0, modality="text")
+    w.append("dsa_topk", layer=3, step=step, rank=0, position=q, selected=idx)    # idx [n_q, k]
+    w.flush()                                    # cheap; call it every second
+    w.update_session(timings={"ttft_s": 1.2})    # dicts merge, other values replace
+    w.close()                                    # final flush, tokens.parquet, status "complete"
+
+Appends are validated at once (so bad input fails at the call site) and buffered per table as numpy
+arrays (an append costs tens of microseconds); `flush()` converts them to Arrow and writes one new
+part per table that has rows. `flush(wait=False)` does that on a background thread. A buffer that
+grows past `max_buffer_rows` rows, or the writer past `max_buffer_bytes`, flushes by itself (in the
+background), so memory stays bounded at any length. Delta tables are coalesced at flush (equal keys
+summed), so appending per step costs nothing on disk. The writer is thread-safe: a timer thread may
+flush while the engine thread appends.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workbench.trace.columns import Batch, coalesce, prepare, to_table
+from workbench.trace.errors import TraceError
+from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_json_atomic,
+                                   write_parquet_atomic)
+from workbench.trace.schema import (MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
+                                    SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, table_spec)
+
+# fields the writer owns; a caller may read them but update_session refuses to set them
+_MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens", "parts")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def check_segments(segments: Any) -> list[dict]:
+    """Validate session segments (id, kind, name, start, end, modality, optional image) and return them."""
+    if not isinstance(segments, list):
+        raise TraceError("session segments must be a list of dicts")
+    ids = set()
+    for i, seg in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(seg, dict):
+            raise TraceError(f"{where} must be a dict")
+        for key in ("id", "kind", "start", "end"):
+            if key not in seg:
+                raise TraceError(f"{where} lacks {key!r}")
+        if seg["kind"] not in SEGMENT_KINDS:
+            raise TraceError(f"{where}.kind must be one of {SEGMENT_KINDS}, got {seg['kind']!r}")
+        if seg.get("modality", "text") not in MODALITIES:
+            raise TraceError(f"{where}.modality must be one of {MODALITIES}, got {seg['modality']!r}")
+        if not 0 <= int(seg["start"]) <= int(seg["end"]):
+            raise TraceError(f"{where}: token range [{seg['start']}, {seg['end']}) is not valid")
+        if seg["id"] in ids:
+            raise TraceError(f"{where}: duplicate segment id {seg['id']!r}")
+        ids.add(seg["id"])
+        image = seg.get("image")
+        if image is not None:
+            missing = {"width", "height", "grid_rows", "grid_cols"} - set(image)
+            if missing:
+                raise TraceError(f"{where}.image lacks {sorted(missing)}")
+    return segments
+
+
+def _check_json(fields: Mapping[str, Any]) -> None:
+    try:
+        json.dumps(fields)
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"session fields must be JSON-serialisable: {exc}") from None
+
+
+def _merge(base: dict, update: Mapping) -> dict:
+    """Recursive dict merge: nested dicts merge key by key, everything else (lists included) replaces."""
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+class TraceWriter:
+    """Append-only writer of one trace directory. Create it with `TraceWriter.create`.
+
+    Args (of `create`):
+        path (str | Path): the trace directory; created (with parents) if absent.
+        session (dict): initial session.json content: model, engine, policy, segments, timings, ...
+        overwrite (bool, Optional): replace an existing trace at `path` (a non-trace directory is
+            never deleted). Default: False.
+        max_buffer_rows (int, Optional): rows buffered per table before it flushes by itself.
+        max_buffer_bytes (int, Optional): bytes buffered over all tables before everything flushes.
+        fsync (bool, Optional): fsync parts and directories (durability across power loss; a process
+            crash is safe either way because parts are renamed into place). Default: True.
+        compression_level (int, Optional): zstd level of the parts. Default: 3.
+    """
+
+    def __init__(self, path: Path, session: dict, *, max_buffer_rows: int, max_buffer_bytes: int, fsync: bool,
+                 compression_level: int) -> None:
+        self.path = path
+        self._session = session
+        self._max_rows = max_buffer_rows
+        self._max_bytes = max_buffer_bytes
+        self._fsync = fsync
+        self._level = compression_level
+        self._lock = threading.RLock()  # buffers and part numbering
+        self._session_lock = threading.RLock()  # the session dict and session.json (the flush thread takes it)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._buffers: dict[str, list[Batch]] = {name: [] for name in TABLES}
+        self._buffer_rows = dict.fromkeys(TABLES, 0)
+        self._buffer_bytes = 0
+        self._next_part = dict.fromkeys(TABLES, 0)
+        self._closed = False
+
+    @classmethod
+    def create(cls, path: str | Path, session: Mapping[str, Any], *, overwrite: bool = False,
+               max_buffer_rows: int = 1_000_000, max_buffer_bytes: int = 256 << 20, fsync: bool = True,
+               compression_level: int = 3) -> "TraceWriter":
+        """Start a new trace at `path` with status "recording"; see the class docstring for the arguments."""
+        path = Path(path)
+        if path.exists():
+            if not path.is_dir():
+                raise TraceError(f"{path} exists and is not a directory")
+            if any(path.iterdir()):
+                if not overwrite:
+                    raise TraceError(f"{path} is not empty; pass overwrite=True to replace the trace there")
+                if not (path / SESSION_FILE).is_file():
+                    raise TraceError(f"{path} is not empty and holds no trace; refusing to delete it")
+                shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+        unknown = sorted(set(session) & set(_MANAGED))
+        if unknown:
+            raise TraceError(f"session fields {unknown} are managed by the writer")
+        _check_json(session)
+        body = copy.deepcopy(dict(session))
+        check_segments(body.setdefault("segments", []))
+        body["policy"] = {**POLICY_DEFAULTS, **body.get("policy", {})}
+        for key in ("model", "engine", "timings"):
+            body.setdefault(key, {})
+        full = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "created": _now(), "updated": _now(),
+                "status": "recording", "tokens": 0, "parts": {}, **body}
+        writer = cls(path, full, max_buffer_rows=max_buffer_rows, max_buffer_bytes=max_buffer_bytes, fsync=fsync,
+                     compression_level=compression_level)
+        writer._write_session()
+        return writer
+
+    @property
+    def session(self) -> dict:
+        """A copy of the session as last written (or about to be written)."""
+        with self._session_lock:
+            return copy.deepcopy(self._session)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def append(self, table: str, rows: Mapping[str, Any] | pa.Table | None = None, /, **columns: Any) -> int:
+        """Buffer rows for `table`; columns as keyword arguments or a mapping/Arrow table. Returns the row count.
+
+        See `workbench.trace.columns` for the accepted shapes (scalars broadcast, 2-D arrays for lists).
+        """
+        spec = table_spec(table)
+        data: dict[str, Any] = {}
+        if isinstance(rows, pa.Table):
+            data.update({name: rows[name] for name in rows.column_names})
+        elif rows is not None:
+            data.update(rows)
+        data.update(columns)
+        batch = prepare(spec, data)
+        with self._lock:
+            self._check_open()
+            if batch.n == 0:
+                return 0
+            self._buffers[table].append(batch)
+            self._buffer_rows[table] += batch.n
+            self._buffer_bytes += batch.nbytes
+            # automatic flushes go to the background thread: the engine thread must not stall on I/O
+            if self._buffer_rows[table] >= self._max_rows:
+                self._flush([table], wait=False)
+            elif self._buffer_bytes >= self._max_bytes:
+                self._flush(list(TABLES), wait=False)
+        return batch.n
+
+    def flush(self, wait: bool = True) -> dict[str, int]:
+        """Write one new part per table with buffered rows; returns {table: rows written}.
+
+        With wait=False the rows are handed to a background thread and the call returns at once
+        (with {}): Parquet encoding and fsync then overlap the engine's work. At most one flush is in
+        flight; the next flush waits for it and re-raises its error, if any.
+        """
+        with self._lock:
+            self._check_open()
+            return self._flush(list(TABLES), wait)
+
+    def update_session(self, **fields: Any) -> None:
+        """Merge fields into session.json and rewrite it atomically (dicts merge, other values replace)."""
+        with self._session_lock:
+            self._check_open()
+            managed = sorted(set(fields) & set(_MANAGED))
+            if managed:
+                raise TraceError(f"session fields {managed} are managed by the writer")
+            if "segments" in fields:
+                check_segments(fields["segments"])
+            _check_json(fields)
+            _merge(self._session, fields)
+            self._write_session()
+
+    def add_segment(self, segment: Mapping[str, Any]) -> None:
+        """Append one segment (a new turn, an uploaded image, the generated answer) to session.json."""
+        with self._session_lock:
+            self.update_session(segments=[*self._session["segments"], dict(segment)])
+
+    def close(self, status: str = "complete") -> None:
+        """Final flush, compaction of the tokens parts into tokens.parquet, and the final status."""
+        if status not in STATUSES:
+            raise TraceError(f"status must be one of {STATUSES}, got {status!r}")
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._flush(list(TABLES), wait=True)
+            finally:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+            with self._session_lock:
+                self._compact_tokens()
+                self._session["status"] = status
+                self._write_session()
+                self._closed = True
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("complete" if exc_type is None else "failed")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TraceError(f"trace writer for {self.path} is closed")
+
+    def _flush(self, names: list[str], wait: bool) -> dict[str, int]:
+        self._drain()
+        jobs = []
+        for name in names:
+            if self._buffers[name]:
+                jobs.append((name, self._next_part[name], self._buffers[name]))
+                self._next_part[name] += 1
+                self._buffer_bytes -= sum(b.nbytes for b in self._buffers[name])
+                self._buffers[name] = []
+                self._buffer_rows[name] = 0
+        if not jobs:
+            return {}
+        if wait:
+            return self._write(jobs)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"trace-writer-{self.path.name}")
+        self._pending = self._pool.submit(self._write, jobs)
+        return {}
+
+    def _drain(self) -> None:
+        """Wait for the background flush, if any; its failure surfaces here, in the caller's thread."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _write(self, jobs: list[tuple[str, int, list[Batch]]]) -> dict[str, int]:
+        """Encode and publish one part per job, then record them in session.json (parts before manifest)."""
+        written = {}
+        for name, seq, batches in jobs:
+            spec = TABLES[name]
+            table = coalesce(spec, to_table(spec, batches))
+            directory = self.path / name
+            if seq == 0:
+                directory.mkdir(exist_ok=True)
+                remove_stale_temps(directory)
+            write_parquet_atomic(table, directory / part_name(seq), parquet_options(spec, self._level),
+                                 fsync=self._fsync)
+            written[name] = table.num_rows
+        with self._session_lock:
+            for name, seq, _ in jobs:
+                if name == "tokens":
+                    self._session["tokens"] += written[name]
+                self._session["parts"][name] = seq + 1
+            self._write_session()
+        return written
+
+    def _compact_tokens(self) -> None:
+        """Merge tokens/part-*.parquet into tokens.parquet (sorted by position), then drop the parts.
+
+        Parts are deleted highest first, so a reader racing the deletion sees a prefix, never a gap.
+        """
+        directory = self.path / "tokens"
+        parts = list_parts(directory)
+        spec = TABLES["tokens"]
+        tables = [pq.read_table(p, schema=spec.arrow_schema) for _, p in parts]
+        table = pa.concat_tables(tables) if tables else spec.arrow_schema.empty_table()
+        table = table.sort_by([("position", "ascending")])
+        write_parquet_atomic(table, self.path / TOKENS_FILE, parquet_options(spec, self._level), fsync=self._fsync)
+        for _, p in reversed(parts):
+            p.unlink()
+        if directory.exists():
+            remove_stale_temps(directory)
+            directory.rmdir()
+        self._session["parts"].pop("tokens", None)
+
+    def _write_session(self) -> None:
+        self._session["updated"] = _now()
+        write_json_atomic(self.path / SESSION_FILE, self._session, fsync=self._fsync)
