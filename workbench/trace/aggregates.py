@@ -50,13 +50,26 @@ class DenseSums:
         if idx.min() < 0:
             raise ValueError(f"negative {self.index} in part {part_id}")
         val = table[self.value].to_numpy().astype(np.int64)
-        keys = np.stack([_codes(table[g]) for g in self.groups], axis=1)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        # one compact integer per group tuple (mixed radix over each column's distinct values), so
+        # that grouping is a 1-D unique instead of a slow row-wise unique over a 2-D array
+        values, gid = [], np.zeros(len(idx), np.int64)
+        for g in self.groups:
+            distinct, code = np.unique(_codes(table[g]), return_inverse=True)
+            values.append(distinct)
+            gid = gid * len(distinct) + code
+        used, inv = np.unique(gid, return_inverse=True)
+        keys = []
+        for g in used.tolist():
+            key = []
+            for distinct in reversed(values):
+                g, c = divmod(g, len(distinct))
+                key.append(int(distinct[c]))
+            keys.append(tuple(reversed(key)))
         size = int(idx.max()) + 1
         # bincount over (group, slot) pairs; exact in float64 up to 2**53 per slot and part
-        flat = np.bincount(inv.reshape(-1) * size + idx, weights=val, minlength=len(uniq) * size)
-        flat = np.rint(flat).astype(np.int64).reshape(len(uniq), size)
-        for row, key in enumerate(map(tuple, uniq.tolist())):
+        flat = np.bincount(inv * size + idx, weights=val, minlength=len(used) * size)
+        flat = np.rint(flat).astype(np.int64).reshape(len(used), size)
+        for row, key in enumerate(keys):
             current = self.sums.get(key)
             if current is None or len(current) < size:
                 grown = np.zeros(max(size, 0 if current is None else len(current)), np.int64)

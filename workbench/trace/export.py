@@ -125,7 +125,8 @@ def _npz_arrays(table: pa.Table) -> dict[str, np.ndarray]:
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         t, name = field.type, field.name
         if pa.types.is_list(t):
-            out[f"{name}.offsets"] = col.offsets.to_numpy().astype(np.int64) - (col.offsets[0].as_py() if len(col.offsets) else 0)
+            offsets = col.offsets.to_numpy().astype(np.int64)
+            out[f"{name}.offsets"] = offsets - offsets[0]  # a sliced array's offsets need not start at 0
             out[f"{name}.values"] = pc.list_flatten(col).to_numpy(zero_copy_only=False)
             if field.nullable:
                 out[f"{name}.valid"] = col.is_valid().to_numpy(zero_copy_only=False)
@@ -189,6 +190,7 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     tmp.mkdir()
     try:
         manifest = {"source": str(trace.path), "format": fmt, "schema_version": trace.session.get("schema_version"),
+                    "status": trace.status,
                     "layers": None if layers is None else list(layers),
                     "exported": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "tables": {}}
         for name in names:

@@ -65,12 +65,16 @@ def publish(tmp: Path, final: Path, *, fsync: bool) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
     tmp = temp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    publish(tmp, path, fsync=fsync)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        publish(tmp, path, fsync=fsync)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, obj: dict, *, fsync: bool = True) -> None:
@@ -80,15 +84,20 @@ def write_json_atomic(path: Path, obj: dict, *, fsync: bool = True) -> None:
 def write_parquet_atomic(table: pa.Table, path: Path, options: dict, *, fsync: bool = True) -> int:
     """Write `table` to `path` through a temporary; returns the file size in bytes."""
     tmp = temp_name(path)
-    pq.write_table(table, tmp, **options)
-    if fsync:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    size = tmp.stat().st_size
-    publish(tmp, path, fsync=fsync)
+    try:
+        pq.write_table(table, tmp, **options)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        size = tmp.stat().st_size
+        publish(tmp, path, fsync=fsync)
+    except BaseException:
+        # a failed write (disk full, interrupt) leaves no temporary behind; readers never saw it anyway
+        tmp.unlink(missing_ok=True)
+        raise
     return size
 
 

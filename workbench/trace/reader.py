@@ -21,6 +21,8 @@ on demand or folded once into running sums.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -35,8 +37,8 @@ from workbench.analysis.dsa import rebin_counts
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.files import list_parts
-from workbench.trace.schema import (EXPORT_MANIFEST, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS,
-                                    TABLES, TOKENS_FILE, TableSpec, table_spec)
+from workbench.trace.schema import (EXPORT_MANIFEST, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SESSION_FILE,
+                                    SUPPORTED_VERSIONS, TABLES, TOKENS_FILE, TableSpec, table_spec)
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
 
@@ -160,8 +162,10 @@ class Trace:
 
     def _refresh_table(self, name: str) -> bool:
         spec = TABLES[name]
+        listing = [] if name == "tokens" and self._tokens_compact else list_parts(self.path / name)
+        # tokens.parquet is published before the writer deletes tokens/ parts, so when it is absent
+        # *after* the listing, the listing was complete
         if name == "tokens" and not self._tokens_compact and (self.path / TOKENS_FILE).is_file():
-            # the writer closed and compacted the tokens parts: switch to the single file
             self._tokens_compact = True
             for part in self._parts["tokens"]:
                 self._cache.pop(part.path, None)
@@ -170,8 +174,6 @@ class Trace:
             if self._parts["tokens"]:
                 return False
             listing = [(0, self.path / TOKENS_FILE)]
-        else:
-            listing = list_parts(self.path / name)
         known = {p.seq for p in self._parts[name]} | {seq for seq, path in listing if path in self._bad}
         added = False
         for seq, path in listing:
@@ -253,13 +255,14 @@ class Trace:
         filters = {"layer": None if layers is None else (min(layers), max(layers)), "step": steps,
                    "position": positions}
         needed = list(dict.fromkeys(wanted + [c for c, r in filters.items() if r is not None]))
-        pieces = []
-        for part in self._parts[name]:
-            if part.path in self._bad or not _overlaps(part, filters):
-                continue
-            table = self._load(part, spec, needed)
-            if table is not None and table.num_rows:
-                pieces.append(table)
+        parts = [p for p in self._parts[name] if p.path not in self._bad and _overlaps(p, filters)]
+        if len(parts) > 1 and (not spec.cache or any(p.path not in self._cache for p in parts)):
+            # decoding releases the GIL: read parts on several threads (the first load of a big table)
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                loaded = list(pool.map(lambda p: self._load(p, spec, needed), parts))
+        else:
+            loaded = [self._load(p, spec, needed) for p in parts]
+        pieces = [t for t in loaded if t is not None and t.num_rows]
         table = pa.concat_tables(pieces) if pieces else spec.arrow_schema.empty_table().select(needed)
         mask = None
         if layers is not None:

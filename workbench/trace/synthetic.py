@@ -104,8 +104,9 @@ def _layout(tokens: int, policy: Policy) -> tuple[list[dict], int, tuple[int, in
     body = prompt - 64 - grid * grid
     doc1 = int(body * 0.45)
     bounds = [("turn", "system", 32, "text", None), ("document", "report.pdf", doc1, "text", None),
-              ("image", "figure-1.png", grid * grid, "image", grid), ("document", "appendix.md", body - doc1, "text", None),
-              ("turn", "user", 32, "text", None), ("generated", "answer", decode, "text", None)]
+              ("image", "figure-1.png", grid * grid, "image", grid),
+              ("document", "appendix.md", body - doc1, "text", None), ("turn", "user", 32, "text", None),
+              ("generated", "answer", decode, "text", None)]
     segments, start = [], 0
     for i, (kind, name, n, modality, g) in enumerate(bounds):
         seg = {"id": i, "kind": kind, "name": name, "start": start, "end": start + n, "modality": modality}
@@ -176,7 +177,8 @@ class _Generator:
             self.w.append("dsa_distance_hist", **tags, step=last_step, log2_bin=nz, count=dist[nz])
             seg_counts = np.bincount(bin_seg, weights=counts, minlength=len(self.segments)).astype(np.int64)
             nz = np.flatnonzero(seg_counts)
-            self.w.append("dsa_segment_totals", **tags, step=last_step, segment=self.segment_ids[nz], count=seg_counts[nz])
+            self.w.append("dsa_segment_totals", **tags, step=last_step, segment=self.segment_ids[nz],
+                          count=seg_counts[nz])
             hits = rng.binomial(1, self.dsa.sink_rate(i, pos)).sum()
             self.w.append("dsa_sink", **tags, step=last_step, position=int(pos[-1]), queries=len(pos), sink_hits=hits)
             if probed.any():
@@ -244,9 +246,10 @@ def write_synthetic_trace(path: str | Path, tokens: int = 131072, dims: Dims | N
     segments, prompt, needle = _layout(tokens, policy)
     session = {
         "model": {"config_hash": "synthetic", "checkpoint": None,
-                  "summary": {"dsa_layers": list(dims.dsa_layers), "topk": dims.topk, "kda_layers": list(dims.kda_layers),
-                              "kda_heads": dims.kda_heads, "moe_layers": list(dims.moe_layers),
-                              "num_experts": dims.experts, "experts_per_token": dims.experts_per_token}},
+                  "summary": {"dsa_layers": list(dims.dsa_layers), "topk": dims.topk,
+                              "kda_layers": list(dims.kda_layers), "kda_heads": dims.kda_heads,
+                              "moe_layers": list(dims.moe_layers), "num_experts": dims.experts,
+                              "experts_per_token": dims.experts_per_token}},
         "engine": {"device": "synthetic", "ep_ranks": dims.ep_ranks, "prefill_chunk": policy.prefill_chunk},
         "policy": asdict(policy), "segments": segments[:-1],
     }

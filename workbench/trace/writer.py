@@ -286,7 +286,6 @@ class TraceWriter:
             directory = self.path / name
             if seq == 0:
                 directory.mkdir(exist_ok=True)
-                remove_stale_temps(directory)
             write_parquet_atomic(table, directory / part_name(seq), parquet_options(spec, self._level),
                                  fsync=self._fsync)
             written[name] = table.num_rows
