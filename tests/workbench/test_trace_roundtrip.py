@@ -77,6 +77,22 @@ def test_roundtrip_all_input_shapes(tmp_path):
     w.close()
 
 
+def test_append_takes_arrow_tables_and_dataframes(tmp_path):
+    w = _writer(tmp_path)
+    _tokens(w, 0, 100)
+    w.flush()
+    tokens = open_trace(tmp_path / "t").table("tokens")
+    w2 = TraceWriter.create(tmp_path / "u", {}, fsync=False)
+    w2.append("tokens", tokens)
+    w2.append("tokens", tokens.to_pandas().assign(position=lambda d: d.position + 100, image_id=-1, patch_row=-1,
+                                                   patch_col=-1))
+    w2.close()
+    back = open_trace(tmp_path / "u").table("tokens")
+    assert back.slice(0, 100).equals(tokens) and back["position"].to_pylist() == list(range(200))
+    assert back["image_id"].null_count == 196 and back["modality"].to_pylist()[100:] == tokens["modality"].to_pylist()
+    w.close()
+
+
 def test_bad_appends_fail_at_the_call_site(tmp_path):
     w = _writer(tmp_path)
     with pytest.raises(TraceError, match="unknown trace table"):

@@ -189,6 +189,12 @@ def prepare(spec: TableSpec, data: Mapping[str, Any]) -> Batch:
             cols[col.name] = _scalar(value, kind, dtype, where)
             continue
         arr = _plain_numpy(value)
+        if col.nullable and arr.size and kind == "int" and arr.dtype.kind == "f":
+            # pandas turns nullable integer columns into floats with NaN: accept integral values
+            missing = np.isnan(arr)
+            if not np.array_equal(arr[~missing], np.floor(arr[~missing])):
+                raise TraceError(f"{where}: expected integers, got non-integral floats")
+            arr = np.where(missing, -1, arr).astype(np.int64)
         if col.nullable and arr.size and arr.dtype.kind in "if":
             # keep the null markers (negative ints, NaN) for to_table; the other values must fit
             valid = arr >= 0 if arr.dtype.kind == "i" else ~np.isnan(arr)

@@ -268,7 +268,7 @@ def parquet_options(spec: TableSpec, compression_level: int = 3) -> dict:
 
 
 def describe() -> str:
-    """The schema as Markdown (for docs and `workbench export`'s manifest)."""
+    """The schema as Markdown (for docs and notebooks)."""
     lines = [f"# {SCHEMA_NAME} version {SCHEMA_VERSION}", ""]
     for spec in TABLES.values():
         lines += [f"## {spec.name} ({spec.kind})", "", spec.doc, ""]

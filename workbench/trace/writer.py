@@ -169,7 +169,9 @@ class TraceWriter:
         return self._closed
 
     def append(self, table: str, rows: Mapping[str, Any] | pa.Table | None = None, /, **columns: Any) -> int:
-        """Buffer rows for `table`; columns as keyword arguments or a mapping/Arrow table. Returns the row count.
+        """Buffer rows for `table`: columns as keyword arguments, or a mapping (dict, DataFrame) or Arrow table.
+
+        Returns the number of rows buffered.
 
         See `workbench.trace.columns` for the accepted shapes (scalars broadcast, 2-D arrays for lists).
         """
@@ -236,6 +238,7 @@ class TraceWriter:
             finally:
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
+                    self._pool = None
             with self._session_lock:
                 self._compact_tokens()
                 self._session["status"] = status
