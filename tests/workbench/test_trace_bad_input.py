@@ -76,7 +76,7 @@ def test_a_deleted_last_part_is_noticed_through_the_manifest(tmp_path):
     assert t.table("dsa_dense_mass").num_rows == 20
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "flip_bytes", "wrong_table"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "flip_bytes", "wrong_table", "wrong_type"])
 def test_corrupt_parts_are_skipped_with_a_problem_naming_the_file(tmp_path, damage):
     path = _trace(tmp_path)
     bad = _part(path, 1)
@@ -90,8 +90,11 @@ def test_corrupt_parts_are_skipped_with_a_problem_naming_the_file(tmp_path, dama
         for i in range(8, 40):
             data[i] ^= 0x5A
         bad.write_bytes(bytes(data))
-    else:
+    elif damage == "wrong_table":
         pq.write_table(pa.table({"x": [1, 2]}), bad)
+    else:
+        good = pq.read_table(bad)
+        pq.write_table(good.set_column(0, "layer", good["layer"].cast(pa.int64())), bad)
     t = open_trace(path)
     rows = t.table("dsa_dense_mass").num_rows
     assert rows == 20

@@ -70,6 +70,10 @@ def test_roundtrip_all_input_shapes(tmp_path):
     assert positions.tolist() == [63, 99] and norms.tolist() == [[1, 2], [3, 4]]
     assert t.kda_norm_matrix(0, "mean_decay")[1].tolist() == [[0.5, 0.5], [0.5, 0.5]]
     assert t.table("dsa_topk", layers=[7])["position"].to_pylist() == [12]
+    assert t.table("dsa_topk", layers=[]).num_rows == 0
+    assert t.table("tokens", columns=["piece"], positions=(90, 92))["piece"].to_pylist() == ["t90", "t91", "t92"]
+    with pytest.raises(TraceError, match="no step column"):
+        t.table("tokens", steps=(0, 1))
     assert t.topk_for(11)["selected"].to_pylist() == [[0, 2, 3, 7]]
     assert len(t.df("dsa_topk", columns=["layer", "position"]).columns) == 2
     seg = t.segments()

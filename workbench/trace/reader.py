@@ -92,6 +92,10 @@ def _footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]
     missing = [c.name for c in spec.columns if c.name not in arrow.names]
     if missing:
         raise ValueError(f"missing column(s) {', '.join(missing)}")
+    for c in spec.columns:
+        found = arrow.field(c.name).type
+        if found != c.type:
+            raise ValueError(f"column {c.name} has type {found}, expected {c.type}")
     ranges: dict[str, tuple[int, int]] = {}
     for name in ("layer", "position", "step"):
         if name not in arrow.names or meta.num_row_groups == 0:
@@ -219,8 +223,8 @@ class Trace:
             self._bad.add(part.path)
             self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
             return None
-        # conform to the current schema (older parts of the same version may lack nullable columns)
-        return table.select([c for c in (columns or spec.names) if c in table.column_names])
+        # the spec's columns in the spec's order (a part may carry extra columns a reader ignores)
+        return table.select(columns or spec.names)
 
     def _load(self, part: Part, spec: TableSpec, columns: list[str] | None) -> pa.Table | None:
         if not spec.cache:
@@ -246,29 +250,33 @@ class Trace:
                 statistics miss the range are not read at all.
         """
         spec = table_spec(name)
-        if name == "tokens":
-            return self._tokens_table(columns)
         wanted = list(columns) if columns is not None else spec.names
         unknown = [c for c in wanted if c not in spec.names]
         if unknown:
             raise TraceError(f"table {name} has no column(s) {', '.join(unknown)}")
-        filters = {"layer": None if layers is None else (min(layers), max(layers)), "step": steps,
-                   "position": positions}
+        filters = {"layer": None if layers is None else (min(layers, default=0), max(layers, default=-1)),
+                   "step": steps, "position": positions}
+        for col, wanted_range in filters.items():
+            if wanted_range is not None and col not in spec.names:
+                raise TraceError(f"table {name} has no {col} column to filter on")
         needed = list(dict.fromkeys(wanted + [c for c, r in filters.items() if r is not None]))
-        parts = [p for p in self._parts[name] if p.path not in self._bad and _overlaps(p, filters)]
-        if len(parts) > 1 and (not spec.cache or any(p.path not in self._cache for p in parts)):
-            # decoding releases the GIL: read parts on several threads (the first load of a big table)
-            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-                loaded = list(pool.map(lambda p: self._load(p, spec, needed), parts))
+        if name == "tokens":
+            table = self._tokens_table(needed)
         else:
-            loaded = [self._load(p, spec, needed) for p in parts]
-        pieces = [t for t in loaded if t is not None and t.num_rows]
-        table = pa.concat_tables(pieces) if pieces else spec.arrow_schema.empty_table().select(needed)
+            parts = [p for p in self._parts[name] if p.path not in self._bad and _overlaps(p, filters)]
+            if len(parts) > 1 and (not spec.cache or any(p.path not in self._cache for p in parts)):
+                # decoding releases the GIL: read parts on several threads (the first load of a big table)
+                with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                    loaded = list(pool.map(lambda p: self._load(p, spec, needed), parts))
+            else:
+                loaded = [self._load(p, spec, needed) for p in parts]
+            pieces = [t for t in loaded if t is not None and t.num_rows]
+            table = pa.concat_tables(pieces) if pieces else spec.arrow_schema.empty_table().select(needed)
         mask = None
         if layers is not None:
             mask = pc.is_in(table["layer"], value_set=pa.array(list(layers), pa.int16()))
         for col in ("step", "position"):
-            if filters[col] is not None and table.num_rows:
+            if filters[col] is not None:
                 lo, hi = filters[col]
                 inside = pc.and_(pc.greater_equal(table[col], lo), pc.less_equal(table[col], hi))
                 mask = inside if mask is None else pc.and_(mask, inside)
