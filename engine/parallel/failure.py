@@ -7,7 +7,8 @@ the rendezvous store torch.distributed already has (the torchrun agent's, or ran
 - every `poll_s` each rank bumps its heartbeat counter `hb/R` and looks for a `failed` record;
 - a rank that raises calls `report(exc)`: the first report becomes `failed` = "rank R failed: ...",
   then it waits (at most `grace_s`) until the others have seen it, so its message reaches them
-  even when it hosts the store;
+  even when it hosts the store. When a peer has gone quiet the error is most likely the echo of
+  that peer's death (gloo: "connection closed by peer"), so it first lets the watchdog name it;
 - a watchdog that finds `failed`, a silent peer (no heartbeat for `heartbeat_timeout_s`), or an
   unreachable store prints one line naming the rank at fault and ends its process (exit 1): the
   main thread may be blocked inside a collective that cannot be interrupted.
@@ -50,9 +51,13 @@ class Watchdog:
 
     def report(self, exc: BaseException) -> None:
         """Record this rank's failure for all ranks (the first report wins), then wait for them."""
-        if isinstance(exc, dist.DistError):
-            # a collective failed: most likely a peer died first; let the watchdog find it and exit
-            self._stop.wait(self.heartbeat_timeout_s + 4 * self.poll_s)
+        try:
+            if self._thread is not None and self._silent_peers(4 * self.poll_s):
+                # a peer went quiet: this error is most likely the echo of its death (a closed
+                # connection); the watchdog names it once its heartbeat times out
+                self._stop.wait(self.heartbeat_timeout_s + 4 * self.poll_s)
+        except Exception:  # the store is gone too: report what we know
+            pass
         self._halt()
         message = f"rank {self.rank} failed: {type(exc).__name__}: {exc}"
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -64,6 +69,15 @@ class Watchdog:
                 time.sleep(self.poll_s)
         except Exception:  # the store is gone: peers learn from their own watchdogs
             pass
+
+    def _silent_peers(self, window_s: float) -> list[int]:
+        """Peers whose heartbeat did not move during `window_s` (and that did not finish cleanly)."""
+        peers = [r for r in range(self.world) if r != self.rank]
+        keys = [f"hb/{r}" for r in peers]
+        before = self.store.multi_get(keys)
+        time.sleep(window_s)
+        after = self.store.multi_get(keys)
+        return [r for r, b, a in zip(peers, before, after) if a == b and not self.store.check([f"done/{r}"])]
 
     def _halt(self) -> None:
         self._stop.set()

@@ -232,7 +232,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         source = CheckpointSource(files, mapping)
         total = files.total_bytes
     with torch.device("meta"):
-        model = KimiForCausalLM(config, runtime, expert_ids, parallel)
+        # floats in the compute dtype (MXFP4 experts stay uint8); fill only copies values in
+        model = KimiForCausalLM(config, runtime, expert_ids, parallel).to(dtype)
     model.to_empty(device=device)
     fill(model, source, dtype, progress=progress, total_bytes=total)
     model.eval()

@@ -8,6 +8,7 @@ inject the failures the tests look for: a rank that raises, a rank with another 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -26,16 +27,19 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises after loading")
+    p.add_argument("--die-rank", type=int, default=-1, help="this rank vanishes after loading (no report)")
     p.add_argument("--other-model-on-rank", type=int, default=-1, help="this rank loads --other-model")
     p.add_argument("--other-model")
     p.add_argument("--check-ranks", action="store_true", help="cross-rank invariant checks in every forward")
     args = p.parse_args()
     torch.set_num_threads(1)
-    with distributed(debug_checks=args.check_ranks, heartbeat_timeout_s=20.0) as ctx:
+    with distributed(debug_checks=args.check_ranks, heartbeat_timeout_s=10.0) as ctx:
         path = args.other_model if ctx.rank == args.other_model_on_rank else args.model
         model = load_model(path, parallel=ctx, device=ctx.device)
         if ctx.rank == args.fail_rank:
             raise RuntimeError("injected failure")
+        if ctx.rank == args.die_rank:
+            os._exit(3)
         with torch.inference_mode():
             logits = model(torch.tensor([PROMPT]))[0]
         session = Session(model)

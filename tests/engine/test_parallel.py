@@ -100,13 +100,18 @@ def test_kimi_linear_preset_world2(tmp_path):
     _check_job(2, model, reference(model), tmp_path)
 
 
-@pytest.mark.parametrize("fail_rank", [1, 0])
-def test_a_raising_rank_stops_every_rank_naming_it(fail_rank, k31_mxfp4):
-    codes, errors, seconds = launch(2, "--model", str(k31_mxfp4), "--fail-rank", str(fail_rank), timeout=90)
+@pytest.mark.parametrize("how, rank, message", [
+    ("--fail-rank", 1, "rank 1 failed: RuntimeError: injected failure"),
+    ("--fail-rank", 0, "rank 0 failed: RuntimeError: injected failure"),  # the rank hosting the store
+    ("--die-rank", 1, "rank 1 stopped responding"),  # vanishes without a word: the heartbeat names it
+], ids=["rank1-raises", "rank0-raises", "rank1-dies"])
+def test_a_failing_rank_stops_every_rank_naming_it(how, rank, message, k31_mxfp4):
+    codes, errors, seconds = launch(2, "--model", str(k31_mxfp4), how, str(rank), timeout=90)
     assert all(code != 0 for code in codes), codes
     assert seconds < 60
-    for rank, err in enumerate(errors):
-        assert f"rank {fail_rank} failed: RuntimeError: injected failure" in err, (rank, err)
+    for other, err in enumerate(errors):
+        if other != rank or how == "--fail-rank":
+            assert message in err, (other, err)
 
 
 def test_mismatched_configs_are_refused_at_start(k31_mxfp4):
