@@ -186,6 +186,34 @@ class ModelConfig:
             return 0
         return len(range(0, self.num_hidden_layers, self.attn_res_block_size))
 
+    def summary(self) -> dict:
+        """Human-facing facts about the architecture (CLI `inspect`, trace metadata)."""
+        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+        return {
+            "variant": self.variant,
+            "layers": self.num_hidden_layers,
+            "layer_kinds": kinds,
+            "kda_layers": kinds.count("kda"),
+            "mla_layers": kinds.count("mla") + kinds.count("dsa"),
+            "dsa_layers": kinds.count("dsa"),
+            "moe_layers": sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers)),
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "attention_heads": self.num_attention_heads,
+            "kda_heads": self.kda_num_heads,
+            "kda_head_dim": self.kda_head_dim,
+            "dsa_topk": None if self.dsa is None else self.dsa.topk,
+            "dsa_index_heads": None if self.dsa is None else self.dsa.n_heads,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.num_experts_per_token,
+            "shared_experts": self.num_shared_experts,
+            "expert_format": self.expert_format,
+            "latent_moe": self.routed_expert_hidden_size,
+            "attn_res_block_size": self.attn_res_block_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "config_hash": self.fingerprint(),
+        }
+
     def fingerprint(self) -> str:
         """Stable hash of everything that changes the model's function (for snapshots, traces)."""
         payload = dataclasses.asdict(self)

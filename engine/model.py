@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedMLA(c, layer_idx, runtime, parallel)
         self.is_moe = c.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(c, runtime, expert_ids, parallel)
+            self.block_sparse_moe = LatentMoE(c, runtime, expert_ids, parallel, layer_idx)
         else:
             # tensor parallel: this rank's slice of the width; down_proj is row-parallel
             self.mlp = GatedMLP(c.hidden_size, parallel.split(c.intermediate_size), activation(c))
@@ -65,16 +65,16 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x, state)
         return self.self_attn(x, state, start)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, start: int) -> torch.Tensor:
         if self.is_moe:
-            return self.block_sparse_moe(x)
+            return self.block_sparse_moe(x, start)
         return comm.all_reduce(self.mlp(x), self.parallel, "mlp")
 
     def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0) -> torch.Tensor:
         """One layer. Returns the new prefix sum; appends to `blocks` at block starts (K3)."""
         if self.block_size is None:
             h = prefix + self.mixer(self.input_layernorm(prefix), state, start)
-            return h + self.ffn(self.post_attention_layernorm(h))
+            return h + self.ffn(self.post_attention_layernorm(h), start)
         h = attn_res(prefix, blocks, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight,
                      self.eps) if blocks else prefix
         if self.layer_idx % self.block_size == 0:
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
             prefix = torch.zeros_like(prefix)
         prefix = prefix + self.mixer(self.input_layernorm(h), state, start)
         m = attn_res(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps)
-        return prefix + self.ffn(self.post_attention_layernorm(m))
+        return prefix + self.ffn(self.post_attention_layernorm(m), start)
 
 
 class KimiModel(nn.Module):

@@ -164,6 +164,7 @@ class Session:
         self.state.length += len(ids)
         self.step += 1
         self.last_logits = logits[-1]
+        self._emit("step", step=self.step - 1, phase=phase, start=self.state.length - len(ids), count=len(ids))
         return logits
 
     def prefill(self, *, return_logits: bool = False) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from engine.config import ModelConfig
 from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
+from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.weights import mxfp4
 
@@ -39,8 +40,8 @@ class Router(nn.Module):
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+    def forward(self, x: torch.Tensor, return_scores: bool = False):
+        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]])."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
         if self.groups > 1 and self.topk_group < self.groups:
@@ -53,6 +54,8 @@ class Router(nn.Module):
         weights = scores.gather(-1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if return_scores:
+            return weights * self.scaling, ids, scores
         return weights * self.scaling, ids
 
 
@@ -118,7 +121,7 @@ class LatentMoE(nn.Module):
     """`block_sparse_moe` of layers >= first_k_dense_replace."""
 
     def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
         c = config
         # parallel layout: router, routed_expert_down_proj and the norm replicated; experts held
@@ -126,6 +129,7 @@ class LatentMoE(nn.Module):
         # (row-parallel), so both end in partial sums that share one all-reduce
         self.parallel = parallel
         self.gate = Router(c)
+        self.probe_route = ProbePoint("moe.route", layer_idx)  # positions [T], experts/weights [B, T, k], entropy [B, T]
         self.experts = RoutedExperts(c, runtime, expert_ids)
         act = activation(c)
         self.shared_experts = (GatedMLP(c.hidden_size, parallel.split(c.shared_intermediate_size), act)
@@ -138,10 +142,20 @@ class LatentMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(r, c.rms_norm_eps) if c.latent_moe_use_norm else None
             self.routed_expert_up_proj = nn.Linear(parallel.split(r), c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x [B, T, hidden] at positions [start, start + T) -> [B, T, hidden]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat)
+        if self.probe_route.sink is None:
+            weights, ids = self.gate(flat)
+        else:
+            weights, ids, scores = self.gate(flat, return_scores=True)
+            p = scores / scores.sum(-1, keepdim=True)  # the router's distribution over all experts
+            entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+            self.probe_route.sink(self.probe_route, {
+                "positions": torch.arange(start, start + shape[-2], device=x.device),
+                "experts": ids.view(*shape[:-1], -1), "weights": weights.view(*shape[:-1], -1),
+                "entropy": entropy.view(shape[:-1])})
         if self.parallel.debug_checks:
             comm.assert_same(ids, self.parallel, "routed expert ids")
         h = self.routed_expert_down_proj(flat) if self.latent else flat

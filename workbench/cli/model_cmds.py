@@ -64,25 +64,16 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
 
 
 def summarize(config: ModelConfig) -> dict:
-    c = config
-    kinds = [c.layer_kind(i) for i in range(c.num_hidden_layers)]
+    c = config.summary()
     return {
-        "variant": c.variant,
-        "layers": c.num_hidden_layers,
-        "kda_layers": kinds.count("kda"),
-        "mla_layers": kinds.count("mla") + kinds.count("dsa"),
-        "dsa_layers": kinds.count("dsa"),
-        "hidden_size": c.hidden_size,
-        "vocab_size": c.vocab_size,
-        "attention_heads": c.num_attention_heads,
-        "kda_heads": f"{c.kda_num_heads} x {c.kda_head_dim}",
-        "dsa": None if c.dsa is None else f"{c.dsa.n_heads} heads x {c.dsa.head_dim}, top-k {c.dsa.topk}",
-        "experts": f"{c.num_experts} routed (top {c.num_experts_per_token}) + {c.num_shared_experts} shared",
-        "expert_format": c.expert_format,
-        "latent_moe": c.routed_expert_hidden_size,
-        "attn_res_block_size": c.attn_res_block_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "config_hash": c.fingerprint(),
+        **{k: c[k] for k in ("variant", "layers", "kda_layers", "mla_layers", "dsa_layers", "hidden_size",
+                             "vocab_size", "attention_heads")},
+        "kda_heads": f"{config.kda_num_heads} x {config.kda_head_dim}",
+        "dsa": None if config.dsa is None else f"{config.dsa.n_heads} heads x {config.dsa.head_dim}, "
+                                               f"top-k {config.dsa.topk}",
+        "experts": f"{c['num_experts']} routed (top {c['experts_per_token']}) + {c['shared_experts']} shared",
+        **{k: c[k] for k in ("expert_format", "latent_moe", "attn_res_block_size", "max_position_embeddings",
+                             "config_hash")},
     }
 
 

@@ -1,0 +1,114 @@
+"""Recording policies: what each recorder keeps raw and what it only counts.
+
+The default policy keeps every trace bounded (spec section 2: <= 1.5 GB per 1M tokens at full K3.1
+dimensions): DSA selections are counted per key bin / distance / segment / sink for every query,
+but full index lists are kept only for decode steps, every `dsa_prefill_stride`-th prefill query and
+marked positions or segments; KDA norms every `kda_every_tokens` tokens in prefill and every decode
+token; MoE counts for every token, full routes for decode steps, sampled windows and marks.
+`all` keeps everything raw. A JSON file with any of these fields overrides the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InputError
+
+
+@dataclass(frozen=True)
+class RecordPolicy:
+    """Attributes:
+    name: "default", "all" or the policy file's name.
+    dsa_bin_tokens: width (tokens) of a key-position bin of the DSA heat map.
+    sink_tokens: a query hits the attention sink when it selects one of the first sink_tokens positions.
+    dsa_prefill_stride: keep the full index list of every stride-th prefill query (0 = none, 1 = all).
+    dsa_decode_lists: keep the full index list of every decode step.
+    dsa_scores: store indexer scores next to full index lists.
+    dense_mass_stride: measure dense-attention mass inside the selected set for every stride-th prefill
+        query (0 = never).
+    dense_mass_decode_every: ... and for every n-th decode step (0 = never).
+    kda_every_tokens: KDA norms every n prefill tokens (the KDA chunk is 64; decode: every token).
+    kda_extras: also record max |S|, mean decay and mean beta.
+    moe_decode_routes: keep the route of every decode token.
+    moe_window_every / moe_window_tokens: keep routes of a window of tokens every n prefill tokens.
+    mark_positions: positions whose full lists and routes are always kept.
+    mark_segments: segment names whose tokens are always kept in full.
+    flush_seconds: flush the trace at least this often while the session runs (live following).
+    """
+
+    name: str = "default"
+    dsa_bin_tokens: int = 256
+    sink_tokens: int = 4
+    dsa_prefill_stride: int = 1024
+    dsa_decode_lists: bool = True
+    dsa_scores: bool = False
+    dense_mass_stride: int = 8192
+    dense_mass_decode_every: int = 16
+    kda_every_tokens: int = 64
+    kda_extras: bool = False
+    moe_decode_routes: bool = True
+    moe_window_every: int = 16384
+    moe_window_tokens: int = 64
+    mark_positions: tuple[int, ...] = ()
+    mark_segments: tuple[str, ...] = ()
+    flush_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("dsa_bin_tokens", "sink_tokens", "kda_every_tokens", "moe_window_tokens"):
+            if getattr(self, name) < 1:
+                raise InputError(f"policy field `{name}` must be >= 1")
+        for name in ("dsa_prefill_stride", "dense_mass_stride", "dense_mass_decode_every", "moe_window_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"policy field `{name}` must be >= 0")
+        if self.flush_seconds <= 0:
+            raise InputError("policy field `flush_seconds` must be positive")
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mark_positions"], d["mark_segments"] = list(self.mark_positions), list(self.mark_segments)
+        return d
+
+    def with_marks(self, positions=(), segments=()) -> "RecordPolicy":
+        return dataclasses.replace(self, mark_positions=tuple(self.mark_positions) + tuple(positions),
+                                   mark_segments=tuple(self.mark_segments) + tuple(segments))
+
+
+ALL = RecordPolicy(name="all", dsa_prefill_stride=1, dsa_scores=True, dense_mass_stride=256,
+                   dense_mass_decode_every=1, kda_every_tokens=64, kda_extras=True, moe_window_every=1,
+                   moe_window_tokens=1)
+
+
+def load_policy(spec: "str | RecordPolicy | dict | None") -> RecordPolicy:
+    """`"default"`, `"all"`, a RecordPolicy, a dict of fields, or the path of a JSON file of fields."""
+    if spec is None or spec == "default":
+        return RecordPolicy()
+    if isinstance(spec, RecordPolicy):
+        return spec
+    if spec == "all":
+        return ALL
+    if isinstance(spec, dict):
+        fields = spec
+        name = str(fields.get("name", "custom"))
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise InputError(f"unknown policy {spec!r}: use default, all, or a JSON file of policy fields")
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}: policy file is not valid JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise InputError(f"{path}: a policy file holds a JSON object of policy fields")
+        name = path.stem
+    known = {f.name for f in dataclasses.fields(RecordPolicy)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InputError(f"unknown policy fields {unknown}; known: {sorted(known)}")
+    values = {**fields, "name": name}
+    for key in ("mark_positions", "mark_segments"):
+        if key in values:
+            values[key] = tuple(values[key])
+    return RecordPolicy(**values)
