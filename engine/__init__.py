@@ -2,16 +2,34 @@
 
 Public entry points:
 - `load_model(path, *, device, dtype, seed)`: a checkpoint directory or `preset:NAME[:VARIANT]`.
-- `ModelConfig`, `load_config`, `parse_config`, `get_preset`: the configuration.
+- `ModelConfig`, `load_config`, `parse_config`, `config_to_hf`, `get_preset`: the configuration.
+- `Session`: a growing context with chunked prefill, streaming decode and snapshots.
+- error types: `EngineError` and its `ConfigError`, `CheckpointError`, `InputError`.
+
+Names are imported lazily, so `import engine.errors` (e.g. by trace readers) does not pull in torch.
 """
 
-from engine.config import DSAConfig, ModelConfig, VisionConfig
-from engine.config_io import config_to_hf, load_config, parse_config
-from engine.errors import CheckpointError, ConfigError, EngineError, InputError
-from engine.presets import get_preset
-from engine.weights.load import load_model
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError", "ConfigError", "DSAConfig", "EngineError", "InputError", "ModelConfig",
-    "VisionConfig", "config_to_hf", "get_preset", "load_config", "load_model", "parse_config",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "engine.errors", "ConfigError": "engine.errors", "EngineError": "engine.errors",
+    "InputError": "engine.errors",
+    "DSAConfig": "engine.config", "ModelConfig": "engine.config", "VisionConfig": "engine.config",
+    "config_to_hf": "engine.config_io", "load_config": "engine.config_io", "parse_config": "engine.config_io",
+    "get_preset": "engine.presets",
+    "load_model": "engine.weights.load",
+    "Session": "engine.session",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -8,9 +8,27 @@ Public API:
 - `open_trace(DIR)`: read a finished or live trace (`Trace.refresh()` follows a live one).
 - `RecordPolicy`, `load_policy`: what is kept raw and what is only counted.
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
+
+Names are imported lazily: reading a trace does not import torch.
 """
 
-from workbench.record import RecordPolicy, load_policy, record
-from workbench.trace import Trace, TraceError, TraceWriter, open_trace
+from __future__ import annotations
 
-__all__ = ["RecordPolicy", "Trace", "TraceError", "TraceWriter", "load_policy", "open_trace", "record"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "record": "workbench.record", "RecordPolicy": "workbench.record", "load_policy": "workbench.record",
+    "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
+    "TraceWriter": "workbench.trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
