@@ -10,8 +10,8 @@ MoE layer in K3.1 Pro (bf16, 8 ranks), with n = 3584 x 2 B = 7168 B:
 - all-reduce (chosen): a ring all-reduce sends 2 (w-1)/w n = 12,544 B per rank, 100,352 B over the
   node; it is the bandwidth lower bound of making a sum available on every rank.
 - all-to-all (tokens owned by one rank each, as in data-parallel attention): a token's experts
-  sit on about 7.06 of the 8 ranks (16 of 896, uniform), 6.18 of them remote, so dispatch moves
-  6.18 n = 44.3 KB and combine another 44.3 KB (88.6 KB per token), and the result then lives on
+  sit on about 7.07 of the 8 ranks (16 of 896, uniform), 6.19 of them remote, so dispatch moves
+  6.19 n = 44.4 KB and combine another 44.4 KB (88.7 KB per token), and the result then lives on
   one rank: head-sharded attention needs it on all 8 again, an all-gather of the 14,336 B hidden
   row (7 x 14,336 = 100 KB). About 189 KB per token against 100 KB, plus the permutations.
 All-to-all pays off when attention is data-parallel (many sequences per step); at batch 1 over a

@@ -73,11 +73,13 @@ class Watchdog:
     def _silent_peers(self, window_s: float) -> list[int]:
         """Peers whose heartbeat did not move during `window_s` (and that did not finish cleanly)."""
         peers = [r for r in range(self.world) if r != self.rank]
-        keys = [f"hb/{r}" for r in peers]
-        before = self.store.multi_get(keys)
+        before = self._heartbeats(peers)
         time.sleep(window_s)
-        after = self.store.multi_get(keys)
+        after = self._heartbeats(peers)
         return [r for r, b, a in zip(peers, before, after) if a == b and not self.store.check([f"done/{r}"])]
+
+    def _heartbeats(self, ranks: list[int]) -> list[bytes]:
+        return [self.store.get(f"hb/{r}") for r in ranks]
 
     def _halt(self) -> None:
         self._stop.set()
@@ -93,7 +95,7 @@ class Watchdog:
                 self.store.add(f"hb/{self.rank}", 1)
                 if self.store.check(["failed"]):
                     self._exit(self.store.get("failed").decode())
-                counts = self.store.multi_get([f"hb/{r}" for r in peers])
+                counts = self._heartbeats(peers)
                 now = time.monotonic()
                 for r, count in zip(peers, counts):
                     if count != last_count[r]:

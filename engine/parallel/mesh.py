@@ -6,6 +6,7 @@
   At world 1 no process group exists and every collective is a no-op.
 - `ParallelContext.layout(rank, world)`: the same shapes without a process group, for sharded
   loading tests and the planner.
+- `CommStats`: an optional per-rank byte counter the collectives report to (benchmarks).
 - `check_divisible(config, world)`: every split the layout makes, checked once, naming the field.
 - `init_distributed()`: builds the context from torchrun's environment (RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL on GPUs, gloo on CPUs; starts the failure watchdog.
@@ -155,13 +156,16 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0, he
 
 
 def shutdown(ctx: ParallelContext) -> None:
-    """Stop the watchdog, wait for every rank, then tear down the process group."""
+    """Wait for every rank, stop the watchdogs, then tear down the process group."""
+    if not (ctx.communicates and dist.is_initialized()):
+        return
+    # the watchdogs run until every rank is done, so a late failure is still caught; the second
+    # barrier keeps the store's host alive until no watchdog polls it any more
+    dist.barrier(group=ctx.group)
     if ctx.watchdog is not None:
-        # every watchdog stops before the barrier, so none sees a finished peer as silent
         ctx.watchdog.stop()
-    if ctx.communicates and dist.is_initialized():
-        dist.barrier(group=ctx.group)
-        dist.destroy_process_group()
+    dist.barrier(group=ctx.group)
+    dist.destroy_process_group()
 
 
 @contextmanager

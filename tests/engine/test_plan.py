@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.cache import state_bytes
+from engine.cache import KDAState, state_bytes
 from engine.errors import ConfigError, InputError
 from engine.parallel.mesh import ParallelContext
 from engine.parallel.plan import GiB, plan_memory
@@ -27,7 +27,8 @@ def test_weights_and_state_match_the_built_rank(world):
     assert plan.weight_bytes == _model_bytes(model)
     assert sum(plan.weights_by_dtype.values()) == plan.weight_bytes
     state = model.empty_state(2, dtype=torch.bfloat16, capacity=300)
-    kda = sum(t.numel() * t.element_size() for s in state.layers if hasattr(s, "recurrent") for t in (s.recurrent, s.conv))
+    kda_layers = [s for s in state.layers if isinstance(s, KDAState)]
+    kda = sum(t.numel() * t.element_size() for s in kda_layers for t in (s.recurrent, s.conv))
     items = {i.name: i.nbytes for i in plan.state}
     assert items["KDA state"] == kda
     cache = state_bytes(config, 2, 300, torch.bfloat16)
