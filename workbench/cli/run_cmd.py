@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import io
 import json
 import sys
@@ -20,6 +21,7 @@ from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from workbench.cli.model_cmds import DTYPES, add_parallel_args
+from workbench.record import record
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
     p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
+    p.add_argument("--trace", type=Path, help="record the session into this trace directory")
+    p.add_argument("--record", default="dsa,kda,moe", help="signal families to record (comma list of dsa, kda, moe)")
+    p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
+    p.add_argument("--overwrite-trace", action="store_true", help="replace an existing trace at --trace")
     add_parallel_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -56,6 +62,15 @@ def read_prompt(args: argparse.Namespace) -> str | None:
         except UnicodeDecodeError as exc:
             raise InputError(f"{args.prompt_file}: not UTF-8 text ({exc})") from None
     return args.prompt
+
+
+def record_families(spec: str) -> dict[str, bool]:
+    """`dsa,kda,moe` -> record() keyword flags; unknown names are an error."""
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = sorted(names - {"dsa", "kda", "moe"})
+    if unknown or not names:
+        raise InputError(f"--record takes a comma list of dsa, kda, moe; got {spec!r}")
+    return {name: name in names for name in ("dsa", "kda", "moe")}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -88,10 +103,16 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         session.append(prompt, role="user" if args.chat else None, name="prompt")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout if ctx.is_leader else io.StringIO()
-    for token in session.generate(params=params):
-        out.write(decoder.decode(tokenizer.encoding.decode_single_token_bytes(token.id)))
-        out.flush()
+    with contextlib.ExitStack() as stack:
+        if args.trace is not None:
+            stack.enter_context(record(session, trace=args.trace, policy=args.policy, overwrite=args.overwrite_trace,
+                                       **record_families(args.record)))
+        for token in session.generate(params=params):
+            out.write(decoder.decode(tokenizer.encoding.decode_single_token_bytes(token.id)))
+            out.flush()
     out.write(decoder.decode(b"", final=True) + "\n")
+    if args.trace is not None and ctx.is_leader:
+        print(f"trace written to {args.trace}", file=sys.stderr)
     if args.save is not None:
         session.save(args.save, overwrite=args.overwrite)
         print(f"saved snapshot to {args.save}", file=sys.stderr)
