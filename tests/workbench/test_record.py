@@ -1,0 +1,177 @@
+"""Recording is exact: what the trace says each layer selected, routed or remembered is recomputed
+here, independently, from the checkpoint's tensors (read with safetensors, float64 maths) and the
+layer inputs captured during the same session."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import workbench
+from engine import load_model
+from engine.probes import probe_points
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+
+CONTEXT, NEW_TOKENS, CHUNK = 83, 6, 24  # tiny top-k is 16: the context is ~5x it
+
+
+def checkpoint_tensor(ckpt, name: str) -> torch.Tensor:
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(ckpt / weight_map[name]), "pt") as f:
+        return f.get_tensor(name).double()
+
+
+@pytest.fixture(scope="module")
+def recorded(checkpoint_dir, tmp_path_factory):
+    """One recorded session (policy `all`) plus the inputs each DSA / MoE / KDA layer saw."""
+    ckpt = checkpoint_dir("tiny", "k3.1", seed=7, dtype=torch.float32)
+    model = load_model(ckpt)
+    inputs: dict[int, list[torch.Tensor]] = defaultdict(list)
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        target = layer.self_attn if model.config.layer_kind(i) != "mla" else None
+        for module in (target, getattr(layer, "block_sparse_moe", None)):
+            if module is not None:
+                key = i if module is target else 100 + i
+                hooks.append(module.register_forward_pre_hook(
+                    lambda m, args, key=key: inputs[key].append(args[0].detach().double()[0])))
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(3)).tolist()
+    trace_dir = tmp_path_factory.mktemp("trace") / "t"
+    with workbench.record(session, trace=trace_dir, policy="all"):
+        session.append(ids=ids, name="context")
+        generated = [t.id for t in session.generate(NEW_TOKENS, temperature=0, stop_ids=())]
+    for h in hooks:
+        h.remove()
+    assert all(p.sink is None for p in probe_points(model)), "record() must detach every sink"
+    layer_inputs = {k: torch.cat(v) for k, v in inputs.items()}  # positions 0.. in call order
+    return model, ckpt, workbench.open_trace(trace_dir), layer_inputs, len(ids) + len(generated) - 1
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def test_trace_is_complete_and_tagged(recorded):
+    model, _, trace, _, n = recorded
+    assert trace.status == "complete"
+    assert len(trace.tokens()) == n + 1
+    topk = trace.df("dsa_topk")
+    assert sorted(topk["layer"].unique()) == [i for i in range(6) if model.config.is_dsa_layer(i)]
+    assert sorted(topk["position"].unique()) == list(range(n))  # policy `all`: every query, once per layer
+    assert (topk.groupby("layer").size() == n).all()
+    assert topk["step"].nunique() > 1 and (topk["rank"] == 0).all()
+
+
+def test_recorded_topk_equals_independent_indexer(recorded):
+    model, ckpt, trace, inputs, n = recorded
+    cfg = model.config
+    topk = trace.df("dsa_topk")
+    compared = 0
+    for layer in [i for i in range(cfg.num_hidden_layers) if cfg.is_dsa_layer(i)]:
+        p = f"language_model.model.layers.{layer}.self_attn."
+        x = inputs[layer][:n]  # [T, hidden]
+        q_resid = rms(x @ checkpoint_tensor(ckpt, p + "q_a_proj.weight").T,
+                      checkpoint_tensor(ckpt, p + "q_a_layernorm.weight"), 1e-6)
+        heads, dim, k = cfg.dsa.n_heads, cfg.dsa.head_dim, cfg.dsa.topk
+        q = (q_resid @ checkpoint_tensor(ckpt, p + "indexer.wq_b.weight").T).view(n, heads, dim)
+        keys = torch.nn.functional.layer_norm(x @ checkpoint_tensor(ckpt, p + "indexer.wk.weight").T, (dim,),
+                                              checkpoint_tensor(ckpt, p + "indexer.k_norm.weight"),
+                                              checkpoint_tensor(ckpt, p + "indexer.k_norm.bias"), 1e-6)
+        w = x @ checkpoint_tensor(ckpt, p + "indexer.weights_proj.weight").T * heads ** -0.5
+        scores = torch.einsum("thd,sd->ths", q, keys).div(dim ** 0.5).relu().mul(w[..., None]).sum(1)  # [T, S]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        rows = topk[topk["layer"] == layer].set_index("position")
+        for t in range(n):
+            got = set(rows.loc[t, "selected"].tolist())
+            if t < k:
+                assert got == set(range(t + 1))
+                continue
+            ordered = scores[t].sort(descending=True).values
+            if (ordered[k - 1] - ordered[k]).abs() < 1e-6 * ordered[k - 1].abs().clamp_min(1e-3):
+                continue  # a tie at the boundary: either choice is right
+            assert got == set(scores[t].topk(k).indices.tolist()), f"layer {layer} query {t}"
+            compared += 1
+    assert compared > 50
+
+
+def test_recorded_routes_equal_independent_router(recorded):
+    model, ckpt, trace, inputs, n = recorded
+    cfg = model.config
+    routes = trace.df("moe_routes")
+    compared = 0
+    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        p = f"language_model.model.layers.{layer}.block_sparse_moe.gate."
+        x = inputs[100 + layer][:n]
+        s = torch.sigmoid(x @ checkpoint_tensor(ckpt, p + "weight").T)
+        choice = s + checkpoint_tensor(ckpt, p + "e_score_correction_bias")
+        rows = routes[routes["layer"] == layer].set_index("position")
+        assert len(rows) == n
+        for t in range(n):
+            ordered = choice[t].sort(descending=True)
+            k = cfg.num_experts_per_token
+            if ordered.values[k - 1] - ordered.values[k] < 1e-9:
+                continue
+            assert set(rows.loc[t, "experts"].tolist()) == set(ordered.indices[:k].tolist())
+            expected_w = s[t, ordered.indices[:k]] / s[t, ordered.indices[:k]].sum() * cfg.routed_scaling_factor
+            got_w = dict(zip(rows.loc[t, "experts"].tolist(), rows.loc[t, "weights"].tolist()))
+            for e, wv in zip(ordered.indices[:k].tolist(), expected_w.tolist()):
+                assert abs(got_w[e] - wv) < 2e-3  # stored as fp16
+            compared += 1
+    assert compared > 100
+    counts = trace.df("moe_counts")
+    per_layer = counts.groupby("layer")["count"].sum()
+    assert (per_layer == n * cfg.num_experts_per_token).all()
+
+
+def test_aggregates_agree_with_full_lists(recorded):
+    _, _, trace, _, _ = recorded
+    topk = trace.df("dsa_topk")
+    counts = trace.df("dsa_key_counts").groupby("layer")["count"].sum()
+    hist = trace.df("dsa_distance_hist").groupby("layer")["count"].sum()
+    for layer, rows in topk.groupby("layer"):
+        selections = int(sum(len(s) for s in rows["selected"]))
+        assert counts[layer] == selections == hist[layer]
+    sink = trace.df("dsa_sink").groupby("layer")[["queries", "sink_hits"]].sum()
+    assert (sink["queries"] == topk.groupby("layer").size()).all()
+    assert (sink["sink_hits"] <= sink["queries"]).all()
+    mass = trace.df("dsa_dense_mass")["mass"]
+    assert len(mass) and ((mass > 0) & (mass <= 1 + 1e-5)).all()
+
+
+def test_recording_off_costs_nothing_and_default_policy_is_bounded(recorded, tmp_path):
+    model = recorded[0]
+    assert all(p.sink is None for p in probe_points(model))
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
+    with workbench.record(session, trace=tmp_path / "d", policy={"dsa_prefill_stride": 32, "moe_window_every": 0}):
+        session.append(ids=list(range(90)))
+        session.prefill()
+    trace = workbench.open_trace(tmp_path / "d")
+    positions = trace.df("dsa_topk")["position"].unique().tolist()
+    assert sorted(positions) == [31, 63]  # only the sampled queries keep full lists
+    assert len(trace.df("moe_routes")) == 0
+    assert trace.session["policy"]["dsa_prefill_stride"] == 32
+
+
+def test_failed_session_keeps_what_was_recorded(tmp_path):
+    model = load_model("preset:tiny")
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=16)
+    with pytest.raises(RuntimeError, match="boom"):
+        with workbench.record(session, trace=tmp_path / "t"):
+            session.append(ids=list(range(40)))
+            session.prefill()
+            raise RuntimeError("boom")
+    trace = workbench.open_trace(tmp_path / "t")
+    assert trace.status == "failed" and len(trace.tokens()) == 40
+    assert len(trace.df("dsa_key_counts")) > 0
+    assert all(p.sink is None for p in probe_points(model))
+    with pytest.raises(workbench.TraceError):  # never silently replaced
+        with workbench.record(session, trace=tmp_path / "t"):
+            pass
+    np.testing.assert_equal(trace.df("dsa_sink")["queries"].sum() > 0, True)
