@@ -13,10 +13,12 @@ chunk, with G the cumulative log-decay from the chunk start:
     U = (I + A)^{-1} (beta V - beta (K exp(G)) S0)
     O = (Q exp(G)) S0 + Aqk U
     S_C = exp(G_C) S0 + (K exp(G_C - G))^T U
-The pairwise factors exp(G_t - G_i) are formed as exp(G_t - G_r) * exp(G_r - G_i) with r the start of
-i's sub-block, so every product is a matmul and no exponent ever exceeds the decay inside one
-sub-block. The sub-block size is chosen per call so that this range stays far below fp32 overflow
-(16 for K3's bounded gate; smaller, down to 1 = plain pairwise, for steep Kimi-Linear decays).
+The pairwise factors exp(G_t - G_i) are formed as exp(G_t - G_r) * exp(G_r - G_i) with r the first
+position of t's sub-block (`_intra_chunk`): for keys before r both exponents are <= 0, so those
+products are matmuls that cannot overflow. Keys inside t's sub-block join the same matmul while the
+decay inside a sub-block stays below e^40 (sub-blocks of 16, or 8: K3's bounded gate always fits);
+steeper decays (Kimi-Linear) get those few pairs formed directly. Factors below e^-40 are flushed
+to exact zeros so that no denormal float reaches a matmul (x86 runs those in slow microcode).
 
 Both functions take q, k already L2-normalised, all in [B, T, H, *] layout, and compute in fp32.
 """
@@ -25,8 +27,21 @@ from __future__ import annotations
 
 import torch
 
-# largest in-sub-block log-decay range we factor through exp(): e^60 ~ 1e26, far from fp32's 3e38
-_SAFE_RANGE = 60.0
+# largest in-sub-block log-decay range factored through exp(): e^40 ~ 2e17, far from fp32's 3e38
+_SAFE_RANGE = 40.0
+# decay factors below e^-40 (< 5e-18) are flushed to exact zeros: a product of two kept factors
+# then stays a normal float (> e^-80), and x86 CPUs run arithmetic on denormal floats through
+# microcode, many times slower
+_NEGLIGIBLE = -_SAFE_RANGE
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(log_decay) with negligible factors (exponent < -40) set to exactly 0.
+
+    Only for factors whose partner in a product is <= 1 in magnitude, so the dropped part of any
+    product is below 5e-18.
+    """
+    return log_decay.masked_fill(log_decay < _NEGLIGIBLE, float("-inf")).exp()
 
 
 def kda_recurrent(
@@ -68,39 +83,66 @@ def kda_recurrent(
     return o, S
 
 
-def _sub_block_size(G: torch.Tensor, chunk: int) -> int:
-    """Largest of 16, 4, 1 whose in-sub-block decay range is safe for every chunk of G."""
-    for size in (16, 4, 2):
-        if chunk % size:
-            continue
-        blocks = G.unflatten(-2, (-1, size))  # [..., nc, C/size, size, K]
-        spread = blocks[..., 0:1, :] - blocks  # >= 0: decay from the sub-block start
-        if spread.amax().item() < _SAFE_RANGE:
-            return size
-    return 1
+def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
+    """Entries below 1e-30 in magnitude set to 0 (negligible, and they would breed denormals)."""
+    return x.masked_fill(x.abs() < 1e-30, 0.0)
 
 
-def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sub_block(G: torch.Tensor) -> tuple[int, bool]:
+    """Sub-block size for `_intra_chunk`, and whether keys inside a sub-block factor through its start.
+
+    16 when every sub-block's decay range (G at its start minus G at its end) is below _SAFE_RANGE,
+    else 8 (K3's bounded gate, >= -5 per token, always fits: 7 steps x 5 = 35); steeper decays use 8
+    with exact pairwise products inside the sub-block.
+    """
+    C = G.shape[-2]
+    for sub in (16, 8):
+        starts = list(range(0, C, sub))
+        ends = [min(s + sub, C) - 1 for s in starts]
+        if (G[..., starts, :] - G[..., ends, :]).amax().item() < _SAFE_RANGE:
+            return sub, True
+    return 8, False
+
+
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairwise decayed products inside each chunk.
+
+    The factor exp(G_t - G_i) of query t and key i <= t is split at r, the first position of t's
+    sub-block: exp(G_t - G_r) * exp(G_r - G_i). For keys before r both exponents are <= 0, so those
+    products are one matmul per sub-block that cannot overflow, however steep the decay. Keys inside
+    t's own sub-block have G_r - G_i >= 0: while that in-sub-block range stays below _SAFE_RANGE (K3's
+    bounded gate, mild decays) they join the same matmul; steeper decays (Kimi-Linear's softplus form
+    can drop by tens per token) get their sub x sub pairs formed directly instead.
 
     Args:
         q, k, G: `[..., C, K]` (any leading dims: batch, heads, chunks).
-        sub: sub-block size (divides C).
 
     Returns:
         Aqk `[..., C, C]` (lower triangle incl. diagonal) and Akk `[..., C, C]` (strictly lower).
     """
     C = q.shape[-2]
+    sub, factor_inside = _sub_block(G)
+    starts = range(0, C, sub)
     Aqk = q.new_zeros(*q.shape[:-1], C)
     Akk = q.new_zeros(*q.shape[:-1], C)
-    for start in range(0, C, sub):
-        end = start + sub
-        ref = G[..., start:start + 1, :]  # [..., 1, K] the sub-block's first position
-        k_b = k[..., start:end, :] * (ref - G[..., start:end, :]).exp()  # exponents >= 0, bounded
-        rows = slice(start, C)
-        decay_rows = (G[..., rows, :] - ref).exp()  # exponents <= 0
-        Aqk[..., rows, start:end] = (q[..., rows, :] * decay_rows) @ k_b.transpose(-1, -2)
-        Akk[..., rows, start:end] = (k[..., rows, :] * decay_rows) @ k_b.transpose(-1, -2)
+    for s0 in starts:
+        s1 = min(C, s0 + sub)
+        ref = G[..., s0:s0 + 1, :]  # [..., 1, K]
+        # [..., sub, K]; exponents <= 0 and, where keys inside join the matmul, above -_SAFE_RANGE
+        from_ref = _decay(G[..., s0:s1, :] - ref)
+        q_rows, k_rows = q[..., s0:s1, :] * from_ref, k[..., s0:s1, :] * from_ref
+        n_keys = s1 if factor_inside else s0  # keys whose decay goes through ref
+        if n_keys:
+            # exponents <= 0 for keys before ref; below _SAFE_RANGE inside the sub-block
+            k_ref = k[..., :n_keys, :] * _decay(ref - G[..., :n_keys, :])
+            Aqk[..., s0:s1, :n_keys] = q_rows @ k_ref.transpose(-1, -2)
+            Akk[..., s0:s1, :n_keys] = k_rows @ k_ref.transpose(-1, -2)
+        if not factor_inside:
+            Gs = G[..., s0:s1, :]
+            # exact decays [..., t, i, K]; future pairs (t < i) are clamped to exp(0) and masked below
+            decayed_k = _decay((Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp_max(0.0)) * k[..., s0:s1, :].unsqueeze(-3)
+            Aqk[..., s0:s1, s0:s1] = (q[..., s0:s1, :].unsqueeze(-2) * decayed_k).sum(-1)
+            Akk[..., s0:s1, s0:s1] = (k[..., s0:s1, :].unsqueeze(-2) * decayed_k).sum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     Aqk = Aqk.masked_fill(~causal, 0.0)
     Akk = Akk.masked_fill(~causal.tril(-1), 0.0)
@@ -148,15 +190,18 @@ def kda_chunked(
         bc = bs.unflatten(2, (nc, C)).unsqueeze(-1)  # [B, H, nc, C, 1]
         G = gc.cumsum(-2)
         qc = qc * scale
-        Aqk, Akk = _intra_chunk(qc, kc, G, _sub_block_size(G, C))
-        # (I + beta * Akk) is unit lower-triangular: one batched triangular solve per group
+        Aqk, Akk = _intra_chunk(qc, kc, G)
+        # (I + beta * Akk) is unit lower-triangular: invert it once per chunk (a C x C solve, cheaper
+        # than solving for the V + K right-hand sides, whose tiny W entries would go denormal), then
+        # two matmuls
         lower = torch.eye(C, device=q.device) + bc * Akk
-        rhs = torch.cat((bc * vc, bc * (kc * G.exp())), dim=-1)  # [B, H, nc, C, V + K]
-        sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        U0, W = sol[..., :V], sol[..., V:]  # U = U0 - W S0
-        q_decay = qc * G.exp()
-        k_tail = kc * (G[..., -1:, :] - G).exp()  # decay from each token to the chunk end
-        tail = G[..., -1, :].exp().unsqueeze(-1)  # [B, H, nc, K, 1]
+        eye = torch.eye(C, device=q.device).expand_as(lower)
+        inverse = _flush_tiny(torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True))
+        U0 = inverse @ (bc * vc)  # [B, H, nc, C, V]
+        W = _flush_tiny(inverse @ (bc * (kc * _decay(G))))  # [B, H, nc, C, K]; U = U0 - W S0
+        q_decay = qc * _decay(G)
+        k_tail = kc * _decay(G[..., -1:, :] - G)  # decay from each token to the chunk end
+        tail = _decay(G[..., -1, :]).unsqueeze(-1)  # [B, H, nc, K, 1]
         out = torch.empty(B, H, nc, C, V, device=q.device)
         for c in range(nc):
             U = U0[:, :, c] - W[:, :, c] @ S  # [B, H, C, V]
