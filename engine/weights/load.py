@@ -185,9 +185,11 @@ def parse_model_path(path: str | Path) -> tuple[ModelConfig, str | None]:
     return load_config(path), text
 
 
-def _check_same_model(config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext) -> None:
-    """Every rank must load the same config and dtype; all of them raise when one differs."""
+def _check_same_model(config: ModelConfig, dtype: torch.dtype, seed: int | None, parallel: ParallelContext) -> None:
+    """Every rank must load the same config, dtype (and random seed); all of them raise when one differs."""
     mine = f"config {config.fingerprint()} dtype {str(dtype).removeprefix('torch.')}"
+    if seed is not None:
+        mine += f" seed {seed}"
     everyone = comm.gather_strings(mine, parallel)
     if len(set(everyone)) > 1:
         listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
@@ -215,7 +217,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     """
     config, root = parse_model_path(path)
     if parallel.communicates:
-        _check_same_model(config, dtype, parallel)
+        _check_same_model(config, dtype, seed if root is None else None, parallel)
     if config.num_experts and expert_ids is not None:
         bad = [e for e in expert_ids if not 0 <= e < config.num_experts]
         if bad:
