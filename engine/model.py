@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
 
     def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int) -> torch.Tensor:
         if isinstance(self.self_attn, KimiDeltaAttention):
-            return self.self_attn(x, state)
+            return self.self_attn(x, state, start)
         return self.self_attn(x, state, start)
 
     def ffn(self, x: torch.Tensor, start: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from engine.layers.common import GatedRMSNorm, l2norm
 from engine.ops.kda.reference import kda_chunked, kda_recurrent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
+from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 
 
@@ -69,6 +70,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(hd, d, bias=False)
         self.o_norm = GatedRMSNorm(hd, config.rms_norm_eps)
         self.o_proj = nn.Linear(d, h, bias=False)
+        self.probe_state = ProbePoint("kda.state", layer_idx)  # positions [n], norm [B, n, H] (+ extras)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g [B, T, H, K] (fp32, <= 0)."""
@@ -79,8 +81,36 @@ class KimiDeltaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(a * z)  # K3: bounded in (lb, 0)
         return -a * F.softplus(z)  # Kimi-Linear
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
-        """x [B, T, hidden] (normed) -> [B, T, hidden]; updates `state` in place when given."""
+    def _observer(self, g: torch.Tensor, beta: torch.Tensor):
+        """A state observer for the `kda.state` probe, and a function that emits what it saw."""
+        seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        extras = bool(self.probe_state.options.get("extras"))
+
+        def observe(t: int, S: torch.Tensor) -> None:
+            amax = S.abs().amax(dim=(-2, -1)) if extras else S.new_empty(0)
+            seen.append((t, torch.linalg.vector_norm(S, dim=(-2, -1)), amax))  # [B, H] each
+
+        def emit(start: int) -> None:
+            if not seen:
+                return
+            ends = torch.tensor([t for t, _, _ in seen], device=g.device)
+            payload = {"positions": start + ends,
+                       "norm": comm.all_gather(torch.stack([n for _, n, _ in seen], 1), self.parallel, -1, "probe.kda")}
+            if extras:
+                payload["max_abs"] = comm.all_gather(torch.stack([a for _, _, a in seen], 1), self.parallel, -1)
+                # interval means since the previous measurement, from prefix sums over time
+                begins = torch.cat((ends.new_zeros(1), ends[:-1] + 1))
+                for name, series in (("mean_decay", g.exp().mean(-1)), ("mean_beta", beta)):  # [B, T, H]
+                    csum = torch.cat((series.new_zeros(series.shape[0], 1, series.shape[2]), series.cumsum(1)), 1)
+                    means = (csum[:, ends + 1] - csum[:, begins]) / (ends - begins + 1).view(1, -1, 1)
+                    payload[name] = comm.all_gather(means, self.parallel, -1)
+            self.probe_state.sink(self.probe_state, payload)
+
+        return observe, emit
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int = 0) -> torch.Tensor:
+        """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden]; updates `state`
+        in place when given."""
         B, T, _ = x.shape
         heads = (self.num_heads, self.head_dim)
         tails = (None, None, None) if state is None else state.conv.chunk(3, dim=1)
@@ -93,10 +123,14 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         initial = None if state is None else state.recurrent
+        observe, emit = self._observer(g, beta) if self.probe_state.sink is not None else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:
-            o, final = kda_recurrent(q, k, v, g, beta, initial)
+            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe)
         else:
-            o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size)
+            o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size,
+                                   observe=observe)
+        if emit is not None:
+            emit(start)
         if state is not None:
             state.recurrent = final
             state.conv = torch.cat((q_tail, k_tail, v_tail), dim=1)

@@ -175,3 +175,46 @@ def test_failed_session_keeps_what_was_recorded(tmp_path):
         with workbench.record(session, trace=tmp_path / "t"):
             pass
     np.testing.assert_equal(trace.df("dsa_sink")["queries"].sum() > 0, True)
+
+
+def test_recorded_kda_norms_equal_recurrent_reference(recorded):
+    """Norms of S at the recorded positions == fla's naive recurrence run on checkpoint weights."""
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    model, ckpt, trace, inputs, n = recorded
+    cfg = model.config
+    norms = trace.df("kda_norms")
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    checked = 0
+    for layer in [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]:
+        p = f"language_model.model.layers.{layer}.self_attn."
+        x = inputs[layer][:n]
+
+        def conv(name: str) -> torch.Tensor:
+            pre = (x @ checkpoint_tensor(ckpt, p + f"{name}_proj.weight").T).T.unsqueeze(0)  # [1, D, T]
+            w = checkpoint_tensor(ckpt, p + f"{name}_conv1d.weight")
+            out = torch.nn.functional.conv1d(torch.nn.functional.pad(pre, (3, 0)), w, groups=pre.shape[1])
+            return torch.nn.functional.silu(out)[0].T.reshape(n, H, D)
+
+        def l2(t: torch.Tensor) -> torch.Tensor:
+            return t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+        q, k, v = l2(conv("q")), l2(conv("k")), conv("v")
+        z = (x @ checkpoint_tensor(ckpt, p + "f_a_proj.weight").T @ checkpoint_tensor(ckpt, p + "f_b_proj.weight").T
+             + checkpoint_tensor(ckpt, p + "dt_bias")).view(n, H, D)
+        a = checkpoint_tensor(ckpt, p + "A_log").reshape(-1)[:H].exp().view(H, 1)
+        g = cfg.kda_gate_lower_bound * torch.sigmoid(a * z)
+        beta = torch.sigmoid(x @ checkpoint_tensor(ckpt, p + "b_proj.weight").T)
+        rows = norms[norms["layer"] == layer].sort_values("position")
+        state, done = None, 0
+        for pos, recorded_norm in zip(rows["position"], rows["norm"]):
+            if pos >= n:
+                continue
+            sl = slice(done, pos + 1)
+            _, state = naive_recurrent_kda(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
+                                           initial_state=state, output_final_state=True)
+            done = pos + 1
+            expected = torch.linalg.vector_norm(state[0], dim=(-2, -1))
+            np.testing.assert_allclose(np.asarray(recorded_norm, np.float64), expected.numpy(), rtol=2e-3)
+            checked += 1
+    assert checked >= 12

@@ -25,6 +25,8 @@ Both functions take q, k already L2-normalised, all in [B, T, H, *] layout, and 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # largest in-sub-block log-decay range factored through exp(): e^40 ~ 2e17, far from fp32's 3e38
@@ -44,6 +46,9 @@ def _decay(log_decay: torch.Tensor) -> torch.Tensor:
     return log_decay.masked_fill(log_decay < _NEGLIGIBLE, float("-inf")).exp()
 
 
+StateObserver = Callable[[int, torch.Tensor], None]
+
+
 def kda_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,6 +57,7 @@ def kda_recurrent(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
+    observe: StateObserver | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA (decode path and the readable definition).
 
@@ -63,6 +69,7 @@ def kda_recurrent(
         beta (torch.Tensor): `[B, T, H]` write strength in (0, 1).
         initial_state (torch.Tensor, Optional): `[B, H, K, V]` fp32; zeros when None.
         scale (float, Optional): query scale, `K ** -0.5` by default.
+        observe (callable, Optional): called as `observe(t, S)` after every token t (for probes).
 
     Returns:
         o `[B, T, H, V]` fp32 and the final state `[B, H, K, V]` fp32.
@@ -80,6 +87,8 @@ def kda_recurrent(
         u = beta[:, t].unsqueeze(-1) * (v[:, t] - pred)  # [B, H, V]
         S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)
         o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
+        if observe is not None:
+            observe(t, S)
     return o, S
 
 
@@ -159,13 +168,15 @@ def kda_chunked(
     scale: float | None = None,
     chunk_size: int = 64,
     group_tokens: int = 2048,
+    observe: StateObserver | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked KDA: the same function as `kda_recurrent`, computed C tokens at a time.
 
     Intra-chunk work of up to `group_tokens` tokens is batched; only the state hand-off between
     chunks is sequential. Memory is O(group_tokens * C) per head, independent of T.
 
-    Args: as `kda_recurrent`, plus `chunk_size` (C) and `group_tokens` (batching of chunks).
+    Args: as `kda_recurrent`, plus `chunk_size` (C) and `group_tokens` (batching of chunks);
+        `observe(t, S)` is called at every chunk boundary (t = last token of the chunk) and at T - 1.
 
     Returns:
         o `[B, T, H, V]` fp32 and the final state `[B, H, K, V]` fp32.
@@ -207,5 +218,7 @@ def kda_chunked(
             U = U0[:, :, c] - W[:, :, c] @ S  # [B, H, C, V]
             out[:, :, c] = q_decay[:, :, c] @ S + Aqk[:, :, c] @ U
             S = tail[:, :, c] * S + k_tail[:, :, c].transpose(-1, -2) @ U
+            if observe is not None:
+                observe(min(T, g0 + (c + 1) * C) - 1, S)  # padding past T leaves S unchanged
         o[:, g0:g1] = out.flatten(2, 3)[:, :, :n].transpose(1, 2)
     return o, S
