@@ -13,7 +13,6 @@ above the indexer's top-k (16), in fp32 against the float64 reference, relative 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -383,20 +382,19 @@ def test_gated_mla_with_indexer(tiny, T: int) -> None:
     assert_close(ours, expected, "gated MLA + DSA")
 
 
-def test_mla_output_gate_matters(tiny) -> None:
-    """Zeroing g_proj halves every channel (sigmoid(0) = 1/2): the gate is applied, elementwise, before o_proj."""
+def test_mla_output_gate(tiny) -> None:
+    """The gate scales the attention output elementwise before o_proj: with g_proj zeroed (sigmoid(0) =
+    1/2 on every channel) the layer still matches the reference, and it differs from the gated layer."""
     i = tiny.config.mla_layers[0]
     attn = tiny.model.layers[i].self_attn
     x = normed_inputs(12, tiny.config.hidden_size).unsqueeze(0)
+    saved = attn.g_proj.weight.detach().clone()
     with torch.no_grad():
         gated = attn(x)
-        saved = attn.g_proj.weight.clone()
-        attn.g_proj.weight.zero_()
         try:
+            attn.g_proj.weight.zero_()
             half = attn(x)
-            attn.g_proj.weight.fill_(0.0)
-            ref = SpecReference(tiny)
-            expected = ref.mla(x[0].double(), f"model.layers.{i}.self_attn.", i)
+            expected = SpecReference(tiny).mla(x[0].double(), f"model.layers.{i}.self_attn.", i)
         finally:
             attn.g_proj.weight.copy_(saved)
     assert_close(half[0], expected, "MLA with a zero gate")
@@ -422,7 +420,8 @@ def test_tiny_k31_end_to_end(tiny, T: int) -> None:
 
 
 def test_dsa_actually_sparsifies_above_topk(tiny) -> None:
-    """Above top-k the DSA mask drops keys, so forcing dense reads changes the logits (the test above is not vacuous)."""
+    """Above top-k the DSA mask drops keys: forcing dense reads changes the later logits (so the
+    end-to-end test above is not vacuous) and leaves the first top-k positions as they were."""
     T = 40
     ids = torch.randint(0, tiny.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(SEED))
     with torch.no_grad():
@@ -432,6 +431,5 @@ def test_dsa_actually_sparsifies_above_topk(tiny) -> None:
             dense = tiny(ids)
         finally:
             tiny.runtime.dsa_force_dense = False
-    assert torch.equal(sparse[:, :tiny.config.dsa.topk], sparse[:, :tiny.config.dsa.topk])
     assert relative_error(sparse[0, tiny.config.dsa.topk:], dense[0, tiny.config.dsa.topk:]) > 1e-4
     assert_close(sparse[0, :tiny.config.dsa.topk], dense[0, :tiny.config.dsa.topk], "queries below top-k")
