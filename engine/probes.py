@@ -4,7 +4,8 @@ A layer declares a `ProbePoint` per signal it can report. With nothing attached,
 `None` check per layer call; a recorder attaches a sink (`point.sink = fn`) inside a context
 manager that always detaches it. The engine never imports the workbench.
 
-Catalogue (payload keys; positions are sequence positions, expert ids logical):
+Catalogue (payload keys; positions are sequence positions, given as CPU int64 tensors so that a
+listener can decide what to keep without synchronising the device; expert ids are logical):
 - `dsa.topk`   (DSA layers): positions [T] int64, indices [B, T, k] int64 (ascending, -1 = empty),
   scores [B, T, k] fp32.
 - `dsa.dense_mass` (DSA layers, only when a sink asks for it): positions [n] of sampled queries,
@@ -12,7 +13,8 @@ Catalogue (payload keys; positions are sequence positions, expert ids logical):
 - `kda.state`  (KDA layers): positions [n] int64 (the state is measured after these positions),
   norm [B, n, H] fp32 Frobenius norms, and when requested max_abs [B, n, H], mean_decay [B, n, H],
   mean_beta [B, n, H].
-- `moe.route`  (MoE layers): positions [T] int64, experts [B, T, k] int64, weights [B, T, k] fp32.
+- `moe.route`  (MoE layers): positions [T] int64, experts [B, T, k] int64, weights [B, T, k] fp32,
+  entropy [B, T] fp32 (of the router's normalised sigmoid scores over all experts).
 
 `ProbeContext` (one per model, set by the session around each forward) tags every signal with the
 step (prefill chunk or decode step), the phase, the rank and the session id.

@@ -18,7 +18,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "record": "workbench.record", "RecordPolicy": "workbench.record", "load_policy": "workbench.record",
+    "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
     "TraceWriter": "workbench.trace",
 }

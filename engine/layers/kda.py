@@ -93,8 +93,9 @@ class KimiDeltaAttention(nn.Module):
         def emit(start: int) -> None:
             if not seen:
                 return
-            ends = torch.tensor([t for t, _, _ in seen], device=g.device)
-            payload = {"positions": start + ends,
+            ends_cpu = torch.tensor([t for t, _, _ in seen])
+            ends = ends_cpu.to(g.device)
+            payload = {"positions": start + ends_cpu,
                        "norm": comm.all_gather(torch.stack([n for _, n, _ in seen], 1), self.parallel, -1, "probe.kda")}
             if extras:
                 payload["max_abs"] = comm.all_gather(torch.stack([a for _, _, a in seen], 1), self.parallel, -1)

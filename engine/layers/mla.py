@@ -77,26 +77,30 @@ class GatedMLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def _dense_mass(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                    positions: torch.Tensor, idx: torch.Tensor, w_kb: torch.Tensor) -> None:
+                    start: int, idx: torch.Tensor, w_kb: torch.Tensor) -> None:
         """Share of dense softmax mass inside the selected set, for the queries the listener asks for.
 
         Computes full attention probabilities only for those few queries ([B, n, H, T] scores),
         averages over all heads (a sum over this rank's heads, all-reduced under tensor parallelism).
         """
         point = self.probe_dense_mass
+        positions = torch.arange(start, start + q_nope.shape[1])  # CPU: the listener decides without a sync
         pick = point.options["select"](positions) if "select" in point.options else torch.ones_like(positions, dtype=torch.bool)
+        if not bool(pick.any()):
+            return
+        picked = positions[pick]
+        pick = pick.to(q_nope.device)
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope[:, pick].float(), w_kb.float())  # [B, n, H, R]
         scores = (torch.einsum("bthr,bkr->bthk", q_lat, latent.float())
                   + torch.einsum("bthd,bkd->bthk", q_rope[:, pick].float(), k_rope.float())) * self.scale
         keys = torch.arange(latent.shape[1], device=latent.device)
-        scores = scores.masked_fill(keys > positions[pick][None, :, None, None], float("-inf"))
+        scores = scores.masked_fill(keys > picked.to(keys.device)[None, :, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [B, n, H, T]
         sel = idx[:, pick]  # [B, n, k]
         inside = probs.gather(-1, sel.clamp_min(0).unsqueeze(2).expand(-1, -1, probs.shape[2], -1))
         mass = (inside * (sel >= 0).unsqueeze(2)).sum(-1).sum(-1)  # [B, n] summed over local heads
         mass = comm.all_reduce(mass, self.parallel, "probe.dense_mass") / (self.num_heads * self.parallel.world)
-        if bool(pick.any()):
-            point.sink(point, {"positions": positions[pick], "mass": mass})
+        point.sink(point, {"positions": picked, "mass": mass})
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
         """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden].
@@ -137,9 +141,10 @@ class GatedMLA(nn.Module):
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.sink is not None:
-                self.probe_topk.sink(self.probe_topk, {"positions": positions, "indices": idx, "scores": scores})
+                self.probe_topk.sink(self.probe_topk, {"positions": torch.arange(start, start + T), "indices": idx,
+                                                       "scores": scores})
             if self.probe_dense_mass.sink is not None:
-                self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, positions, idx, w_kb)
+                self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
         sparse = selection is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
 
         if sparse:

@@ -153,7 +153,7 @@ class LatentMoE(nn.Module):
             p = scores / scores.sum(-1, keepdim=True)  # the router's distribution over all experts
             entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
             self.probe_route.sink(self.probe_route, {
-                "positions": torch.arange(start, start + shape[-2], device=x.device),
+                "positions": torch.arange(start, start + shape[-2]),
                 "experts": ids.view(*shape[:-1], -1), "weights": weights.view(*shape[:-1], -1),
                 "entropy": entropy.view(shape[:-1])})
         if self.parallel.debug_checks:

@@ -21,7 +21,7 @@ from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from workbench.cli.model_cmds import DTYPES, add_parallel_args
-from workbench.record import record
+from workbench.recorders import record
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -26,8 +26,8 @@ import torch
 
 from engine.probes import ProbePoint, probe_points
 from engine.session import Segment, Session
-from workbench.record import reduce
-from workbench.record.policy import RecordPolicy, load_policy
+from workbench.recorders import reduce
+from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceWriter
 
 MODALITIES = ("text", "image")
@@ -48,7 +48,9 @@ class Recorder:
         self.ep_world = int(getattr(getattr(self.model, "parallel", None), "world", 1))
         self._points: list[ProbePoint] = []
         self._segment_of = torch.zeros(0, dtype=torch.long)
-        self._segments_seen = 0
+        self._segment_dev: dict[torch.device, torch.Tensor] = {}
+        self._segments_seen = -1
+        self._pending: list[tuple[str, dict | None, dict, str | None]] = []
         self._last_flush = time.monotonic()
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
         self._generated = 0
@@ -95,56 +97,64 @@ class Recorder:
     def _tags(self, layer: int) -> dict:
         return {"layer": layer, "step": self._ctx.step, "rank": self.rank}
 
-    def _segments_for(self, positions: torch.Tensor) -> torch.Tensor:
-        n = int(positions.max()) + 1 if positions.numel() else 0
+    def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
+        """position -> segment id for positions [0, n), on `device` (cached until segments change)."""
         if n > len(self._segment_of) or self._segments_seen != len(self.session.segments):
-            self._rebuild_segment_map(max(n, len(self.session.tokens)))
-        return self._segment_of.to(positions.device)
+            n = max(n, len(self.session.tokens))
+            seg = torch.zeros(n, dtype=torch.long)
+            for s in self.session.segments:
+                seg[s.start: min(s.end, n)] = s.id
+            last = self.session.segments[-1] if self.session.segments else None
+            if last is not None and last.kind == "generated":
+                seg[last.start:] = last.id  # the answer grows past its recorded end while decoding
+            self._segment_of, self._segments_seen = seg, len(self.session.segments)
+            self._segment_dev = {}
+        if device not in self._segment_dev:
+            self._segment_dev[device] = self._segment_of.to(device)
+        return self._segment_dev[device]
 
-    def _rebuild_segment_map(self, n: int) -> None:
-        seg = torch.zeros(n, dtype=torch.long)
-        for s in self.session.segments:
-            seg[s.start: min(s.end, n)] = s.id
-        last = self.session.segments[-1] if self.session.segments else None
-        if last is not None and last.kind == "generated":
-            seg[last.start:] = last.id  # the answer grows past its recorded end while decoding
-        self._segment_of = seg
-        self._segments_seen = len(self.session.segments)
-
-    def _marked(self, positions: torch.Tensor) -> torch.Tensor:
+    def _keep(self, positions: torch.Tensor, stride: int, *, every: bool = False) -> np.ndarray:
+        """Row indices to keep in full: every row, or stride-sampled rows, plus marked positions/segments."""
+        pos = positions.numpy()
+        if every:
+            return np.arange(len(pos))
+        keep = (pos + 1) % stride == 0 if stride > 0 else np.zeros(len(pos), bool)
         p = self.policy
-        keep = torch.zeros_like(positions, dtype=torch.bool)
         if p.mark_positions:
-            keep |= torch.isin(positions, torch.tensor(p.mark_positions, device=positions.device))
+            keep |= np.isin(pos, np.asarray(p.mark_positions))
         if p.mark_segments:
             ids = [s.id for s in self.session.segments if s.name in p.mark_segments]
-            if ids:
-                seg = self._segments_for(positions)[positions]
-                keep |= torch.isin(seg, torch.tensor(ids, device=positions.device))
-        return keep
-
-    def _strided(self, positions: torch.Tensor, stride: int) -> torch.Tensor:
-        if stride <= 0:
-            return torch.zeros_like(positions, dtype=torch.bool)
-        return (positions + 1) % stride == 0
+            if ids and len(pos):
+                seg = self._segment_map(int(pos.max()) + 1, torch.device("cpu")).numpy()[pos]
+                keep |= np.isin(seg, ids)
+        return np.flatnonzero(keep)
 
     def _dense_mass_queries(self, positions: torch.Tensor) -> torch.Tensor:
-        """Which queries of this forward call get a dense-attention mass measurement."""
+        """Which queries of this forward call get a dense-attention mass measurement (CPU bool mask)."""
         p = self.policy
         if self._ctx.phase == "decode":
             every = p.dense_mass_decode_every
             return torch.full_like(positions, every > 0 and self._ctx.step % every == 0, dtype=torch.bool)
-        return self._strided(positions, p.dense_mass_stride) | self._marked(positions)
+        mask = torch.zeros_like(positions, dtype=torch.bool)
+        mask[torch.as_tensor(self._keep(positions, p.dense_mass_stride))] = True
+        return mask
 
-    def _append(self, table: str, cols: dict | None, layer: int | None) -> None:
+    def _pend(self, table: str, cols: dict | None, layer: int | None, drop_zero: str | None = None) -> None:
+        """Queue device tensors for `table`; they are copied out and written at the next flush."""
         if self.writer is None or cols is None:
             return
-        n = len(next(iter(cols.values()))) if cols else 0
-        if n == 0:
-            return
-        if layer is not None:
-            cols = {**self._tags(layer), **cols}
-        self.rows_written += self.writer.append(table, **cols)
+        self._pending.append((table, None if layer is None else self._tags(layer), cols, drop_zero))
+
+    def _drain(self) -> None:
+        """Copy pending device results to the host (one synchronisation) and hand rows to the writer."""
+        pending, self._pending = self._pending, []
+        for table, tags, cols, drop_zero in pending:
+            columns = reduce.to_columns(cols, drop_zero)
+            if table in _CONVERT:
+                columns = _CONVERT[table](columns)
+            n = len(next(iter(columns.values())))
+            if n:
+                self.rows_written += self.writer.append(table, **(tags or {}), **columns)
 
     # ---- probe payloads -----------------------------------------------------------------------------
     def _on_probe(self, point: ProbePoint, payload: dict) -> None:
@@ -153,9 +163,7 @@ class Recorder:
         if point.name == "dsa.topk":
             self._dsa(point.layer, payload)
         elif point.name == "dsa.dense_mass":
-            pos, mass = payload["positions"], payload["mass"][0]
-            self._append("dsa_dense_mass", {"position": reduce._np(pos).astype(np.int32),
-                                            "mass": reduce._np(mass.float()).astype(np.float32)}, point.layer)
+            self._pend("dsa_dense_mass", {"position": payload["positions"], "mass": payload["mass"][0]}, point.layer)
         elif point.name == "kda.state":
             self._kda(point.layer, payload)
         elif point.name == "moe.route":
@@ -164,46 +172,47 @@ class Recorder:
     def _dsa(self, layer: int, payload: dict) -> None:
         p = self.policy
         pos, idx = payload["positions"], payload["indices"][0]  # sessions run one sequence per trace
+        last = int(pos[-1])
+        n_bins = last // p.dsa_bin_tokens + 1
+        self._pend("dsa_key_counts", reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins), layer, "count")
+        self._pend("dsa_distance_hist", reduce.dsa_distance_hist(pos.to(idx.device), idx), layer, "count")
+        seg = self._segment_map(last + 1, idx.device)
+        self._pend("dsa_segment_totals", reduce.dsa_segment_totals(idx, seg, len(self.session.segments) or 1),
+                   layer, "count")
+        self._pend("dsa_sink", reduce.dsa_sink(last, idx, p.sink_tokens), layer)
+        decode = self._ctx.phase == "decode"
+        keep = self._keep(pos, p.dsa_prefill_stride, every=decode and p.dsa_decode_lists)
         scores = payload["scores"][0] if p.dsa_scores else None
-        self._append("dsa_key_counts", reduce.dsa_key_counts(idx, p.dsa_bin_tokens), layer)
-        self._append("dsa_distance_hist", reduce.dsa_distance_hist(pos, idx), layer)
-        self._append("dsa_segment_totals", reduce.dsa_segment_totals(idx, self._segments_for(pos)), layer)
-        self._append("dsa_sink", reduce.dsa_sink(pos, idx, p.sink_tokens), layer)
-        if self._ctx.phase == "decode":
-            keep = torch.full_like(pos, p.dsa_decode_lists, dtype=torch.bool)
-        else:
-            keep = self._strided(pos, p.dsa_prefill_stride)
-        keep |= self._marked(pos)
-        self._append("dsa_topk", reduce.dsa_lists(pos, idx, scores, keep), layer)
+        self._pend("dsa_topk", reduce.select_rows(keep, position=pos, selected=idx, scores=scores), layer)
 
     def _kda(self, layer: int, payload: dict) -> None:
         pos = payload["positions"]
+        decode = self._ctx.phase == "decode"
+        keep = self._keep(pos, self.policy.kda_every_tokens, every=decode)
+        if not decode:
+            keep = np.union1d(keep, [len(pos) - 1])  # the state at the end of every forward call
         stats = {k: v[0] for k, v in payload.items() if k != "positions"}
-        if self._ctx.phase == "decode":
-            keep = torch.ones_like(pos, dtype=torch.bool)
-        else:
-            keep = self._strided(pos, self.policy.kda_every_tokens) | self._marked(pos)
-            keep[-1] = True  # the state at the end of every forward call
-        self._append("kda_norms", reduce.kda_rows(pos, stats, keep), layer)
+        self._pend("kda_norms", reduce.select_rows(keep, position=pos, **stats), layer)
 
     def _moe(self, layer: int, payload: dict) -> None:
         p = self.policy
         pos, experts, weights = payload["positions"], payload["experts"][0], payload["weights"][0]
-        entropy = payload.get("entropy")
-        entropy = entropy[0] if entropy is not None else None
-        seg = self._segments_for(pos)[pos]
+        entropy = payload["entropy"][0] if "entropy" in payload else None
+        seg = self._segment_map(int(pos[-1]) + 1, experts.device)[pos.to(experts.device)]
         modality = torch.zeros_like(seg)  # image tokens arrive with the vision tower
-        self._append("moe_counts", reduce.moe_counts(experts, seg, modality, self.config.num_experts, MODALITIES),
-                     layer)
-        self._append("moe_rank_load", reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world), layer)
+        n_seg = len(self.session.segments) or 1
+        self._pend("moe_counts", reduce.moe_counts(experts, seg, modality, self.config.num_experts, n_seg,
+                                                   len(MODALITIES)), layer, "count")
+        self._pend("moe_rank_load", reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world), layer,
+                   "tokens")
         if self._ctx.phase == "decode":
-            keep = torch.full_like(pos, p.moe_decode_routes, dtype=torch.bool)
-        elif p.moe_window_every > 0:
-            keep = (pos % p.moe_window_every) < p.moe_window_tokens
+            keep = np.arange(len(pos)) if p.moe_decode_routes else np.zeros(0, np.int64)
         else:
-            keep = torch.zeros_like(pos, dtype=torch.bool)
-        keep |= self._marked(pos)
-        self._append("moe_routes", reduce.moe_routes(pos, experts, weights, entropy, keep), layer)
+            window = (pos.numpy() % p.moe_window_every) < p.moe_window_tokens if p.moe_window_every > 0 else \
+                np.zeros(len(pos), bool)
+            keep = np.union1d(np.flatnonzero(window), self._keep(pos, 0))
+        self._pend("moe_routes", reduce.select_rows(keep, position=pos, experts=experts, weights=weights,
+                                                    entropy=entropy), layer)
 
     # ---- session events --------------------------------------------------------------------------------
     def _on_event(self, event: str, payload: dict) -> None:
@@ -237,18 +246,38 @@ class Recorder:
         tok = self.session.tokenizer
         ids = list(ids)
         pieces = [tok.piece(i) for i in ids] if tok is not None else [str(i) for i in ids]
-        self._append("tokens", {"position": np.asarray(list(positions), np.int32),
-                                "token_id": np.asarray(ids, np.int32), "piece": np.asarray(pieces, dtype=object),
-                                "segment": np.full(len(ids), segment, np.int32),
-                                "modality": np.full(len(ids), "text", dtype=object)}, None)
+        self.rows_written += self.writer.append(
+            "tokens", position=np.asarray(list(positions), np.int32), token_id=np.asarray(ids, np.int32),
+            piece=np.asarray(pieces, dtype=object), segment=np.full(len(ids), segment, np.int32),
+            modality=np.full(len(ids), "text", dtype=object))
 
     def flush(self) -> None:
         if self.writer is None:
             return
+        self._drain()
         self.writer.flush()
         self.writer.update_session(segments=[_segment_json(s) for s in self.session.segments],
                                    progress=self._progress, timings=_timings(self.session))
         self._last_flush = time.monotonic()
+
+
+def _modality_names(cols: dict) -> dict:
+    cols["modality"] = np.asarray(MODALITIES, dtype=object)[cols["modality"]]
+    return cols
+
+
+def _half_lists(*names: str):
+    def convert(cols: dict) -> dict:
+        for name in names:
+            if name in cols:
+                cols[name] = cols[name].astype(np.float16)
+        return cols
+    return convert
+
+
+# host-side column conversions applied at flush (string dictionaries, fp16 storage)
+_CONVERT = {"moe_counts": _modality_names, "moe_routes": _half_lists("weights"),
+            "kda_norms": _half_lists("norm", "max_abs", "mean_decay", "mean_beta")}
 
 
 def _segment_json(seg: Segment) -> dict:

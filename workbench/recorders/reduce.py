@@ -1,8 +1,10 @@
-"""Reductions from probe payloads to trace rows: pure functions, computed where the data lives.
+"""Reductions from probe payloads to trace rows, computed where the data lives.
 
-Every function takes the tensors a probe emitted (on the model's device) and returns small numpy
-columns for one trace table. Counting (bincount) happens on the device, so a GPU run copies out
-kilobytes per step, not the [T, 2048] index lists.
+Every function takes the tensors a probe emitted (on the model's device) and returns a dict of
+device tensors with fixed, data-independent shapes: counting is a dense `bincount` with a known
+`minlength`, and which rows are kept is decided from positions on the CPU. So recording never
+forces a device synchronisation inside the forward pass; the recorder copies the pending results
+out (non-blocking) and turns them into Parquet rows when it flushes (`to_columns`).
 """
 
 from __future__ import annotations
@@ -10,101 +12,76 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-Columns = dict[str, np.ndarray]
+Pending = dict[str, torch.Tensor]
+DISTANCE_BINS = 64  # floor(log2(d + 1)) < 64 for any int64 distance
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
-
-
-def _nonzero_counts(values: torch.Tensor, minlength: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    counts = torch.bincount(values.reshape(-1), minlength=minlength)
-    keys = counts.nonzero().reshape(-1)
-    return _np(keys), _np(counts[keys])
-
-
-def dsa_key_counts(indices: torch.Tensor, bin_tokens: int) -> Columns:
-    """indices [T, k] (-1 = empty) -> selections per key bin."""
-    valid = indices[indices >= 0]
-    bins, counts = _nonzero_counts(torch.div(valid, bin_tokens, rounding_mode="floor"))
-    return {"key_bin": bins.astype(np.int32), "count": counts.astype(np.int64)}
-
-
-def dsa_distance_hist(positions: torch.Tensor, indices: torch.Tensor) -> Columns:
-    """Read distance d = query - key in log2 bins: b = floor(log2(d + 1))."""
+def dsa_key_counts(indices: torch.Tensor, bin_tokens: int, n_bins: int) -> Pending:
+    """indices [T, k] (-1 = empty) -> selections per key bin (dense over n_bins)."""
     valid = indices >= 0
-    d = (positions.unsqueeze(-1) - indices)[valid].clamp_min(0)
+    bins = torch.div(indices.clamp_min(0), bin_tokens, rounding_mode="floor")
+    counts = torch.bincount(bins.reshape(-1), weights=valid.reshape(-1).double(), minlength=n_bins)[:n_bins]
+    return {"key_bin": torch.arange(n_bins, device=indices.device), "count": counts.long()}
+
+
+def dsa_distance_hist(positions: torch.Tensor, indices: torch.Tensor) -> Pending:
+    """Read distance d = query - key in log2 bins b = floor(log2(d + 1)); positions [T] on the device."""
+    valid = indices >= 0
+    d = (positions.unsqueeze(-1) - indices).clamp_min(0)
     b = torch.floor(torch.log2(d.double() + 1)).long()
-    bins, counts = _nonzero_counts(b)
-    return {"log2_bin": bins.astype(np.int8), "count": counts.astype(np.int64)}
+    counts = torch.bincount(b.reshape(-1), weights=valid.reshape(-1).double(), minlength=DISTANCE_BINS)
+    return {"log2_bin": torch.arange(DISTANCE_BINS, device=indices.device), "count": counts[:DISTANCE_BINS].long()}
 
 
-def dsa_segment_totals(indices: torch.Tensor, segment_of: torch.Tensor) -> Columns:
+def dsa_segment_totals(indices: torch.Tensor, segment_of: torch.Tensor, n_segments: int) -> Pending:
     """Selections of keys inside each segment; segment_of maps position -> segment id."""
-    valid = indices[indices >= 0]
-    segs, counts = _nonzero_counts(segment_of[valid])
-    return {"segment": segs.astype(np.int32), "count": counts.astype(np.int64)}
+    valid = indices >= 0
+    seg = segment_of[indices.clamp_min(0)]
+    counts = torch.bincount(seg.reshape(-1), weights=valid.reshape(-1).double(), minlength=n_segments)
+    return {"segment": torch.arange(n_segments, device=indices.device), "count": counts[:n_segments].long()}
 
 
-def dsa_sink(positions: torch.Tensor, indices: torch.Tensor, sink_tokens: int) -> Columns:
+def dsa_sink(last_position: int, indices: torch.Tensor, sink_tokens: int) -> Pending:
     hits = ((indices >= 0) & (indices < sink_tokens)).any(-1)
-    return {"position": np.array([int(positions[-1])], np.int32), "queries": np.array([len(positions)], np.int32),
-            "sink_hits": np.array([int(hits.sum())], np.int32)}
+    return {"position": torch.tensor([last_position]), "queries": torch.tensor([indices.shape[0]]),
+            "sink_hits": hits.sum().reshape(1)}
 
 
-def dsa_lists(positions: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor | None,
-              keep: torch.Tensor) -> Columns | None:
-    """Full index lists of the kept queries (keep: [T] bool); -1 padding is dropped by the writer."""
-    if not bool(keep.any()):
+def select_rows(keep: np.ndarray, **columns: torch.Tensor | None) -> Pending | None:
+    """Rows `keep` (CPU indices) of every given [T, ...] tensor; None when nothing is kept."""
+    if len(keep) == 0:
         return None
-    cols: Columns = {"position": _np(positions[keep]).astype(np.int32),
-                     "selected": _np(indices[keep]).astype(np.int32)}
-    if scores is not None:
-        s = scores[keep]
-        cols["scores"] = _np(torch.where(torch.isfinite(s), s, torch.zeros_like(s))).astype(np.float32)
-    return cols
-
-
-def kda_rows(positions: torch.Tensor, stats: dict[str, torch.Tensor], keep: torch.Tensor) -> Columns | None:
-    """Per-head state statistics [n, H] at the kept measurement positions."""
-    if not bool(keep.any()):
-        return None
-    cols: Columns = {"position": _np(positions[keep]).astype(np.int32)}
-    for name in ("norm", "max_abs", "mean_decay", "mean_beta"):
-        if name in stats:
-            cols[name] = _np(stats[name][keep].float()).astype(np.float16)
-    return cols
+    out: Pending = {}
+    for name, t in columns.items():
+        if t is not None:
+            out[name] = t[torch.as_tensor(keep, device=t.device)]
+    return out
 
 
 def moe_counts(experts: torch.Tensor, segment_ids: torch.Tensor, modality_ids: torch.Tensor, num_experts: int,
-               modalities: tuple[str, ...]) -> Columns:
-    """Token slots per (segment, modality, expert). experts [T, k]; segment/modality ids [T]."""
+               n_segments: int, n_modalities: int) -> Pending:
+    """Token slots per (segment, modality, expert), dense. experts [T, k]; segment/modality ids [T]."""
     k = experts.shape[-1]
-    seg = segment_ids.unsqueeze(-1).expand(-1, k)
-    mod = modality_ids.unsqueeze(-1).expand(-1, k)
-    key = (seg * len(modalities) + mod) * num_experts + experts
-    keys, counts = _nonzero_counts(key)
-    expert = keys % num_experts
-    rest = keys // num_experts
-    return {"segment": (rest // len(modalities)).astype(np.int32),
-            "modality": np.array(modalities, dtype=object)[rest % len(modalities)],
-            "expert": expert.astype(np.int16), "count": counts.astype(np.int64)}
+    key = ((segment_ids * n_modalities + modality_ids).unsqueeze(-1).expand(-1, k) * num_experts + experts)
+    size = n_segments * n_modalities * num_experts
+    counts = torch.bincount(key.reshape(-1), minlength=size)[:size]
+    flat = torch.arange(size, device=experts.device)
+    rest = torch.div(flat, num_experts, rounding_mode="floor")
+    return {"segment": torch.div(rest, n_modalities, rounding_mode="floor"), "modality": rest % n_modalities,
+            "expert": flat % num_experts, "count": counts}
 
 
-def moe_rank_load(experts: torch.Tensor, num_experts: int, ep_world: int) -> Columns:
+def moe_rank_load(experts: torch.Tensor, num_experts: int, ep_world: int) -> Pending:
     """Token slots handled by each expert-parallel rank (contiguous expert ranges)."""
     per_rank = -(-num_experts // ep_world)
-    ranks, counts = _nonzero_counts(torch.div(experts, per_rank, rounding_mode="floor"))
-    return {"ep_rank": ranks.astype(np.int16), "tokens": counts.astype(np.int64)}
+    counts = torch.bincount(torch.div(experts, per_rank, rounding_mode="floor").reshape(-1), minlength=ep_world)
+    return {"ep_rank": torch.arange(ep_world, device=experts.device), "tokens": counts[:ep_world]}
 
 
-def moe_routes(positions: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor | None,
-               keep: torch.Tensor) -> Columns | None:
-    if not bool(keep.any()):
-        return None
-    cols: Columns = {"position": _np(positions[keep]).astype(np.int32),
-                     "experts": _np(experts[keep]).astype(np.int16),
-                     "weights": _np(weights[keep].float()).astype(np.float16)}
-    cols["entropy"] = (_np(entropy[keep].float()).astype(np.float32) if entropy is not None
-                       else np.full(int(keep.sum()), np.nan, np.float32))
+def to_columns(pending: Pending, drop_zero: str | None = None) -> dict[str, np.ndarray]:
+    """Device tensors -> numpy columns (the copy happens here, at flush time)."""
+    cols = {name: t.detach().to("cpu").numpy() for name, t in pending.items()}
+    if drop_zero is not None:
+        nz = cols[drop_zero] != 0
+        cols = {name: c[nz] for name, c in cols.items()}
     return cols

@@ -1,0 +1,109 @@
+"""Cost of recording, side by side in one run on the demo preset: off, default policy, `all`.
+
+For each mode the same session (N-token prefill in chunks, then D greedy decode steps) runs; modes
+alternate over `--repeats` rounds and the best time of each is kept, so a noisy machine biases all
+three alike. Prints tokens/s, the overhead against recording off, and trace bytes per token; then
+the projected size of a default-policy trace per 1M tokens at full K3.1 Pro dimensions (written
+with the trace store's synthetic generator at every 24th layer and scaled to all layers).
+
+    python benchmarks/bench_record.py --tokens 16384 --decode 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import workbench
+from engine import load_model
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from workbench.recorders.policy import RecordPolicy
+from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes
+
+TEXT = ("Sparse attention reads a few thousand keys; the recurrent memory keeps the rest. Entry {i}: "
+        "values, names and dates that do not repeat. ")
+
+
+def prompt_ids(n: int, tok: Tokenizer) -> list[int]:
+    ids: list[int] = []
+    i = 0
+    while len(ids) < n:
+        ids.extend(tok.encode(TEXT.format(i=i)))
+        i += 1
+    return ids[:n]
+
+
+def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trace: Path) -> dict:
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=chunk)
+    session.append(ids=ids, name="document")
+    if policy is None:
+        start = time.perf_counter()
+        session.prefill()
+        mid = time.perf_counter()
+        for _ in session.generate(decode, temperature=0, stop_ids=()):
+            pass
+        end = time.perf_counter()
+    else:
+        shutil.rmtree(trace, ignore_errors=True)
+        with workbench.record(session, trace=trace, policy=policy):
+            start = time.perf_counter()
+            session.prefill()
+            mid = time.perf_counter()
+            for _ in session.generate(decode, temperature=0, stop_ids=()):
+                pass
+            end = time.perf_counter()
+    return {"prefill_s": mid - start, "decode_s": end - mid, "total_s": end - start,
+            "bytes": trace_bytes(trace)["total"] if policy is not None else 0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-projection", action="store_true")
+    args = ap.parse_args()
+    model = load_model("preset:demo")
+    ids = prompt_ids(args.tokens, Tokenizer.byte_level())
+    tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
+    modes = {"off": None, "default": "default", "all": "all"}
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for name, policy in modes.items():
+            r = run(model, ids, args.decode, args.chunk, policy, tmp / name)
+            if name not in best or r["total_s"] < best[name]["total_s"]:
+                best[name] = r
+    n = args.tokens + args.decode
+    off = best["off"]
+    print(f"demo preset, {args.tokens}-token prefill (chunks of {args.chunk}) + {args.decode} decode steps, "
+          f"best of {args.repeats}, torch threads {torch.get_num_threads()}")
+    print(f"{'mode':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'overhead':>9} {'trace bytes/token':>18}")
+    for name, r in best.items():
+        overhead = r["total_s"] / off["total_s"] - 1
+        print(f"{name:>8} {args.tokens / r['prefill_s']:>14.1f} {args.decode / r['decode_s']:>13.1f} "
+              f"{overhead:>+8.1%} {r['bytes'] / n:>18.1f}")
+    per_token = best["default"]["bytes"] / n
+    print(f"default-policy trace of a 128K-token demo session: {per_token * 131072 / 1e6:.1f} MB (goal < 200 MB)")
+    if not args.skip_projection:
+        d = RecordPolicy()
+        policy = Policy(dsa_bin_tokens=d.dsa_bin_tokens, sink_tokens=d.sink_tokens,
+                        dsa_prefill_stride=d.dsa_prefill_stride, kda_every=d.kda_every_tokens,
+                        moe_window_every=d.moe_window_every, moe_window_len=d.moe_window_tokens)
+        sizes = project_bytes(tmp / "projection", 1 << 20, Dims.k31_pro(), policy, every=24)
+        print(f"projected default-policy trace at K3.1 Pro dims: {sizes['total'] / 1e9:.2f} GB per 1M tokens "
+              f"({sizes['bytes_per_token']:.0f} B/token; goal <= 1.5 GB)")
+        print(json.dumps({k: round(v / 1e6, 1) for k, v in sizes.items() if k not in ("bytes_per_token",)},
+                         indent=None))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
