@@ -107,6 +107,9 @@ class ModelState:
 
     layers: list[LayerState]
     length: int = 0
+    # [B] first real cache slot of each row when a batch is left-padded to a common length (None:
+    # no padding); padding slots hold no key and leave the recurrent state untouched
+    key_start: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod

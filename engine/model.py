@@ -60,27 +60,27 @@ class DecoderLayer(nn.Module):
             # tensor parallel: this rank's slice of the width; down_proj is row-parallel
             self.mlp = GatedMLP(c.hidden_size, parallel.split(c.intermediate_size), activation(c))
 
-    def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int) -> torch.Tensor:
-        if isinstance(self.self_attn, KimiDeltaAttention):
-            return self.self_attn(x, state, start)
-        return self.self_attn(x, state, start)
+    def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int,
+              key_start: torch.Tensor | None) -> torch.Tensor:
+        return self.self_attn(x, state, start, key_start)
 
     def ffn(self, x: torch.Tensor, start: int) -> torch.Tensor:
         if self.is_moe:
             return self.block_sparse_moe(x, start)
         return comm.all_reduce(self.mlp(x), self.parallel, "mlp")
 
-    def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0) -> torch.Tensor:
+    def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0,
+                key_start: torch.Tensor | None = None) -> torch.Tensor:
         """One layer. Returns the new prefix sum; appends to `blocks` at block starts (K3)."""
         if self.block_size is None:
-            h = prefix + self.mixer(self.input_layernorm(prefix), state, start)
+            h = prefix + self.mixer(self.input_layernorm(prefix), state, start, key_start)
             return h + self.ffn(self.post_attention_layernorm(h), start)
         h = attn_res(prefix, blocks, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight,
                      self.eps) if blocks else prefix
         if self.layer_idx % self.block_size == 0:
             blocks.append(prefix)
             prefix = torch.zeros_like(prefix)
-        prefix = prefix + self.mixer(self.input_layernorm(h), state, start)
+        prefix = prefix + self.mixer(self.input_layernorm(h), state, start, key_start)
         m = attn_res(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps)
         return prefix + self.ffn(self.post_attention_layernorm(m), start)
 
@@ -106,10 +106,11 @@ class KimiModel(nn.Module):
                 layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden [B, T, hidden]."""
         start = 0 if state is None else state.length
+        key_start = None if state is None else state.key_start
         prefix = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            prefix = layer(prefix, blocks, None if state is None else state.layers[i], start)
+            prefix = layer(prefix, blocks, None if state is None else state.layers[i], start, key_start)
             if layer_outputs is not None:
                 layer_outputs.append(prefix)
         if self.attn_res:

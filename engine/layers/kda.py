@@ -109,20 +109,33 @@ class KimiDeltaAttention(nn.Module):
 
         return observe, emit
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int = 0) -> torch.Tensor:
-        """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden]; updates `state`
-        in place when given."""
+    def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int = 0,
+                key_start: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden] (normed) at slots [start, start + T) -> [B, T, hidden]; updates `state`
+        in place when given. Slots before `key_start[b]` are left padding: their conv inputs are
+        zeroed and their decay is 0, so the state after them is exactly a fresh one."""
         B, T, _ = x.shape
         heads = (self.num_heads, self.head_dim)
         tails = (None, None, None) if state is None else state.conv.chunk(3, dim=1)
-        q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
-        k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
-        v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
+        pad = None
+        if key_start is not None:
+            pad = (torch.arange(start, start + T, device=x.device) < key_start.view(-1, 1)).unsqueeze(-1)  # [B, T, 1]
+
+        def inputs(proj: nn.Linear) -> torch.Tensor:
+            y = proj(x)
+            return y if pad is None else y.masked_fill(pad, 0.0)
+
+        q, q_tail = self.q_conv1d(inputs(self.q_proj), tails[0])
+        k, k_tail = self.k_conv1d(inputs(self.k_proj), tails[1])
+        v, v_tail = self.v_conv1d(inputs(self.v_proj), tails[2])
         q = l2norm(q.unflatten(-1, heads))  # [B, T, H, K]
         k = l2norm(k.unflatten(-1, heads))
         v = v.unflatten(-1, heads)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        if pad is not None:
+            g = g.masked_fill(pad.unsqueeze(-1), 0.0)
+            beta = beta.masked_fill(pad, 0.0)
         initial = None if state is None else state.recurrent
         observe, emit = self._observer(g, beta) if self.probe_state.sink is not None else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:

@@ -102,7 +102,8 @@ class GatedMLA(nn.Module):
         mass = comm.all_reduce(mass, self.parallel, "probe.dense_mass") / (self.num_heads * self.parallel.world)
         point.sink(point, {"positions": picked, "mass": mass})
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0,
+                key_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden].
 
         With a cache, rows [start, start + T) are written and attention reads rows [0, start + T);
@@ -136,7 +137,7 @@ class GatedMLA(nn.Module):
         if self.indexer is not None:
             assert keys_all is not None and q_resid is not None
             iq, iw = self.indexer.queries(q_resid, x)
-            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk)
+            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk, key_start=key_start)
             selection = Selection(positions, idx, scores)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
@@ -154,12 +155,13 @@ class GatedMLA(nn.Module):
         elif T * 4 < start + T:
             # few queries over a long cache (decode): stay in latent space
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
-            o_lat = dense_attention_latent(q_lat, q_rope, latent_all, k_rope_all, positions, self.scale)
+            o_lat = dense_attention_latent(q_lat, q_rope, latent_all, k_rope_all, positions, self.scale,
+                                           key_start=key_start)
             attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float())
         else:
             kv = self.kv_b_proj(latent_all).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
             k = torch.cat((kv[..., : self.nope], k_rope_all.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), -1)
-            attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale)
+            attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale, key_start=key_start)
         attn = attn.to(x.dtype)  # [B, T, H, Dv]
         if self.use_output_gate:
             attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))

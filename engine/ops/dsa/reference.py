@@ -84,6 +84,7 @@ def indexer_topk(
     *,
     q_block: int | None = None,
     key_block: int | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k key positions per query, scored blockwise.
 
@@ -93,6 +94,7 @@ def indexer_topk(
         k (torch.Tensor): `[B, Tk, D]` indexer keys; key s sits at position s.
         q_pos (torch.Tensor): `[Tq]` positions of the queries (keys at <= pos are visible).
         topk (int): keys kept per query.
+        key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty).
@@ -113,6 +115,8 @@ def indexer_topk(
             k1 = min(last, k0 + kb)
             s = indexer_scores(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
             visible = key_pos[k0:k1].unsqueeze(0) <= pos.unsqueeze(1)  # [qb, kb]
+            if key_start is not None:  # [B, qb, kb]
+                visible = visible & (key_pos[k0:k1] >= key_start.view(-1, 1, 1))
             s = s.masked_fill(~visible, float("-inf"))
             # running set first: its positions all precede this block's, so ties keep favouring earlier keys
             run_score = torch.cat((run_score, s), dim=-1)

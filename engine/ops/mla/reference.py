@@ -44,7 +44,7 @@ def _online_softmax_step(
 
 def dense_attention_expanded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-    *, key_block: int | None = None, q_block: int | None = None,
+    *, key_block: int | None = None, q_block: int | None = None, key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention with per-head keys and values.
 
@@ -54,6 +54,8 @@ def dense_attention_expanded(
         v (torch.Tensor): `[B, Tk, H, Dv]`.
         q_pos (torch.Tensor): `[Tq]` query positions (ascending).
         key_block, q_block (int, Optional): block sizes (a score block is [B, H, q_block, key_block]).
+        key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding);
+            a query with no visible key gets a zero output.
 
     Returns:
         `[B, Tq, H, Dv]` fp32.
@@ -82,14 +84,16 @@ def dense_attention_expanded(
             s = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)  # [B, H, qb, kb]
             if k1 - 1 > first:  # only blocks reaching past some query's position need the mask
                 s = s.masked_fill(key_pos[k0:k1] > pos.unsqueeze(-1), float("-inf"))
+            if key_start is not None:
+                s = s.masked_fill((key_pos[k0:k1] < key_start.unsqueeze(-1))[:, None, None, :], float("-inf"))
             m, l, acc = _online_softmax_step(s, vh[:, :, k0:k1], m, l, acc)
-        out[:, :, q0:q1] = acc / l
+        out[:, :, q0:q1] = acc / l.clamp_min(1e-30)  # l = 0 only for rows with no visible key (padding)
     return out.transpose(1, 2)
 
 
 def dense_attention_latent(
     q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, *, key_block: int | None = None,
+    scale: float, *, key_block: int | None = None, key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention in latent space (W_kb absorbed into `q_lat`).
 
@@ -99,6 +103,7 @@ def dense_attention_latent(
         c (torch.Tensor): `[B, Tk, R]` normalised latents.
         k_r (torch.Tensor): `[B, Tk, Dr]` shared key part.
         q_pos (torch.Tensor): `[Tq]`.
+        key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
 
     Returns:
         o_lat `[B, Tq, H, R]` fp32.
@@ -121,8 +126,10 @@ def dense_attention_latent(
         s = q_all @ block.transpose(-1, -2)  # [B, Tq * H, kb]
         if k1 - 1 > first:
             s = s.masked_fill(key_pos[k0:k1] > row_pos.unsqueeze(-1), float("-inf"))
+        if key_start is not None:
+            s = s.masked_fill((key_pos[k0:k1] < key_start.unsqueeze(-1)).unsqueeze(1), float("-inf"))
         m, l, acc = _online_softmax_step(s, block[..., :R], m, l, acc)
-    return (acc / l).unflatten(1, (Tq, H))
+    return (acc / l.clamp_min(1e-30)).unflatten(1, (Tq, H))
 
 
 def sparse_attention_latent(
@@ -152,6 +159,7 @@ def sparse_attention_latent(
         sel = idx[:, q0:q1]  # [B, qb, K]
         rows = latents[batch, sel.clamp_min(0)]  # [B, qb, K, R + Dr]: each query's own keys
         s = q_all[:, q0:q1] @ rows.transpose(-1, -2)  # [B, qb, H, K]
-        s = s.masked_fill((sel < 0).unsqueeze(2), float("-inf"))
+        # a large finite mask: a padding query with no selected key gets a finite (ignored) output
+        s = s.masked_fill((sel < 0).unsqueeze(2), -1e30)
         out[:, q0:q1] = torch.softmax(s, dim=-1) @ rows[..., :R]
     return out
