@@ -43,12 +43,13 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torc
         row has fewer than k visible keys; they are its latest positions).
     """
     positions = positions.expand_as(scores)
-    vals, sel = scores.topk(k, dim=-1, sorted=False)
-    kth = vals.amin(-1, keepdim=True)
-    # topk's choice among keys tied at the k-th score is arbitrary: redo the rows that have surplus ties
-    surplus = (scores >= kth).sum(-1) > k  # [B, q]
+    # one extra candidate shows whether a tie straddles the k-th place (then topk's pick is arbitrary)
+    vals, sel = scores.topk(k + 1, dim=-1)
+    kth = vals[..., k - 1: k]
+    surplus = (vals[..., k] == vals[..., k - 1])  # [B, q]
+    vals, sel = vals[..., :k].contiguous(), sel[..., :k]
     idx = positions.gather(-1, sel)
-    if bool(surplus.any()):
+    if bool(surplus.any()):  # redo those rows exactly: everything above the k-th, then the earliest ties
         rows = surplus.nonzero(as_tuple=True)
         s_rows, p_rows, t_rows = scores[rows], positions[rows], kth[rows]  # [r, n], [r, n], [r, 1]
         above, tied = s_rows > t_rows, s_rows == t_rows
@@ -70,9 +71,11 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.T
     Returns:
         `[B, Tq, Tk]` fp32 scores (no causal mask).
     """
-    scale = q.shape[-1] ** -0.5
-    logits = torch.einsum("bqhd,bkd->bqhk", q.float(), k.float()) * scale
-    return torch.einsum("bqhk,bqh->bqk", logits.relu_(), w.float())
+    B, Tq, Hi, D = q.shape
+    # heads folded into query rows: one [Tq * Hi, D] x [D, Tk] matmul, then a per-query weighted sum
+    logits = (q.float().reshape(B, Tq * Hi, D) * D ** -0.5) @ k.float().transpose(1, 2)  # [B, Tq * Hi, Tk]
+    logits.relu_()
+    return (w.float().reshape(B * Tq, 1, Hi) @ logits.view(B * Tq, Hi, -1)).view(B, Tq, -1)
 
 
 def indexer_topk(
@@ -109,20 +112,30 @@ def indexer_topk(
         q1 = min(Tq, q0 + qb)
         pos = q_pos[q0:q1]
         last = int(pos.max()) + 1  # keys beyond the last query position are never visible
-        run_score = torch.full((B, q1 - q0, 0), float("-inf"), device=q.device)
-        run_idx = torch.empty((B, q1 - q0, 0), dtype=torch.long, device=q.device)
+        first = int(pos.min())
+        run_score: torch.Tensor | None = None
+        run_idx: torch.Tensor | None = None
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
             s = indexer_scores(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
-            visible = key_pos[k0:k1].unsqueeze(0) <= pos.unsqueeze(1)  # [qb, kb]
-            if key_start is not None:  # [B, qb, kb]
-                visible = visible & (key_pos[k0:k1] >= key_start.view(-1, 1, 1))
-            s = s.masked_fill(~visible, float("-inf"))
-            # running set first: its positions all precede this block's, so ties keep favouring earlier keys
-            run_score = torch.cat((run_score, s), dim=-1)
-            run_idx = torch.cat((run_idx, key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)), dim=-1)
+            lo = max(first, k0)  # keys before the block's first query are visible to all of it
+            if lo < k1:
+                s[..., lo - k0:].masked_fill_(key_pos[lo:k1] > pos.unsqueeze(1), float("-inf"))
+            if key_start is not None:
+                hi = min(k1, int(key_start.max()))  # keys from here on are past every row's padding
+                if hi > k0:
+                    s[..., : hi - k0].masked_fill_((key_pos[k0:hi] < key_start.view(-1, 1, 1)), float("-inf"))
+            if run_score is None:
+                run_score, run_idx = s, key_pos[k0:k1]
+            else:
+                # running set first: its positions all precede this block's, so ties keep favouring earlier keys
+                run_score = torch.cat((run_score, s), dim=-1)
+                run_idx = torch.cat((run_idx, key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)), dim=-1)
             if run_score.shape[-1] > topk:
                 run_score, run_idx = _select(run_score, run_idx, topk)
+            elif run_idx.dim() == 1:
+                run_idx = run_idx.expand(B, q1 - q0, -1)
+        assert run_score is not None and run_idx is not None
         n = run_score.shape[-1]
         # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
