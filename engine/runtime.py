@@ -17,9 +17,12 @@ class RuntimeOptions:
     mxfp8_activations: round routed-expert GEMM inputs through MXFP8 (training-time format).
     kda_chunk_size: tokens per chunk of the chunked KDA form.
     kda_recurrent_max_tokens: at or below this many new tokens KDA steps token by token.
+    expert_cache_mib: budget for dequantized MXFP4 experts kept between calls (the packed copy is
+        always kept; hot experts skip dequantization on the next token). 0 = dequantize at every use.
     """
 
     dsa_force_dense: bool = False
     mxfp8_activations: bool = False
     kda_chunk_size: int = 64
     kda_recurrent_max_tokens: int = 8
+    expert_cache_mib: int = 256

@@ -14,6 +14,7 @@ slice. MXFP4 experts stay packed and are dequantized one expert at a time at use
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -73,6 +74,9 @@ class RoutedExperts(nn.Module):
         for slot, e in enumerate(ids):
             self._slot_of[e] = slot
         self.packed = config.expert_format == "mxfp4"
+        self.moe_layers = max(1, sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)))
+        self._dense: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # dequantized-expert LRU
+        self._dense_bytes = 0
         self.runtime = runtime
         self.act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = activation(config)
         e = len(ids)
@@ -85,10 +89,28 @@ class RoutedExperts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.zeros(e, out_f, in_f)))
 
     def weight(self, name: str, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dense [out, in] weight of local expert `slot` (dequantized on the fly when packed)."""
-        if self.packed:
-            return mxfp4.dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype)
-        return getattr(self, name)[slot].to(dtype)
+        """Dense [out, in] weight of local expert `slot` (dequantized on the fly when packed).
+
+        Dequantized weights are kept in a small per-layer LRU (the layer's share of
+        `runtime.expert_cache_mib`): decode reuses hot experts token after token.
+        """
+        if not self.packed:
+            return getattr(self, name)[slot].to(dtype)
+        key = (name, slot, dtype)
+        hit = self._dense.get(key)
+        if hit is not None:
+            self._dense.move_to_end(key)
+            return hit
+        dense = mxfp4.dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype)
+        budget = self.runtime.expert_cache_mib * 2**20 // self.moe_layers
+        size = dense.numel() * dense.element_size()
+        if size <= budget:
+            self._dense[key] = dense
+            self._dense_bytes += size
+            while self._dense_bytes > budget:
+                _, old = self._dense.popitem(last=False)
+                self._dense_bytes -= old.numel() * old.element_size()
+        return dense
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [N, in], ids/weights [N, k] -> sum over the locally held experts [N, in] (fp32)."""
