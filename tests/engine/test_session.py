@@ -211,3 +211,30 @@ def test_progress_and_token_events(models):
                 "tokens_per_s", "peak_memory_bytes"):
         assert key in rec
     assert rec["prompt_tokens"] == 30 and rec["output_tokens"] == 3
+
+
+def test_loads_a_kimi_format_tokenizer_with_merges_and_real_special_ids(tmp_path):
+    """The real layout: multi-byte BPE ranks in tiktoken.model, specials named in
+    tokenizer_config.json at ids right after the base ranks (163584+ in the real files)."""
+    import base64
+
+    from engine.tokenizer import SPECIAL_NAMES
+
+    ranks = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"ing", b" memory", "世界".encode()]
+    (tmp_path / "tiktoken.model").write_text(
+        "\n".join(f"{base64.b64encode(t).decode()} {i}" for i, t in enumerate(ranks)) + "\n")
+    base = len(ranks)
+    decoder = {str(base + o): {"content": name, "special": True} for o, name in SPECIAL_NAMES.items()}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    tok = Tokenizer.load(tmp_path)
+    assert tok.vocab_size == base + 256
+    assert tok.end_of_msg_id == base + 2 and tok.open_id == base + 3 and tok.sep_id == base + 5
+    ids = tok.encode("the memory of the 世界")
+    assert {257, 258, 260, 261} <= set(ids)  # merged tokens are used
+    assert tok.decode(ids) == "the memory of the 世界"
+    assert tok.piece(base + 21) == "<|media_pad|>"
+    for bad in ("not base64!! 0\n", base64.b64encode(b"a").decode() + " 7\n"):
+        (tmp_path / "tiktoken.model").write_text(bad)
+        with pytest.raises(Exception) as info:
+            Tokenizer.load(tmp_path)
+        assert "tiktoken.model" in str(info.value)
