@@ -49,13 +49,16 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torc
     surplus = (vals[..., k] == vals[..., k - 1])  # [B, q]
     vals, sel = vals[..., :k].contiguous(), sel[..., :k]
     idx = positions.gather(-1, sel)
-    if bool(surplus.any()):  # redo those rows exactly: everything above the k-th, then the earliest ties
+    if bool(surplus.any()):
+        # redo those rows exactly: every key above the k-th score outranks every tied key, and tied
+        # keys rank by position (earliest first); one more top-k on that order picks the set
         rows = surplus.nonzero(as_tuple=True)
         s_rows, p_rows, t_rows = scores[rows], positions[rows], kth[rows]  # [r, n], [r, n], [r, 1]
-        above, tied = s_rows > t_rows, s_rows == t_rows
-        take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-        vals[rows] = s_rows[take].view(-1, k)
-        idx[rows] = p_rows[take].view(-1, k)
+        order_key = torch.where(s_rows > t_rows, torch.inf,
+                                torch.where(s_rows == t_rows, -p_rows.float(), -torch.inf))
+        pick = order_key.topk(k, dim=-1).indices
+        vals[rows] = s_rows.gather(-1, pick)
+        idx[rows] = p_rows.gather(-1, pick)
     order = idx.argsort(dim=-1)
     return vals.gather(-1, order), idx.gather(-1, order)
 
