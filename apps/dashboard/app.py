@@ -1,0 +1,222 @@
+"""Composition of the dashboard: the four views, the source/drive sidebar, the server entry point.
+
+    Dashboard(config)               one per browser session (or notebook cell): state + views + runner
+    create_app(config)              what the server calls per session: access checks, then the template
+    serve(config)                   `workbench dashboard`: pn.serve on 127.0.0.1 unless told otherwise
+
+Layout only; the views live in `components/`, the data path in `state.py`, drive mode in
+`session_runner.py`, access rules in `security.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import panel as pn
+import param
+
+from apps.dashboard.components.dsa_map import DSAMemoryMap
+from apps.dashboard.components.experts import ExpertsView
+from apps.dashboard.components.kda_state import KDAStateView
+from apps.dashboard.components.session_map import SessionMap
+from apps.dashboard.components.text import alert_text, set_text, text_pane
+from apps.dashboard.components.token_strip import WidthProbe
+from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
+from apps.dashboard.session_runner import SessionRunner, find_models
+from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardState, Snapshot
+
+# pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
+FIGURE_CHROME_PX = 140
+
+
+@dataclass
+class DashboardConfig:
+    """How a dashboard is served.
+
+    Attributes:
+        trace: trace directory followed at start (None: wait for a URL parameter or a driven session).
+        model: model offered first in drive mode (checkpoint directory or preset:NAME).
+        root: the only directory tree the `trace` URL parameter may point into; drive-mode runs are
+            recorded under it.
+        host, port: where the server listens (127.0.0.1 by default; any other host needs a token).
+        token: access token required as `?token=...` (generated when serving on a non-local host).
+        drive: show the drive-mode controls (model, prompt, upload, generate/stop).
+        interval: seconds between the follower's polls of the trace.
+        refresh_ms: period of the periodic callback that applies snapshots (<= 1000 for >= 1 Hz).
+        max_upload_bytes: largest document accepted by the upload box.
+        new_tokens: tokens a driven session generates unless changed in the browser.
+        model_search: directories searched for checkpoints (`*/config.json`) for the model picker.
+    """
+
+    trace: Path | None = None
+    model: str | None = None
+    root: Path = Path("traces")
+    host: str = "127.0.0.1"
+    port: int = 5006
+    token: str | None = None
+    drive: bool = True
+    interval: float = 0.5
+    refresh_ms: int = 300
+    max_upload_bytes: int = 4 << 20
+    new_tokens: int = 48
+    model_search: list[Path] = field(default_factory=lambda: [Path("checkpoints")])
+
+
+class Dashboard(pn.viewable.Viewer):
+    """The whole dashboard bound to one `DashboardState`: sidebar (source, drive controls) and four views.
+
+    In a notebook: `pn.extension(); Dashboard(DashboardConfig(trace=path))` shows it inline and live.
+    """
+
+    state = param.ClassSelector(class_=DashboardState, doc="the state every view follows")
+    message = param.String(default="", doc="an error about the request (bad URL parameter); shown on top")
+
+    def __init__(self, config: DashboardConfig | None = None, *, trace: str | Path | None = None, **params: Any) -> None:
+        config = config or DashboardConfig()
+        path = trace if trace is not None else config.trace
+        super().__init__(state=DashboardState(path, interval=config.interval), **params)
+        self.config = config
+        self.session_map = SessionMap(state=self.state)
+        self.dsa = DSAMemoryMap(state=self.state)
+        self.kda = KDAStateView(state=self.state)
+        self.experts = ExpertsView(state=self.state)
+        self.runner: SessionRunner | None = None
+        if config.drive:
+            models = find_models([config.model] if config.model else [], config.model_search)
+            self.runner = SessionRunner(state=self.state, runs_dir=str(config.root), max_upload_bytes=config.max_upload_bytes,
+                                        max_new_tokens=config.new_tokens)
+            self.runner.param.model.objects = models
+            self.runner.model = models[0]
+        self.probe = WidthProbe(sizing_mode="stretch_width", height=1, margin=0)
+        self.probe.param.watch(self._width, "px")
+        self.alert = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width",
+                                   css_classes=["k3-alert"])
+        self.source = text_pane("", sizing_mode="stretch_width", css_classes=["k3-source"])
+        self._callback = None
+        self._show_status()
+
+    def _width(self, event: param.parameterized.Event) -> None:
+        self.state.bins = int(min(max(event.new - FIGURE_CHROME_PX, MIN_BINS), MAX_BINS))
+
+    @param.depends("message", "state.snapshot", "state.trace_path", watch=True)
+    def _show_status(self) -> None:
+        snap: Snapshot = self.state.snapshot
+        errors = [m for m in (self.message, snap.error) if m]
+        warnings = list(snap.problems[:3])
+        self.alert.object = alert_text("\n\n".join(errors + warnings))
+        self.alert.alert_type = "danger" if errors else "warning"
+        self.alert.visible = bool(errors or warnings)
+        path = self.state.trace_path or "(none yet: drive a session or open ?trace=NAME)"
+        set_text(self.source, f"trace: {path}\nstatus: {snap.status}, {snap.tokens:,} tokens")
+
+    def start(self, sync: bool = False) -> None:
+        """Start following live: the follower thread and the periodic callback that applies its snapshots.
+
+        With `sync`, the first snapshot is computed here before returning (notebooks: the first
+        display has data). The server does not wait: the follower computes while the page loads.
+        """
+        if self._callback is not None:
+            return
+        if self.state.follower is not None:
+            if sync:
+                self.state.sync()
+            self.state.start()
+        self._callback = pn.state.add_periodic_callback(self._tick, period=self.config.refresh_ms)
+
+    def _tick(self) -> None:
+        self.state.poll()
+        if self.runner is not None:
+            self.runner.poll()
+
+    def close(self) -> None:
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+        self.state.close()
+
+    def sidebar(self) -> list:
+        items: list = [pn.pane.Markdown("### Source"), self.source]
+        if self.runner is not None:
+            items.append(self.runner)
+        return items
+
+    def views(self, defer: bool = False) -> list:
+        """The main column; with `defer`, every view but the session map is built after the page has loaded."""
+        lower = [self.dsa, self.kda, self.experts]
+        if defer:
+            # the first paint carries the session map only; the other views arrive over the websocket
+            # right after, so the page shows up before Bokeh has built ~400 more models
+            lower = [pn.panel(lambda v=v: v, defer_load=True, sizing_mode="stretch_width") for v in lower]
+        return [self.probe, self.alert, self.session_map, *lower]
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        self.start(sync=True)
+        return pn.Row(pn.Column(*self.sidebar(), width=320), pn.Column(*self.views(), sizing_mode="stretch_width"),
+                      sizing_mode="stretch_width")
+
+
+def _arg(args: dict, name: str) -> str | None:
+    values = args.get(name)
+    if not values:
+        return None
+    value = values[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.viewable.Viewable:
+    """The dashboard for one browser session: checks the token and the `trace` URL parameter first.
+
+    Bad input never stops the server: a wrong token gets only an error page; a bad `trace` parameter
+    or an unreadable trace shows an error above the (still working) dashboard.
+    """
+    args = pn.state.session_args if session_args is None else session_args
+    if not token_ok(_arg(args, "token"), config.token):
+        return pn.pane.Alert("Access token missing or wrong: open the URL printed by `workbench dashboard`.",
+                             alert_type="danger", css_classes=["k3-denied"])
+    trace, message = config.trace, ""
+    requested = _arg(args, "trace")
+    if requested is not None:
+        try:
+            trace = resolve_trace(requested, config.root)
+        except AccessError as exc:
+            message = f"error: {exc}"
+    try:
+        dash = Dashboard(config, trace=trace, message=message)
+    except Exception as exc:  # keep serving other sessions; show what went wrong in this one
+        return pn.pane.Alert(alert_text(f"The dashboard could not start: {type(exc).__name__}: {exc}"),
+                             alert_type="danger")
+    dash.start()
+    if pn.state.curdoc is not None:
+        pn.state.on_session_destroyed(lambda _ctx: dash.close())
+    # one root per template area: Bokeh re-walks every model of the document for each root it adds
+    template = pn.template.BootstrapTemplate(
+        title="K3 Workbench · memory inspector", sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
+        main=[pn.Column(*dash.views(defer=True), sizing_mode="stretch_width")], sidebar_width=340)
+    template.dashboard = dash  # reachable from tests and notebooks
+    return template
+
+
+def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False, start: bool = True) -> Any:
+    """Serve the dashboard (blocking unless `threaded`); a non-local host gets an access token if it has none."""
+    if not is_local(config.host) and config.token is None:
+        config.token = new_token()
+    origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1")] if is_local(config.host) else ["*"]
+
+    def app() -> pn.viewable.Viewable:  # Panel calls a plain function once per browser session
+        return create_app(config)
+
+    return pn.serve({"/": app}, port=config.port, address=config.host, show=show,
+                    title="K3 Workbench", websocket_origin=origins, threaded=threaded, start=start,
+                    # bounded uploads: the browser may not push more than this in one message
+                    websocket_max_message_size=max(config.max_upload_bytes * 2, 8 << 20))
+
+
+def url(config: DashboardConfig, trace: str | None = None) -> str:
+    """The URL to open (with the token and a trace parameter when given)."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    params = [f"token={config.token}"] if config.token else []
+    if trace:
+        params.append(f"trace={trace}")
+    return f"http://{host}:{config.port}/" + ("?" + "&".join(params) if params else "")

@@ -1,0 +1,132 @@
+"""View 2, the DSA memory map: which context positions each DSA layer selects, and what it read for a token.
+
+- heat map: DSA layers x context position, binned on the server to the screen width; colour =
+  log(1 + selections) of keys in the bin (from the trace's running sums, never per-token glyphs);
+- generated text: click a token (or type a position) to select a query;
+- read-out: for the selected query, the same layers x position grid with only its selected keys,
+  a per-layer table (keys, nearest / farthest read, share local, segment read most) with the text
+  around the densest far reads (escaped, selected keys marked), and the image patches it read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import panel as pn
+import param
+from bokeh.models import ColumnDataSource, Span
+from bokeh.plotting import figure
+
+from apps.dashboard.components.figures import HeatFigure, segment_starts
+from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.token_strip import TokenStrip
+from apps.dashboard.state import DashboardState, HeatMap, Snapshot
+
+
+class DSAMemoryMap(pn.viewable.Viewer):
+    """DSA selection heat map plus the per-token read-out of the selected generated token."""
+
+    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    show_segments = param.Boolean(default=True, doc="mark segment boundaries on the position axes")
+
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        self.heat = HeatFigure("How often each context range was selected (all queries so far)", "position",
+                               "DSA layer", "log(1+selections)", palette="inferno")
+        self.reads = HeatFigure("What each layer read for the selected token", "key position", "DSA layer",
+                                "keys read", height=200)
+        self.query_line = Span(location=0, dimension="height", line_color="#00e5ff", line_width=2, visible=False)
+        self.reads.figure.add_layout(self.query_line)
+        self.patch_source = ColumnDataSource({"image": [np.zeros((1, 1))], "dw": [1], "dh": [1]})
+        self.patches = figure(height=200, width=220, title="Image patches read", tools="", toolbar_location=None,
+                              match_aspect=True)
+        self.patches.image(image="image", x=0, y=0, dw="dw", dh="dh", source=self.patch_source, palette="Viridis256")
+        self.patches.axis.visible = False
+        self.patches.visible = False
+        self.position_input = pn.widgets.IntInput.from_param(self.state.param.position, label="Query position",
+                                                             width=160)
+        self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
+        self.strip.param.watch(self._clicked, "selected")
+        self.readout = pn.pane.HTML("<p>Select a generated token to see what each DSA layer read for it.</p>",
+                                    sizing_mode="stretch_width", css_classes=["k3-dsa-readout"],
+                                    stylesheets=[_READOUT_CSS])
+        self.title = text_pane("", sizing_mode="stretch_width", css_classes=["k3-dsa-title"])
+        # the read-out's figures join the page with the first selection (a lighter first paint)
+        self.detail = pn.Column(self.readout, sizing_mode="stretch_width")
+        self._shown = Snapshot()
+        self._apply()
+
+    def _clicked(self, event: param.parameterized.Event) -> None:
+        if event.new is not None:
+            self.state.position = event.new
+
+    @param.depends("state.position", watch=True)
+    def _selection(self) -> None:
+        self.strip.selected = self.state.position
+
+    @param.depends("show_segments", watch=True)
+    def _toggle_segments(self) -> None:
+        self._shown = Snapshot()
+        self._apply()
+
+    @param.depends("state.snapshot", watch=True)
+    def _apply(self) -> None:
+        snap, shown = self.state.snapshot, self._shown
+        self._shown = snap
+        if snap.dsa is not shown.dsa:
+            self.heat.update(snap.dsa)
+        if snap.segments != shown.segments or snap.dsa is not shown.dsa:
+            starts = segment_starts(snap.segments) if self.show_segments else []
+            self.heat.set_boundaries(starts)
+            self.reads.set_boundaries(starts)
+        if snap.generated is not shown.generated:
+            self.strip.tokens = [list(t) for t in snap.generated]
+        if snap.reads is not shown.reads:
+            self._show_reads(snap)
+
+    def _show_reads(self, snap: Snapshot) -> None:
+        reads = snap.reads
+        if reads is None:
+            self.reads.update(None)
+            self.query_line.visible = False
+            self.readout.object = "<p>Select a generated token to see what each DSA layer read for it.</p>"
+            set_text(self.title, "")
+            self.patches.visible = False
+            return
+        if len(self.detail.objects) == 1:
+            self.detail.objects = [pn.Row(self.reads.figure, self.patches, sizing_mode="stretch_width"), self.readout]
+        # bins no key was read from are transparent, so the few read bins stand out
+        counts = np.where(reads["heat"] > 0, reads["heat"], np.nan).astype(np.float32)
+        heat = HeatMap(tuple(reads["layers"]), counts, 0.0, float(snap.extent))
+        self.reads.update(heat)
+        self.query_line.location = reads["position"]
+        self.query_line.visible = True
+        piece = reads["piece"]
+        # escaped on the server: a piece like "<script>" stays text
+        set_text(self.title, f"token at position {reads['position']}: {piece!r}" if piece is not None else
+                 f"position {reads['position']}")
+        self.readout.object = snap.reads_html
+        if snap.patches is not None:
+            grid = np.asarray(snap.patches["grid"], dtype=np.float32)[::-1]  # row 0 at the top
+            self.patch_source.data = {"image": [grid], "dw": [grid.shape[1]], "dh": [grid.shape[0]]}
+            self.patches.title.text = f"Patches of {snap.patches['image']} read"
+            self.patches.visible = True
+        else:
+            self.patches.visible = False
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return pn.Card(
+            self.heat.figure,
+            pn.pane.Markdown("**Generated text** — click a token to see what each layer read for it", margin=(0, 10)),
+            self.strip,
+            pn.Row(self.position_input, self.title, sizing_mode="stretch_width"),
+            self.detail,
+            title="DSA memory map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-dsa"])
+
+
+_READOUT_CSS = """
+table.k3-reads { border-collapse: collapse; font-size: 12px; width: 100%; }
+table.k3-reads td, table.k3-reads th { border-bottom: 1px solid #ddd; padding: 2px 6px; vertical-align: top; }
+.k3-snippet { font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }
+.k3-snippet mark { background: #ffd54f; }
+.k3-at { color: #888; }
+"""

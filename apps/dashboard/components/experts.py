@@ -1,0 +1,144 @@
+"""View 4, experts: how the MoE layers route tokens.
+
+- heat map: MoE layer x expert, colour = the expert's share of the layer's routed slots, filtered by
+  modality and segment (from the trace's running sums);
+- text vs image: each expert's share among text tokens and among image tokens (one layer or all);
+- routes: the experts (and combine weights) each layer chose for the selected token;
+- load per expert-parallel rank, and the most imbalanced layer (max / mean rank load).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import panel as pn
+import param
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+from bokeh.plotting import figure
+
+from apps.dashboard.components.figures import HeatFigure
+from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.state import DashboardState, Snapshot
+
+ALL = "all"
+
+
+class ExpertsView(pn.viewable.Viewer):
+    """Expert usage heat map, text-vs-image shares, per-token routes and expert-parallel rank load."""
+
+    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    modality = param.Selector(default=ALL, objects=[ALL, "text", "image"], doc="tokens counted in the heat map")
+    segment = param.Selector(default=ALL, objects=[ALL], doc="segment whose tokens are counted ('all' or 'id: name')")
+    layer = param.Selector(default=ALL, objects=[ALL], doc="MoE layer of the text-vs-image bars ('all' sums layers)")
+
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        self.heat = HeatFigure("Expert usage (share of the layer's routed slots)", "expert", "MoE layer", "share")
+        self.bars_source = ColumnDataSource({"expert": [], "text": [], "image": []})
+        self.bars = figure(title="Text vs image tokens: share per expert", height=200, sizing_mode="stretch_width",
+                           tools="xpan,xwheel_zoom,reset", toolbar_location="above", x_axis_label="expert",
+                           y_axis_label="share", x_range=Range1d(-0.5, 0.5))
+        self.bars.vbar(x="expert", top="text", width=0.9, source=self.bars_source, fill_color="#4c78a8",
+                       line_color=None, legend_label="text", fill_alpha=0.7)
+        self.bars.vbar(x="expert", top="image", width=0.5, source=self.bars_source, fill_color="#54a24b",
+                       line_color=None, legend_label="image", fill_alpha=0.9)
+        self.bars.legend.location = "top_right"
+        self.routes_source = ColumnDataSource({"expert": [], "layer": [], "weight": [], "size": []})
+        self.routes = figure(title="Routes of the selected token", height=220, sizing_mode="stretch_width",
+                             tools="reset,save", toolbar_location="above", x_axis_label="expert",
+                             y_axis_label="MoE layer", y_range=FactorRange(factors=["-"]))
+        self.routes.scatter(x="expert", y="layer", size="size", source=self.routes_source, fill_color="#e45756",
+                            line_color="black", fill_alpha=0.7)
+        self.routes.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("expert", "@expert"), ("weight", "@weight{0.000}")]))
+        self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
+        self.load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
+                           toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots")
+        self.load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
+        self.load_note = text_pane("", css_classes=["k3-ep-note"])
+        self.routes_note = text_pane("Select a token to see its routes.", sizing_mode="stretch_width")
+        self.controls = pn.Row(pn.widgets.Select.from_param(self.param.modality, label="Tokens", width=120),
+                               pn.widgets.Select.from_param(self.param.segment, label="Segment", width=220),
+                               pn.widgets.Select.from_param(self.param.layer, label="Layer (bars)", width=140))
+        self._segment_ids: dict[str, int] = {}
+        self._shown = Snapshot()
+        self._apply()
+
+    @param.depends("modality", "segment", "layer", watch=True)
+    def _options(self) -> None:
+        self.state.set_options(moe_modality=None if self.modality == ALL else self.modality,
+                               moe_segment=self._segment_ids.get(self.segment),
+                               moe_layer=None if self.layer == ALL else int(self.layer))
+
+    @param.depends("state.snapshot", watch=True)
+    def _apply(self) -> None:
+        snap, shown = self.state.snapshot, self._shown
+        self._shown = snap
+        if snap.segments != shown.segments:
+            # labels are shown by a Select widget, which renders option text as text (no HTML)
+            self._segment_ids = {f"{s['id']}: {s.get('name') or s['kind']}": int(s["id"]) for s in snap.segments}
+            self.param.segment.objects = [ALL, *self._segment_ids]
+        if snap.moe is not shown.moe:
+            self.heat.update(snap.moe)
+            layers = [ALL, *map(str, snap.moe.rows)] if snap.moe is not None else [ALL]
+            if layers != self.param.layer.objects:
+                self.param.layer.objects = layers
+        if snap.moe_text is not shown.moe_text or snap.moe_image is not shown.moe_image:
+            self._bars(snap)
+        if snap.routes is not shown.routes:
+            self._routes(snap)
+        if snap.rank_load is not shown.rank_load:
+            self._load(snap)
+
+    def _bars(self, snap: Snapshot) -> None:
+        if snap.moe_text is None:
+            self.bars_source.data = {"expert": [], "text": [], "image": []}
+            return
+        text = np.asarray(snap.moe_text, np.float64)
+        image = np.zeros_like(text)
+        got = np.asarray(snap.moe_image if snap.moe_image is not None else [], np.float64)[: len(text)]
+        image[: len(got)] = got  # a trace without image tokens has an empty image vector
+        self.bars_source.data = {"expert": np.arange(len(text)), "text": text / max(text.sum(), 1),
+                                 "image": image / max(image.sum(), 1)}
+        self.bars.x_range.update(start=-0.5, end=len(text) - 0.5)
+
+    def _routes(self, snap: Snapshot) -> None:
+        routes = snap.routes or []
+        experts, layers, weights = [], [], []
+        for r in routes:
+            experts += r["experts"]
+            layers += [str(r["layer"])] * len(r["experts"])
+            weights += r["weights"]
+        w = np.asarray(weights, dtype=np.float64)
+        self.routes.y_range.factors = [str(r["layer"]) for r in routes] if routes else ["-"]
+        self.routes_source.data = {"expert": experts, "layer": layers, "weight": w,
+                                   "size": 6 + 24 * np.sqrt(w) if len(w) else w}
+        if snap.reads is None and not routes:
+            set_text(self.routes_note, "Select a token to see its routes.")
+        elif not routes:
+            set_text(self.routes_note, f"No routes recorded for position {self.state.position} (the default "
+                     "policy keeps them for generated tokens and sampled windows).")
+        else:
+            mean_h = np.mean([r["entropy"] for r in routes])
+            set_text(self.routes_note, f"{len(routes)} MoE layers routed this token; mean router entropy {mean_h:.2f} nats")
+
+    def _load(self, snap: Snapshot) -> None:
+        if snap.rank_load is None:
+            self.load_source.data = {"rank": [], "tokens": [], "colour": []}
+            set_text(self.load_note, "no expert-parallel load recorded")
+            return
+        load = np.asarray(snap.rank_load, np.float64)
+        hot = int(load.argmax())
+        self.load_source.data = {"rank": np.arange(len(load)), "tokens": load,
+                                 "colour": ["#e45756" if i == hot else "#4c78a8" for i in range(len(load))]}
+        mean = load.mean() if len(load) else 0
+        worst = snap.rank_worst
+        note = f"busiest rank {hot}: {load[hot] / mean:.2f} x mean" if mean else ""
+        if worst is not None:
+            note += f"; most imbalanced layer {worst[0]}: {worst[1]:.2f} x mean"
+        set_text(self.load_note, note)
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return pn.Card(
+            self.controls, self.heat.figure, self.bars,
+            pn.Row(pn.Column(self.routes, self.routes_note, sizing_mode="stretch_width"),
+                   pn.Column(self.load, self.load_note)),
+            title="Experts", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-experts"])

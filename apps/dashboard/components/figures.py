@@ -1,0 +1,86 @@
+"""Bokeh building blocks shared by the views: a layer x position heat map that is redrawn in place.
+
+A heat map is one `image` glyph fed a [rows, bins] float32 array (sent as binary), never one glyph
+per token; segment boundaries are `vspan`s from a small source. Updating replaces the source data
+of the existing models, so a live refresh sends a few kB and the browser keeps one set of objects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from bokeh.models import (ColorBar, ColumnDataSource, FixedTicker, HoverTool, LinearColorMapper, NumeralTickFormatter,
+                          Range1d)
+from bokeh.palettes import Inferno256, Viridis256
+from bokeh.plotting import figure
+
+from apps.dashboard.state import HeatMap
+
+SEGMENT_COLOURS = {"document": "#4c78a8", "turn": "#f58518", "image": "#54a24b", "generated": "#e45756"}
+
+
+class HeatFigure:
+    """A heat map figure (rows = layers or heads) with optional segment boundaries.
+
+    Args:
+        title (str): figure title.
+        x_label (str), y_label (str): axis labels.
+        value_label (str): what the colour means (hover and colour bar).
+        palette (str): "viridis" or "inferno".
+        height (int): pixel height.
+    """
+
+    def __init__(self, title: str, x_label: str, y_label: str, value_label: str, palette: str = "viridis",
+                 height: int = 260) -> None:
+        self.source = ColumnDataSource({"image": [np.zeros((1, 1), np.float32)], "x": [0.0], "y": [-0.5],
+                                        "dw": [1.0], "dh": [1.0]})
+        self.bounds = ColumnDataSource({"x": []})
+        self.mapper = LinearColorMapper(palette=Inferno256 if palette == "inferno" else Viridis256,
+                                        nan_color="rgba(0,0,0,0)")
+        self.figure = figure(title=title, height=height, sizing_mode="stretch_width", x_range=Range1d(0, 1),
+                             y_range=Range1d(-0.5, 0.5), tools="xpan,xwheel_zoom,reset,save",
+                             toolbar_location="above", x_axis_label=x_label, y_axis_label=y_label)
+        self.glyph = self.figure.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source,
+                                       color_mapper=self.mapper)
+        self.figure.vspan(x="x", source=self.bounds, line_color="white", line_alpha=0.7, line_dash="dashed")
+        self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=[(x_label, "$x{0,0}"),
+                                                                          (y_label, "$y{0}"),
+                                                                          (value_label, "@image{0.00}")]))
+        self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title=value_label), "right")
+        self.figure.grid.visible = False
+        self.figure.xaxis.formatter = position_format()
+        self.rows: tuple[int, ...] = ()
+
+    def update(self, heat: HeatMap | None, row_labels: list[str] | None = None) -> None:
+        """Show `heat` (rows x bins) in place; `row_labels` name the rows (default: heat.rows)."""
+        if heat is None or heat.values.size == 0:
+            self.source.data = {"image": [np.full((1, 1), np.nan, np.float32)], "x": [0.0], "y": [-0.5],
+                                "dw": [1.0], "dh": [1.0]}
+            return
+        n = len(heat.rows)
+        self.source.data = {"image": [np.ascontiguousarray(heat.values, dtype=np.float32)], "x": [heat.x0],
+                            "y": [-0.5], "dw": [heat.x1 - heat.x0], "dh": [float(n)]}
+        self.figure.x_range.update(start=heat.x0, end=heat.x1)
+        if heat.rows != self.rows:
+            self.rows = heat.rows
+            labels = row_labels or [str(r) for r in heat.rows]
+            step = max(1, n // 16)  # at most ~16 labels, so 69 or 92 layers stay readable
+            ticks = list(range(0, n, step))
+            self.figure.yaxis.ticker = FixedTicker(ticks=ticks)
+            self.figure.yaxis.major_label_overrides = {t: labels[t] for t in ticks}
+            self.figure.y_range.update(start=-0.5, end=n - 0.5)
+
+    def set_boundaries(self, positions: list[int]) -> None:
+        """Mark segment starts (dashed vertical lines)."""
+        if list(self.bounds.data.get("x", [])) != positions:
+            self.bounds.data = {"x": positions}
+
+
+def position_format() -> NumeralTickFormatter:
+    """131072 -> "131.1k": positions stay readable at any length (a new model per figure: Bokeh models
+    belong to one document, i.e. one browser session)."""
+    return NumeralTickFormatter(format="0.[0]a")
+
+
+def segment_starts(segments: tuple[dict, ...]) -> list[int]:
+    """Start positions of every segment but the first (the boundaries worth marking)."""
+    return sorted({int(s["start"]) for s in segments if int(s["start"]) > 0})

@@ -1,0 +1,115 @@
+"""View 1, the session map: the context as a strip of segments, prefill progress, the generated text.
+
+- segments strip: one bar per document, turn, image and generated run, width = its token count
+  (names escaped: Bokeh tooltips render text, and the table below escapes explicitly);
+- progress: tokens done / total, tokens/s and ETA from session.json's "progress" entry;
+- generated text: streaming, clickable tokens (selects the token for the DSA read-out and routes).
+"""
+
+from __future__ import annotations
+
+import html
+
+import panel as pn
+import param
+from bokeh.models import ColumnDataSource, HoverTool, Range1d
+from bokeh.plotting import figure
+
+from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
+from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.token_strip import TokenStrip
+from apps.dashboard.state import DashboardState, Snapshot
+
+
+def progress_text(snap: Snapshot) -> str:
+    """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only)."""
+    p = snap.progress
+    if not p:
+        return f"{snap.status}: {snap.tokens:,} tokens"
+    done, total = int(p.get("done") or 0), int(p.get("total") or 0)
+    rate = float(p.get("tokens_per_s") or 0.0)
+    eta = p.get("eta_s")
+    if p.get("phase") == "decode" and "generated" in p:
+        # while decoding, the recorder keeps the prefill's done/total and counts generated tokens apart
+        head = f"{snap.status} · decode: {int(p['generated']):,} tokens generated after a {total:,}-token prefill"
+    else:
+        head = f"{snap.status} · {p.get('phase', '?')}: {done:,} / {total:,} tokens"
+    parts = [head, f"{rate:,.1f} tokens/s"]
+    if eta is not None:
+        parts.append(f"ETA {float(eta):,.0f} s")
+    return " · ".join(parts)
+
+
+class SessionMap(pn.viewable.Viewer):
+    """Segments strip, progress bar and streaming generated text of the followed session."""
+
+    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    max_segments_listed = param.Integer(default=12, bounds=(1, None), doc="segments listed in the table")
+
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        self.source = ColumnDataSource({"left": [], "right": [], "name": [], "kind": [], "tokens": [], "colour": []})
+        self.figure = figure(height=90, sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset", toolbar_location=None,
+                             y_range=Range1d(0, 1), x_range=Range1d(0, 1), x_axis_label="position")
+        self.figure.quad(left="left", right="right", bottom=0.1, top=0.9, fill_color="colour", line_color="white",
+                         source=self.source)
+        self.figure.add_tools(HoverTool(tooltips=[("segment", "@name"), ("kind", "@kind"), ("tokens", "@tokens{0,0}"),
+                                                  ("range", "@left{0,0} – @right{0,0}")]))
+        self.figure.yaxis.visible = False
+        self.figure.grid.visible = False
+        self.figure.xaxis.formatter = position_format()
+        self.progress = pn.indicators.Progress(value=0, max=1, sizing_mode="stretch_width", height=14,
+                                               bar_color="primary")
+        self.stats = text_pane("waiting for the trace…", sizing_mode="stretch_width")
+        self.table = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-session-text"])
+        self.strip.param.watch(self._clicked, "selected")
+        self._shown = Snapshot()
+        self._apply()
+
+    def _clicked(self, event: param.parameterized.Event) -> None:
+        if event.new is not None:
+            self.state.position = event.new
+
+    @param.depends("state.position", watch=True)
+    def _selection(self) -> None:
+        self.strip.selected = self.state.position
+
+    @param.depends("state.snapshot", watch=True)
+    def _apply(self) -> None:
+        snap, shown = self.state.snapshot, self._shown
+        self._shown = snap
+        p = snap.progress
+        if p and p.get("total"):
+            self.progress.max = max(int(p["total"]), 1)
+            self.progress.value = min(int(p.get("done") or 0), self.progress.max)
+        elif snap.status == "complete":
+            self.progress.max, self.progress.value = 1, 1
+        set_text(self.stats, progress_text(snap))
+        if snap.segments != shown.segments or snap.extent != shown.extent:
+            segs = snap.segments
+            self.source.data = {"left": [int(s["start"]) for s in segs], "right": [int(s["end"]) for s in segs],
+                                "name": [str(s.get("name") or "") for s in segs], "kind": [s["kind"] for s in segs],
+                                "tokens": [int(s["end"]) - int(s["start"]) for s in segs],
+                                "colour": [SEGMENT_COLOURS.get(s["kind"], "#999") for s in segs]}
+            self.figure.x_range.update(start=0, end=snap.extent)
+            self.table.object = self._segment_table(segs)
+        if snap.generated is not shown.generated:
+            self.strip.tokens = [list(t) for t in snap.generated]
+
+    def _segment_table(self, segs: tuple[dict, ...]) -> str:
+        rows = "".join(
+            f"<tr><td><span style='color:{SEGMENT_COLOURS.get(s['kind'], '#999')}'>&#9632;</span> "
+            f"{html.escape(str(s.get('name') or ''))}</td><td>{html.escape(s['kind'])}</td>"
+            f"<td style='text-align:right'>{int(s['end']) - int(s['start']):,}</td></tr>"
+            for s in segs[: self.max_segments_listed])
+        more = len(segs) - self.max_segments_listed
+        tail = f"<tr><td colspan=3>… {more} more</td></tr>" if more > 0 else ""
+        return ("<table class='k3-segments' style='font-size:12px;width:100%'><tr><th>segment</th><th>kind</th>"
+                f"<th style='text-align:right'>tokens</th></tr>{rows}{tail}</table>")
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return pn.Card(
+            self.stats, self.progress, self.figure, self.table,
+            pn.pane.Markdown("**Generated text** (click a token to inspect it)", margin=(0, 10)), self.strip,
+            title="Session map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-session"])

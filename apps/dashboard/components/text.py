@@ -1,0 +1,32 @@
+"""Plain text in the page, escaped on the server.
+
+Panel's `Str`, `Markdown` and `Alert` panes hand their text to the browser as HTML (in Panel 1.9 a
+`Str` holding `<img onerror=...>` runs the handler, and embedded `<script>` runs too), so anything
+that can come from a trace, a file name, a URL parameter or a token goes through `html.escape`
+here before it reaches a pane. Tests check this with hostile token text in a real browser.
+"""
+
+from __future__ import annotations
+
+import html
+
+import panel as pn
+
+
+def pre(text: str) -> str:
+    """`text` as preformatted, escaped HTML."""
+    return f"<pre class='k3-pre' style='margin:0;white-space:pre-wrap'>{html.escape(text)}</pre>"
+
+
+def text_pane(text: str = "", **params) -> pn.pane.HTML:
+    """An HTML pane showing `text` verbatim (escaped); update it with `set_text`."""
+    return pn.pane.HTML(pre(text), **params)
+
+
+def set_text(pane: pn.pane.HTML, text: str) -> None:
+    pane.object = pre(text)
+
+
+def alert_text(text: str) -> str:
+    """Text for an Alert (a Markdown pane): escaped, so markup in it stays text."""
+    return html.escape(text)

@@ -1,0 +1,82 @@
+"""Two tiny browser-side components (Panel `JSComponent`, no build step, no network):
+
+- `TokenStrip`: generated text as clickable tokens. Clicking a token sets `selected` (its position),
+  which the dashboard links to the shared selection. Pieces are inserted with `textContent`, so a
+  document containing `<script>` is shown as text, never parsed as HTML.
+- `WidthProbe`: reports its own pixel width, so the server bins position axes to the screen.
+"""
+
+from __future__ import annotations
+
+import param
+from panel.custom import JSComponent
+
+
+class TokenStrip(JSComponent):
+    """Clickable tokens: `tokens` is a list of [position, piece]; `selected` is the clicked position."""
+
+    tokens = param.List(default=[], doc="[[position, piece], ...] shown in order (the server caps the length)")
+    selected = param.Integer(default=None, allow_None=True, doc="position of the clicked token (None: none)")
+    placeholder = param.String(default="(no generated text yet)", doc="shown while there are no tokens")
+
+    _esm = """
+export function render({ model, el }) {
+  const box = document.createElement('div');
+  box.className = 'k3-tokens';
+  box.style.cssText = 'font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.7;' +
+    'white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-all; overflow-y: auto;' +
+    'max-height: 160px; padding: 4px; width: 100%; box-sizing: border-box;';
+  el.append(box);
+  const paint = () => {
+    for (const s of box.children) {
+      s.style.background = Number(s.dataset.pos) === model.selected ? '#ffd54f' : '';
+    }
+  };
+  const draw = () => {
+    const stick = box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
+    box.replaceChildren();
+    if (!model.tokens.length) {
+      const p = document.createElement('i');
+      p.textContent = model.placeholder;
+      box.append(p);
+      return;
+    }
+    for (const [pos, piece] of model.tokens) {
+      const s = document.createElement('span');
+      s.className = 'k3-token';
+      s.dataset.pos = pos;
+      s.title = 'position ' + pos;
+      s.textContent = piece;  // text, never HTML
+      s.style.cursor = 'pointer';
+      s.style.borderBottom = '1px dotted #999';
+      s.onclick = () => { model.selected = pos; paint(); };
+      box.append(s);
+    }
+    paint();
+    if (stick) { box.scrollTop = box.scrollHeight; }
+  };
+  draw();
+  model.on('tokens', draw);
+  model.on('selected', paint);
+}
+"""
+
+
+class WidthProbe(JSComponent):
+    """An empty strip that reports its width in CSS pixels (`px`), debounced, on load and on resize."""
+
+    px = param.Integer(default=0, doc="measured width in CSS pixels (0 until the browser reports it)")
+
+    _esm = """
+export function render({ model, el }) {
+  let timer = null;
+  const report = () => {
+    clearTimeout(timer);
+    timer = setTimeout(() => { const w = Math.round(el.getBoundingClientRect().width); if (w > 0) model.px = w; }, 250);
+  };
+  const observer = new ResizeObserver(report);
+  observer.observe(el);
+  report();
+  model.on('remove', () => observer.disconnect());
+}
+"""

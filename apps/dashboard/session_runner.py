@@ -1,0 +1,218 @@
+"""Drive mode: run a recorded model session from the browser, then follow its trace like any other.
+
+The runner loads the chosen model (a preset or a checkpoint directory), builds a `Session` from the
+uploaded documents and the prompt, and runs it with `workbench.record(...)` in a background thread
+that writes a new trace directory under `runs_dir`. The dashboard state is pointed at that
+directory, so the views see the session exactly as they would see a `torchrun` job's trace: one
+data path for both modes. Stop asks the session to stop after its current step.
+
+Nothing in the recording thread touches Panel or Bokeh objects: it leaves its outcome in a slot
+that `poll()` (called from the dashboard's periodic callback, on the event loop) applies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import panel as pn
+import param
+
+from apps.dashboard.components.text import alert_text, set_text, text_pane
+from apps.dashboard.state import DashboardState
+
+PRESETS = ["preset:tiny", "preset:demo"]
+DEFAULT_PROMPT = "Which document mentions the vault code, and what is it?"
+
+# one loaded model per process: models are large, sessions of one dashboard run one at a time
+_MODELS: dict[str, Any] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def load_cached_model(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) for a preset or checkpoint directory, loaded once per process (raises EngineError)."""
+    from engine import InputError, load_model
+    from engine.tokenizer import Tokenizer
+
+    with _MODELS_LOCK:
+        if name not in _MODELS:
+            _MODELS.clear()
+            model = load_model(name)
+            tokenizer = Tokenizer.for_model(name, model.config.vocab_size)
+            if tokenizer is None:
+                raise InputError(f"{name}: no tokenizer files (tiktoken.model) next to the model")
+            _MODELS[name] = (model, tokenizer)
+        return _MODELS[name]
+
+
+def find_models(extra: list[str] | None = None, search: list[Path] | None = None) -> list[str]:
+    """Model choices: `extra` (e.g. --model), the presets, and checkpoint directories under `search`."""
+    found = list(extra or [])
+    for root in search or []:
+        if root.is_dir():
+            found += sorted(str(p.parent) for p in root.glob("*/config.json"))
+    return list(dict.fromkeys(found + PRESETS))
+
+
+class SessionRunner(pn.viewable.Viewer):
+    """Model picker, prompt box, document upload, Generate/Stop: a recorded session in a thread."""
+
+    state = param.ClassSelector(class_=DashboardState, doc="dashboard state; pointed at each new run's trace")
+    model = param.Selector(default="preset:tiny", objects=PRESETS, doc="preset or checkpoint directory to run")
+    prompt = param.String(default=DEFAULT_PROMPT, doc="the question, sent as a user message after the documents")
+    chat = param.Boolean(default=True, doc="wrap the prompt as a chat message and open an assistant turn")
+    max_new_tokens = param.Integer(default=48, bounds=(1, 4096), doc="tokens to generate")
+    temperature = param.Number(default=1.0, bounds=(0.0, 2.0), doc="sampling temperature (0 = greedy)")
+    prefill_chunk = param.Integer(default=512, bounds=(16, 65536),
+                                  doc="tokens per prefill step (smaller = more frequent live updates)")
+    max_upload_bytes = param.Integer(default=4 << 20, bounds=(1, None), doc="largest accepted upload, bytes")
+    runs_dir = param.String(default="traces", doc="directory where recorded sessions are written")
+    documents = param.List(default=[], doc="uploaded documents as [name, text] pairs, in context order")
+    running = param.Boolean(default=False, doc="whether a session is running")
+    message = param.String(default="", doc="status or error of the last action")
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self._session = None
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[str, str] | None = None  # (kind, text) left by the thread for poll()
+        self._lock = threading.Lock()
+        self.dropper = pn.widgets.FileDropper(max_file_size=f"{max(self.max_upload_bytes // 1024, 1)}KB",
+                                              chunk_size=1 << 20, multiple=True, accepted_filetypes=[".txt", ".md", ".csv", ".json", ".py"],
+                                              sizing_mode="stretch_width", height=110)
+        self.dropper.param.watch(self._uploaded, "value")
+        self.generate_button = pn.widgets.Button(label="Generate", color="primary", width=110)
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90, disabled=True)
+        self.generate_button.on_click(lambda _: self.generate())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.alert = pn.pane.Alert("", alert_type="info", visible=False, sizing_mode="stretch_width")
+        self.doc_list = text_pane("", sizing_mode="stretch_width")
+        self._list_documents()
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _uploaded(self, event: param.parameterized.Event) -> None:
+        added, errors = [], []
+        for name, content in (event.new or {}).items():
+            data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
+            if len(data) > self.max_upload_bytes:
+                errors.append(f"{name}: {len(data):,} bytes is over the {self.max_upload_bytes:,}-byte upload limit")
+                continue
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                errors.append(f"{name}: not UTF-8 text")
+                continue
+            if not text.strip():
+                errors.append(f"{name}: empty file")
+                continue
+            added.append([name, text])
+        known = {n for n, _ in self.documents}
+        self.documents = self.documents + [d for d in added if d[0] not in known]
+        if errors:
+            self.message = "error: " + "; ".join(errors)
+        elif added:
+            self.message = f"added {len(added)} document(s)"
+
+    @param.depends("documents", watch=True)
+    def _list_documents(self) -> None:
+        set_text(self.doc_list, "\n".join(f"{name} ({len(text):,} chars)" for name, text in self.documents) or
+                 "(no documents: only the prompt is sent)")
+
+    @param.depends("message", watch=True)
+    def _show_message(self) -> None:
+        error = self.message.startswith("error:")
+        self.alert.object = alert_text(self.message)
+        self.alert.alert_type = "danger" if error else "info"
+        self.alert.visible = bool(self.message)
+
+    @param.depends("running", watch=True)
+    def _buttons(self) -> None:
+        self.generate_button.disabled = self.running
+        self.stop_button.disabled = not self.running
+
+    def clear_documents(self) -> None:
+        self.documents = []
+
+    # ---- running ------------------------------------------------------------------------------
+    def generate(self) -> Path | None:
+        """Start a recorded session in a thread and follow its trace; returns the trace directory."""
+        if self.running:
+            self.message = "error: a session is already running; stop it first"
+            return None
+        if not self.prompt.strip() and not self.documents:
+            self.message = "error: write a prompt or upload a document"
+            return None
+        trace = Path(self.runs_dir) / time.strftime("session-%Y%m%d-%H%M%S")
+        n = 1
+        while trace.exists():
+            n += 1
+            trace = trace.with_name(f"{trace.name.split('~')[0]}~{n}")
+        self.running = True
+        self.message = f"loading {self.model} and recording to {trace} …"
+        self.state.follow(trace)
+        self.state.start()
+        args = (self.model, list(self.documents), self.prompt, self.chat, self.max_new_tokens, self.temperature,
+                self.prefill_chunk, trace)
+        self._thread = threading.Thread(target=self._run, args=args, name="session-runner", daemon=True)
+        self._thread.start()
+        return trace
+
+    def stop(self) -> None:
+        """Ask the running session to stop after its current step."""
+        with self._lock:
+            if self._session is not None:
+                self._session.request_stop()
+                self.message = "stopping after the current step …"
+
+    def _run(self, model_name: str, documents: list, prompt: str, chat: bool, max_new: int, temperature: float,
+             chunk: int, trace: Path) -> None:
+        import workbench
+        from engine import EngineError
+        from workbench.recorders import record
+        from engine.session import Session
+
+        try:
+            model, tokenizer = load_cached_model(model_name)
+            session = Session(model, tokenizer, prefill_chunk=chunk, model_name=model_name, progress=False)
+            with self._lock:
+                self._session = session
+            with record(session, trace=trace):
+                for name, text in documents:
+                    session.append(text, name=name)
+                if prompt.strip():
+                    session.append(prompt, role="user" if chat else None, name="prompt")
+                generated = sum(1 for _ in session.generate(max_new_tokens=max_new, temperature=temperature))
+            self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}")
+        except (EngineError, workbench.TraceError, OSError, ValueError) as exc:
+            self._outcome = ("error", f"error: {exc}")
+        except Exception as exc:  # a bug: still tell the user, and keep the server alive
+            self._outcome = ("error", f"error: session failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._session = None
+
+    def poll(self) -> None:
+        """Apply what the recording thread left (event loop only)."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is not None:
+            self.message = outcome[1]
+            self.running = False
+        elif self.running and self._thread is not None and not self._thread.is_alive():
+            self.running = False
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        clear = pn.widgets.Button(label="Clear documents", width=140)
+        clear.on_click(lambda _: self.clear_documents())
+        return pn.Column(
+            pn.pane.Markdown("### Drive a session"),
+            pn.widgets.Select.from_param(self.param.model, label="Model"),
+            pn.widgets.TextAreaInput.from_param(self.param.prompt, label="Prompt", height=90),
+            pn.widgets.Checkbox.from_param(self.param.chat, label="Chat message"),
+            pn.Row(pn.widgets.IntInput.from_param(self.param.max_new_tokens, label="New tokens", width=110),
+                   pn.widgets.FloatInput.from_param(self.param.temperature, label="Temperature", width=110)),
+            pn.pane.Markdown(f"Documents (text, up to {self.max_upload_bytes // 1024:,} KB each)"),
+            self.dropper, self.doc_list, clear,
+            pn.Row(self.generate_button, self.stop_button), self.alert,
+            sizing_mode="stretch_width", css_classes=["k3-runner"])

@@ -1,0 +1,158 @@
+"""Dashboard performance in real headless Chromium: first paint, bytes to the browser, memory over time.
+
+    python benchmarks/bench_dashboard.py                       # all three, default sizes
+    python benchmarks/bench_dashboard.py --skip-1m --live-seconds 60
+
+1. First paint of a 128K-token trace (demo dims, synthetic): seconds from navigation to (a) the first
+   view drawn, (b) the session map showing the trace's data, (c) all four views drawn. Fresh browser
+   profile each time (no cache), median of --repeats.
+2. Opening a 1M-token synthetic trace at K3.1 Pro dims (24 DSA, 69 KDA x 96 heads, 92 MoE x 896
+   experts): bytes the browser received over HTTP (static JS/CSS, the same for any trace) and over the
+   websocket (the data), until every view is drawn and a generated token's read-out is shown.
+3. Browser memory during a live session: a 128K trace replayed as if recorded (`TraceReplay`) for
+   --live-seconds; JS heap after a forced GC and DOM node count every --sample-seconds.
+
+Prints one JSON document (and writes it to --out). Needs /usr/bin/chromium and Playwright.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from apps.dashboard.app import DashboardConfig, url
+from apps.dashboard.browser import Browser, chromium_available, start_server
+from apps.dashboard.replay import TraceReplay
+from workbench.trace.synthetic import Dims, trace_bytes, write_synthetic_trace
+
+
+def _trace(path: Path | None, work: Path, name: str, tokens: int, dims: Dims) -> Path:
+    if path is not None:
+        return path
+    out = work / name
+    started = time.perf_counter()
+    write_synthetic_trace(out, tokens, dims, overwrite=True)
+    print(f"wrote {name} ({tokens:,} tokens, {trace_bytes(out)['total'] / 2**20:.0f} MiB) in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    return out
+
+
+def first_paint(trace: Path, repeats: int) -> dict:
+    config = DashboardConfig(trace=trace, root=trace.parent)
+    server = start_server(config)
+    runs = []
+    try:
+        for _ in range(repeats):
+            with Browser() as browser:
+                start = time.perf_counter()
+                browser.page.goto(url(config), wait_until="commit")
+                browser.page.locator(".k3-view-session canvas").first.wait_for(state="visible", timeout=120_000)
+                first_view = time.perf_counter() - start
+                browser.page.get_by_text("complete").first.wait_for(timeout=120_000)
+                with_data = time.perf_counter() - start
+                browser.wait_views(120_000)
+                all_views = time.perf_counter() - start
+                runs.append({"first_view_s": first_view, "session_data_s": with_data, "all_views_s": all_views,
+                             "console_errors": len(browser.counters.errors)})
+    finally:
+        server.stop()
+    summary = {k: round(statistics.median(r[k] for r in runs), 2) for k in ("first_view_s", "session_data_s",
+                                                                            "all_views_s")}
+    return {"trace": str(trace), "runs": runs, "median": summary}
+
+
+def bytes_to_browser(trace: Path) -> dict:
+    config = DashboardConfig(trace=trace, root=trace.parent)
+    server = start_server(config)
+    try:
+        with Browser() as browser:
+            start = time.perf_counter()
+            browser.page.goto(url(config), wait_until="commit")
+            browser.page.get_by_text("complete").first.wait_for(timeout=600_000)
+            browser.wait_views(600_000)
+            loaded = time.perf_counter() - start
+            time.sleep(2)  # a deferred view's first update may still be in flight
+            at_open = (browser.counters.http_bytes, browser.counters.ws_bytes)
+            browser.page.locator(".k3-dsa-tokens .k3-token").nth(5).click()
+            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=120_000)
+            time.sleep(1)
+            return {"trace": str(trace), "trace_bytes_on_disk": trace_bytes(trace)["total"],
+                    "seconds_to_all_views_with_data": round(loaded, 1),
+                    "http_bytes_static": at_open[0], "ws_bytes_at_open": at_open[1],
+                    "ws_bytes_after_token_click": browser.counters.ws_bytes,
+                    "ws_frames": browser.counters.ws_frames, "js_heap_bytes": browser.js_heap(),
+                    "console_errors": browser.counters.errors}
+    finally:
+        server.stop()
+
+
+def live_memory(source: Path, work: Path, seconds: float, sample: float) -> dict:
+    target = work / "live"
+    replay = TraceReplay(source, target, seconds=seconds * 0.8, decode_rate=None, interval=0.5)
+    config = DashboardConfig(trace=target, root=work)
+    server = start_server(config)
+    samples = []
+    try:
+        with Browser() as browser:
+            browser.open(url(config), wait_for=".k3-view-session canvas")
+            browser.wait_views()
+            replay.start()
+            start = time.perf_counter()
+            while True:
+                elapsed = time.perf_counter() - start
+                samples.append({"t_s": round(elapsed, 1), "js_heap_bytes": browser.js_heap(),
+                                "dom_nodes": browser.dom_nodes(), "ws_bytes": browser.counters.ws_bytes})
+                if elapsed >= seconds:
+                    break
+                time.sleep(max(0.0, min(sample, seconds - elapsed)))
+            errors = browser.counters.errors
+    finally:
+        replay.stop()
+        replay.join(10)
+        server.stop()
+    heaps = [s["js_heap_bytes"] for s in samples]
+    half = len(heaps) // 2
+    return {"seconds": seconds, "samples": samples, "heap_min": min(heaps), "heap_max": max(heaps),
+            "heap_first_half_max": max(heaps[: max(half, 1)]), "heap_second_half_max": max(heaps[half:]),
+            "console_errors": errors, "replay_error": repr(replay.error) if replay.error else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace-128k", type=Path, help="reuse a 128K trace instead of writing one")
+    ap.add_argument("--trace-1m", type=Path, help="reuse a 1M-token K3.1 Pro-dims trace instead of writing one")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--live-seconds", type=float, default=300.0)
+    ap.add_argument("--sample-seconds", type=float, default=15.0)
+    ap.add_argument("--skip-1m", action="store_true")
+    ap.add_argument("--skip-live", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("artifacts/bench_dashboard.json"))
+    args = ap.parse_args()
+    if not chromium_available():
+        raise SystemExit("needs /usr/bin/chromium (apt-get install chromium)")
+    with tempfile.TemporaryDirectory(prefix="k3wb-bench-") as tmp:
+        work = Path(tmp)
+        results: dict = {}
+        t128 = _trace(args.trace_128k, work, "demo-128k", 131072, Dims.demo())
+        results["first_paint_128k"] = first_paint(t128, args.repeats)
+        print(json.dumps(results["first_paint_128k"]["median"]), flush=True)
+        if not args.skip_1m:
+            t1m = _trace(args.trace_1m, work, "pro-1m", 1 << 20, Dims.k31_pro())
+            results["open_1m_k31_pro"] = bytes_to_browser(t1m)
+            print(json.dumps({k: v for k, v in results["open_1m_k31_pro"].items() if k != "trace"}), flush=True)
+        if not args.skip_live:
+            results["live_memory"] = live_memory(t128, work, args.live_seconds, args.sample_seconds)
+            live = results["live_memory"]
+            print(json.dumps({k: live[k] for k in ("heap_min", "heap_max", "heap_first_half_max",
+                                                   "heap_second_half_max")}), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

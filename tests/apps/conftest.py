@@ -1,0 +1,55 @@
+"""Fixtures for the dashboard tests: small synthetic traces (no model), one with hostile token text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+
+SMALL_POLICY = Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_stride=512, moe_window_every=1024,
+                      decode_tokens=256, decode_flush_every=16)
+HOSTILE = ["<script>window.__k3wb_pwned = 1</script>", "<img src=x onerror=\"window.__k3wb_pwned=2\">", "&amp;"]
+
+
+@pytest.fixture(scope="session")
+def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete 8K-token synthetic trace at demo dims (image segment, generated answer)."""
+    return write_synthetic_trace(tmp_path_factory.mktemp("traces") / "small", 8192, Dims.demo(), SMALL_POLICY)
+
+
+@pytest.fixture(scope="session")
+def hostile_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `small_trace`, but some generated tokens and a document name carry HTML/JS."""
+    path = write_synthetic_trace(tmp_path_factory.mktemp("traces") / "hostile", 4096, Dims.demo(), SMALL_POLICY)
+    tokens = pq.read_table(path / "tokens.parquet")
+    pieces = tokens["piece"].to_pylist()
+    for i, text in enumerate(HOSTILE):
+        pieces[-10 + i] = text
+    tokens = tokens.set_column(tokens.column_names.index("piece"), "piece", pa.array(pieces, pa.string()))
+    pq.write_table(tokens, path / "tokens.parquet")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Run the tiny models here on one thread: on a busy 2-core machine two OpenMP threads can make a
+    tiny-preset session 100x slower (barrier stalls), and these models are too small to gain from two."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Where tests leave screenshots and measurements: $K3WB_ARTIFACTS, else the test's tmp dir."""
+    out = Path(os.environ.get("K3WB_ARTIFACTS", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,0 +1,103 @@
+"""The dashboard in real headless Chromium (Playwright, Debian's /usr/bin/chromium, no downloaded browser).
+
+1. Drive mode, live: Generate a recorded tiny-preset session from the page; every view renders, the
+   views change while the session runs, clicking a generated token shows the DSA read-out, no console
+   errors, nothing fetched from outside; JS heap measured before and after. Screenshot + numbers are
+   left in $K3WB_ARTIFACTS (default: the test's tmp dir).
+2. Follow mode on a trace whose tokens carry HTML/JS: shown as text, never executed; a `trace` URL
+   parameter outside the root and a wrong token show errors while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.dashboard.app import DashboardConfig, url
+from apps.dashboard.browser import Browser, chromium_available, start_server
+
+from tests.apps.conftest import HOSTILE
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not chromium_available(),
+                                 reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; "
+                                        ".ci/run installs it)")]
+
+
+def _session_state(browser: Browser) -> tuple[str, int]:
+    text = browser.page.locator(".k3-view-session pre").first.inner_text()
+    return text, browser.page.locator(".k3-session-text .k3-token").count()
+
+
+def test_live_drive_session(tmp_path: Path, artifacts: Path) -> None:
+    config = DashboardConfig(root=tmp_path / "traces", model="preset:tiny", new_tokens=200, refresh_ms=250)
+    server = start_server(config)
+    try:
+        with Browser(height=3400) as browser:
+            first_paint = browser.open(url(config), wait_for=".k3-view-session canvas")
+            browser.wait_views()
+            heap_start = browser.js_heap()
+            # a long prompt (byte-level tokenizer: ~24K tokens) so the prefill spans many flushes
+            prompt = " ".join(f"Line {i}: the vault log notes crate {i * 7 % 997}." for i in range(600))
+            browser.page.locator(".k3-runner textarea").first.fill(prompt)
+            browser.page.get_by_role("button", name="Generate").click()
+            seen: list[tuple[str, int]] = []
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                state = _session_state(browser)
+                if not seen or state != seen[-1]:
+                    seen.append(state)
+                if state[0].startswith("complete"):
+                    break
+                time.sleep(0.3)
+            assert seen[-1][0].startswith("complete"), seen[-3:]
+            # live: several distinct states were drawn while the session ran, tokens streamed in
+            running = [s for s in seen if s[0].startswith("recording")]
+            assert len(running) >= 3 and any("prefill:" in s[0] for s in running), seen
+            counts = [n for _, n in seen]
+            assert counts == sorted(counts) and counts[-1] >= 10, counts
+            browser.page.locator(".k3-dsa-tokens .k3-token").nth(3).click()
+            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
+            rows = browser.page.locator(".k3-dsa-readout table.k3-reads tr").count()
+            assert rows == 1 + 2  # header + the tiny preset's two DSA layers
+            time.sleep(1.0)
+            heap_end = browser.js_heap()
+            browser.page.screenshot(path=str(artifacts / "dashboard_live_session.png"), full_page=True)
+            assert browser.counters.errors == []
+            assert browser.counters.external == []
+            numbers = {"first_paint_s": round(first_paint, 2), "heap_start_bytes": heap_start,
+                       "heap_end_bytes": heap_end, "states_seen": len(seen), "ws_bytes": browser.counters.ws_bytes,
+                       "http_bytes": browser.counters.http_bytes}
+            (artifacts / "dashboard_live_session.json").write_text(json.dumps(numbers, indent=1))
+            assert heap_end < heap_start + 64 * 2**20, numbers
+    finally:
+        server.stop()
+
+
+def test_follow_mode_escapes_text_and_survives_bad_input(hostile_trace: Path, artifacts: Path) -> None:
+    config = DashboardConfig(root=hostile_trace.parent, drive=False, token="t0ken")
+    server = start_server(config)
+    try:
+        with Browser(height=2000) as browser:
+            browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-dsa canvas")
+            token = browser.page.locator(".k3-dsa-tokens .k3-token", has_text="window.__k3wb_pwned = 1").first
+            token.wait_for(timeout=30_000)
+            assert token.inner_text() == HOSTILE[0]  # shown as text
+            assert browser.page.evaluate("window.__k3wb_pwned === undefined")  # never run
+            token.click()
+            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
+            assert browser.page.evaluate("window.__k3wb_pwned === undefined")
+            browser.page.screenshot(path=str(artifacts / "dashboard_follow_hostile.png"))
+            assert browser.counters.errors == []
+            # a trace outside the root: an error in the page, the page still works
+            browser.open(url(config, trace="../../etc"), wait_for=".k3-alert")
+            browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
+            # a wrong token: only the refusal
+            browser.open(f"http://127.0.0.1:{config.port}/?token=nope", wait_for=".k3-denied")
+            # and the server still serves a good request afterwards
+            browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-session canvas")
+    finally:
+        server.stop()

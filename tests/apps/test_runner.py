@@ -1,0 +1,76 @@
+"""Drive mode: uploads, bad input, and a real recorded session on the tiny preset (no browser)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from apps.dashboard.session_runner import SessionRunner, find_models
+from apps.dashboard.state import DashboardState
+
+
+def _runner(tmp_path: Path, **params) -> SessionRunner:
+    return SessionRunner(state=DashboardState(None), runs_dir=str(tmp_path / "runs"), **params)
+
+
+def _wait(runner: SessionRunner, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while runner.running and time.monotonic() < deadline:
+        runner.poll()
+        runner.state.poll()
+        time.sleep(0.1)
+    assert not runner.running, "the session did not finish in time"
+
+
+def test_uploads_are_checked(tmp_path: Path) -> None:
+    runner = _runner(tmp_path, max_upload_bytes=1000)
+    runner.dropper.value = {"notes.txt": "hello " * 10}
+    assert runner.documents == [["notes.txt", "hello " * 10]] and "added" in runner.message
+    runner.dropper.value = {"big.txt": "x" * 1001}
+    assert runner.message.startswith("error:") and "upload limit" in runner.message
+    assert runner.alert.visible and runner.alert.alert_type == "danger"
+    runner.dropper.value = {"bin.txt": b"\xff\xfe\x00"}
+    assert "not UTF-8" in runner.message
+    assert len(runner.documents) == 1
+    runner.clear_documents()
+    assert runner.documents == []
+
+
+def test_generate_needs_input(tmp_path: Path) -> None:
+    runner = _runner(tmp_path)
+    runner.prompt = "   "
+    assert runner.generate() is None and "prompt" in runner.message and not runner.running
+
+
+def test_model_that_fails_to_load(tmp_path: Path) -> None:
+    runner = _runner(tmp_path)
+    runner.param.model.objects = [str(tmp_path / "missing-ckpt")]
+    runner.model = str(tmp_path / "missing-ckpt")
+    assert runner.generate() is not None and runner.running
+    _wait(runner, 60)
+    assert runner.message.startswith("error:") and runner.alert.visible
+
+
+def test_find_models(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text("{}")
+    assert find_models(["x"], [tmp_path]) == ["x", str(tmp_path / "a"), "preset:tiny", "preset:demo"]
+
+
+def test_recorded_session_on_tiny_preset(tmp_path: Path) -> None:
+    runner = _runner(tmp_path, max_new_tokens=6, temperature=0.0, prefill_chunk=64)
+    runner.dropper.value = {"doc <b>1</b>.txt": "The vault code is 4-7-1-9. " * 8}
+    runner.prompt = "What is the vault code?"
+    trace = runner.generate()
+    assert trace is not None and runner.running and runner.generate() is None  # one session at a time
+    _wait(runner)
+    assert not runner.message.startswith("error:"), runner.message
+    snap = runner.state.sync()
+    assert snap.status == "complete" and snap.error is None
+    assert [s["name"] for s in snap.segments][:2] == ["doc <b>1</b>.txt", "prompt"]
+    assert 1 <= len(snap.generated) <= 6
+    assert snap.dsa is not None and len(snap.dsa.rows) == 2  # tiny: DSA on layers 2 and 5
+    runner.state.position = snap.generated[0][0]  # the last token is sampled but never run, so has no reads
+    snap = runner.state.sync()
+    assert snap.reads["rows"] and snap.routes
+    runner.state.close()

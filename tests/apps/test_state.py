@@ -1,0 +1,128 @@
+"""The follower thread, the bounded queue and the snapshots (no Panel server, no browser)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from apps.dashboard.aggregate import bin_counts, bin_mean, carry_forward
+from apps.dashboard.replay import TraceReplay
+from apps.dashboard.state import MAX_GENERATED, DashboardState, Snapshot, TraceFollower
+
+
+def test_snapshot_is_screen_sized(small_trace: Path) -> None:
+    state = DashboardState(small_trace)
+    state.bins = 300
+    snap = state.sync()
+    assert snap.status == "complete" and snap.error is None
+    assert snap.tokens == 8192 and snap.extent == 8192
+    # every array is reduced: rows x bins, never one entry per token
+    assert snap.dsa.values.shape == (3, 300)
+    assert snap.kda.values.shape == (9, 300)
+    assert snap.kda_heads.values.shape == (4, 300)
+    assert snap.moe.values.shape == (11, 64)
+    np.testing.assert_allclose(snap.moe.values.sum(axis=1), 1.0, rtol=1e-5)
+    assert len(snap.generated) == 256 <= MAX_GENERATED
+    assert [s["kind"] for s in snap.segments] == ["turn", "document", "image", "document", "turn", "generated"]
+    assert snap.rank_load.shape == (2,) and snap.rank_worst is not None
+
+
+def test_selection_reads_and_routes(small_trace: Path) -> None:
+    state = DashboardState(small_trace)
+    first = state.sync()
+    position = first.generated[10][0]
+    state.position = position
+    snap = state.sync()
+    assert snap.reads["position"] == position
+    assert snap.reads["layers"] == [3, 7, 11]
+    assert snap.reads["heat"].shape == (3, state.bins)
+    assert all(r["keys"] > 0 for r in snap.reads["rows"])
+    assert "<table class='k3-reads'>" in snap.reads_html
+    assert [r["layer"] for r in snap.routes] == list(range(1, 12))
+    assert snap.patches is not None and snap.patches["grid"].ndim == 2
+    state.position = None
+    assert state.sync().reads is None
+
+
+def test_unchanged_fields_keep_identity(small_trace: Path) -> None:
+    state = DashboardState(small_trace)
+    a = state.sync()
+    b = state.sync()  # nothing changed on disk or in the options
+    assert b.seq > a.seq and b.dsa is a.dsa and b.kda is a.kda and b.moe is a.moe and b.generated is a.generated
+
+
+def test_queue_is_bounded(tmp_path: Path) -> None:
+    follower = TraceFollower(tmp_path / "none", maxsize=2)
+    for i in range(50):
+        follower.publish(Snapshot(seq=i))
+    assert follower.queue.qsize() == 2 and follower.dropped == 48
+    assert [follower.queue.get_nowait().seq for _ in range(2)] == [48, 49]
+
+
+def test_missing_then_appearing_trace(tmp_path: Path, small_trace: Path) -> None:
+    target = tmp_path / "later"
+    state = DashboardState(target)
+    snap = state.sync()
+    assert snap.status == "waiting" and "does not exist" in snap.error
+    shutil.copytree(small_trace, target)
+    snap = state.sync()
+    assert snap.error is None and snap.status == "complete"
+
+
+def test_corrupt_session_json_is_reported(tmp_path: Path, small_trace: Path) -> None:
+    target = tmp_path / "broken"
+    shutil.copytree(small_trace, target)
+    (target / "session.json").write_text("{ not json")
+    snap = DashboardState(target).sync()
+    assert snap.status == "failed" and "JSON" in snap.error
+
+
+def test_newer_schema_is_reported(tmp_path: Path, small_trace: Path) -> None:
+    target = tmp_path / "future"
+    shutil.copytree(small_trace, target)
+    session = json.loads((target / "session.json").read_text())
+    session["schema_version"] = 99
+    (target / "session.json").write_text(json.dumps(session))
+    snap = DashboardState(target).sync()
+    assert "newer" in snap.error
+
+
+def test_follower_sees_a_live_trace_grow(tmp_path: Path, small_trace: Path) -> None:
+    replay = TraceReplay(small_trace, tmp_path / "live", seconds=2.0, decode_rate=400, interval=0.2).start()
+    state = DashboardState(tmp_path / "live", interval=0.1)
+    state.start()
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if state.poll():
+            seen.append((state.snapshot.tokens, state.snapshot.progress.get("phase"), len(state.snapshot.generated)))
+            if state.snapshot.status == "complete":
+                break
+        time.sleep(0.05)
+    replay.join(5)
+    state.close()
+    assert replay.error is None
+    assert state.snapshot.status == "complete" and state.snapshot.tokens == 8192
+    tokens = [t for t, _, _ in seen]
+    assert tokens == sorted(tokens) and len(set(tokens)) >= 3, seen
+    assert "prefill" in {p for _, p, _ in seen}
+    assert len(state.snapshot.generated) == 256
+
+
+def test_binning_helpers() -> None:
+    pos = np.array([0, 1, 2, 9])
+    np.testing.assert_allclose(bin_counts(pos, 5, 10), [2, 1, 0, 0, 1])
+    out = bin_mean(pos, np.array([1.0, 3.0, 5.0, 7.0]), 5, 10)
+    assert out[0] == 2.0 and out[1] == 5.0 and np.isnan(out[2]) and out[4] == 7.0
+    heads = bin_mean(pos, np.ones((4, 3)), 2, 10)
+    assert heads.shape == (3, 2)
+
+
+def test_carry_forward_fills_only_between_measurements() -> None:
+    row = np.array([np.nan, 1.0, np.nan, np.nan, 3.0, np.nan], np.float32)
+    out = carry_forward(row[None])[0]
+    np.testing.assert_array_equal(out[1:5], [1.0, 1.0, 1.0, 3.0])
+    assert np.isnan(out[0]) and np.isnan(out[5])

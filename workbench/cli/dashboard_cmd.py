@@ -1,0 +1,71 @@
+"""`workbench dashboard`: serve the live dashboard (Panel) on a trace directory or a driven session.
+
+    workbench dashboard --trace traces/run1            # follow a trace (finished, or being written elsewhere)
+    workbench dashboard --model preset:demo            # drive sessions from the browser
+    workbench dashboard --host 0.0.0.0 --port 5006     # reachable from other machines: needs the printed token
+
+The server binds to 127.0.0.1 unless told otherwise; any other host gets a random access token that
+every URL must carry (`?token=...`). `?trace=NAME` picks a trace inside `--root` only.
+The dashboard lives in `apps/`, above this package, so it is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.errors import InputError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dashboard", help="serve the live memory-inspector dashboard")
+    p.add_argument("--model", help="checkpoint directory or preset:NAME offered first in drive mode")
+    p.add_argument("--trace", type=Path, help="trace directory to follow (it may still be being written)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
+    p.add_argument("--port", type=int, default=5006)
+    p.add_argument("--root", type=Path, help="the only directory tree ?trace= may point into; driven sessions are "
+                   "recorded here (default: the parent of --trace, else ./traces)")
+    p.add_argument("--no-drive", action="store_true", help="hide the drive-mode controls (follow only)")
+    p.add_argument("--show", action="store_true", help="open the dashboard in a browser")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for driven sessions (default 1: on a "
+                   "busy or shared machine more threads can stall in OpenMP barriers)")
+    p.set_defaults(func=cmd_dashboard)
+
+
+def dashboard_config(args: argparse.Namespace):
+    """A `DashboardConfig` from the command-line arguments (validated; raises InputError)."""
+    from apps.dashboard.app import DashboardConfig
+
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    root = args.root if args.root is not None else (args.trace.parent if args.trace is not None else Path("traces"))
+    if root.exists() and not root.is_dir():
+        raise InputError(f"--root {root} is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    return DashboardConfig(trace=args.trace, model=args.model, root=root, host=args.host, port=args.port,
+                           drive=not args.no_drive)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from apps.dashboard.app import serve, url
+    from apps.dashboard.security import is_local
+
+    config = dashboard_config(args)
+    if args.threads < 1:
+        raise InputError("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.trace is not None and not args.trace.exists():
+        print(f"note: {args.trace} does not exist yet; the dashboard will wait for it")
+    server = serve(config, show=False, start=False)
+    print(f"K3 Workbench dashboard: {url(config)}", flush=True)
+    if not is_local(config.host):
+        print(f"access token (required in every URL as ?token=...): {config.token}", flush=True)
+    if args.show:
+        import webbrowser
+
+        webbrowser.open(url(config))
+    server.start()
+    server.io_loop.start()
+    return 0
