@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import relative_error
+from tests.conftest import relative_error
 from engine import load_model
 from engine.batch import BatchSession
 from engine.errors import InputError

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import relative_error
+from tests.conftest import relative_error
 from engine import load_model
 from engine.errors import InputError
 from engine.sampling import SamplingParams, filter_logits, make_generator, sample
