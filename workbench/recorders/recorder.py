@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +32,7 @@ from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceWriter
 
 MODALITIES = ("text", "image")
+DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are reduced in bulk at the flush
 FAMILIES = {"dsa": ("dsa.topk", "dsa.dense_mass"), "kda": ("kda.state",), "moe": ("moe.route",)}
 
 
@@ -50,7 +52,8 @@ class Recorder:
         self._segment_of = torch.zeros(0, dtype=torch.long)
         self._segment_dev: dict[torch.device, torch.Tensor] = {}
         self._segments_seen = -1
-        self._pending: list[tuple[str, dict | None, dict, str | None]] = []
+        self._pending: list[tuple[str, int | None, dict, str | None]] = []
+        self._deferred: dict[tuple[str, int], list] = defaultdict(list)
         self._last_flush = time.monotonic()
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
         self._generated = 0
@@ -94,9 +97,6 @@ class Recorder:
     def _ctx(self):
         return self.model.probe_context
 
-    def _tags(self, layer: int) -> dict:
-        return {"layer": layer, "step": self._ctx.step, "rank": self.rank}
-
     def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
         """position -> segment id for positions [0, n), on `device` (cached until segments change)."""
         if n > len(self._segment_of) or self._segments_seen != len(self.session.segments):
@@ -139,80 +139,116 @@ class Recorder:
         mask[torch.as_tensor(self._keep(positions, p.dense_mass_stride))] = True
         return mask
 
-    def _pend(self, table: str, cols: dict | None, layer: int | None, drop_zero: str | None = None) -> None:
-        """Queue device tensors for `table`; they are copied out and written at the next flush."""
-        if self.writer is None or cols is None:
-            return
-        self._pending.append((table, None if layer is None else self._tags(layer), cols, drop_zero))
+    def _pend(self, table: str, layer: int | None, cols: dict | None, drop_zero: str | None = None) -> None:
+        """Queue device tensors for `table` (with a `step` column or scalar); written at the next flush."""
+        if cols is not None:
+            self._pending.append((table, layer, cols, drop_zero))
 
     def _drain(self) -> None:
-        """Copy pending device results to the host (one synchronisation) and hand rows to the writer."""
+        """Reduce deferred decode payloads, copy every pending result to the host (one device
+        synchronisation), and hand each table's rows to the writer in a single append."""
+        for (name, layer), items in self._deferred.items():
+            self._reduce(name, layer, items)
+        self._deferred.clear()
         pending, self._pending = self._pending, []
-        for table, tags, cols, drop_zero in pending:
+        by_table: dict[str, list[dict]] = defaultdict(list)
+        for table, layer, cols, drop_zero in pending:
             columns = reduce.to_columns(cols, drop_zero)
+            n = len(next(c for c in columns.values() if isinstance(c, np.ndarray) and c.ndim > 0))
+            if n == 0:
+                continue
+            if layer is not None:
+                columns["layer"], columns["rank"] = np.full(n, layer), np.full(n, self.rank)
+            columns = {k: (np.full(n, v) if np.ndim(v) == 0 else v) for k, v in columns.items()}
+            by_table[table].append(columns)
+        for table, parts in by_table.items():
+            merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             if table in _CONVERT:
-                columns = _CONVERT[table](columns)
-            n = len(next(iter(columns.values())))
-            if n:
-                self.rows_written += self.writer.append(table, **(tags or {}), **columns)
+                merged = _CONVERT[table](merged)
+            self.rows_written += self.writer.append(table, **merged)
 
     # ---- probe payloads -----------------------------------------------------------------------------
     def _on_probe(self, point: ProbePoint, payload: dict) -> None:
         if self.writer is None:
             return  # other ranks run the same collectives but do not write
-        if point.name == "dsa.topk":
-            self._dsa(point.layer, payload)
-        elif point.name == "dsa.dense_mass":
-            self._pend("dsa_dense_mass", {"position": payload["positions"], "mass": payload["mass"][0]}, point.layer)
-        elif point.name == "kda.state":
-            self._kda(point.layer, payload)
-        elif point.name == "moe.route":
-            self._moe(point.layer, payload)
+        item = (self._ctx.step, self._ctx.phase == "decode", payload)
+        if len(payload["positions"]) <= DEFER_MAX_TOKENS:
+            # decode-sized payloads are reduced in bulk at the flush: per-token Python work stays tiny
+            self._deferred[(point.name, point.layer)].append(item)
+        else:
+            self._reduce(point.name, point.layer, [item])
 
-    def _dsa(self, layer: int, payload: dict) -> None:
+    def _reduce(self, name: str, layer: int, items: list) -> None:
+        """Turn probe payloads of one layer (one prefill call, or many decode steps) into rows."""
+        steps = torch.cat([torch.full((len(p["positions"]),), step) for step, _, p in items])
+        pos = torch.cat([p["positions"] for _, _, p in items])
+        if name == "dsa.dense_mass":
+            self._pend("dsa_dense_mass", layer, {"step": steps, "position": pos,
+                                                 "mass": torch.cat([p["mass"][0] for _, _, p in items])})
+            return
+        family = {"dsa.topk": self._dsa, "kda.state": self._kda, "moe.route": self._moe}[name]
+        family(layer, items, steps, pos)
+
+    def _keep_items(self, items: list, stride: int, *, decode_all: bool, last: bool = False) -> np.ndarray:
+        """Row indices (over the concatenated items) to keep in full."""
+        keep, offset = [], 0
+        for _, decode, payload in items:
+            n = len(payload["positions"])
+            rows = self._keep(payload["positions"], stride, every=decode and decode_all)
+            if last and not decode:
+                rows = np.union1d(rows, [n - 1])  # the state at the end of every forward call
+            keep.append(rows + offset)
+            offset += n
+        return np.concatenate(keep)
+
+    def _dsa(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
         p = self.policy
-        pos, idx = payload["positions"], payload["indices"][0]  # sessions run one sequence per trace
-        last = int(pos[-1])
+        idx = torch.cat([payload["indices"][0] for _, _, payload in items])  # one sequence per trace
+        step, last = int(steps.max()), int(pos.max())
         n_bins = last // p.dsa_bin_tokens + 1
-        self._pend("dsa_key_counts", reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins), layer, "count")
-        self._pend("dsa_distance_hist", reduce.dsa_distance_hist(pos.to(idx.device), idx), layer, "count")
+        self._pend("dsa_key_counts", layer, {"step": step, **reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins)},
+                   "count")
+        self._pend("dsa_distance_hist", layer, {"step": step, **reduce.dsa_distance_hist(pos.to(idx.device), idx)},
+                   "count")
         seg = self._segment_map(last + 1, idx.device)
-        self._pend("dsa_segment_totals", reduce.dsa_segment_totals(idx, seg, len(self.session.segments) or 1),
-                   layer, "count")
-        self._pend("dsa_sink", reduce.dsa_sink(last, idx, p.sink_tokens), layer)
-        decode = self._ctx.phase == "decode"
-        keep = self._keep(pos, p.dsa_prefill_stride, every=decode and p.dsa_decode_lists)
-        scores = payload["scores"][0] if p.dsa_scores else None
-        self._pend("dsa_topk", reduce.select_rows(keep, position=pos, selected=idx, scores=scores), layer)
+        self._pend("dsa_segment_totals", layer,
+                   {"step": step, **reduce.dsa_segment_totals(idx, seg, len(self.session.segments) or 1)}, "count")
+        self._pend("dsa_sink", layer, {"step": step, **reduce.dsa_sink(last, idx, p.sink_tokens)})
+        keep = self._keep_items(items, p.dsa_prefill_stride, decode_all=p.dsa_decode_lists)
+        scores = torch.cat([payload["scores"][0] for _, _, payload in items]) if p.dsa_scores else None
+        self._pend("dsa_topk", layer, reduce.select_rows(keep, step=steps, position=pos, selected=idx, scores=scores))
 
-    def _kda(self, layer: int, payload: dict) -> None:
-        pos = payload["positions"]
-        decode = self._ctx.phase == "decode"
-        keep = self._keep(pos, self.policy.kda_every_tokens, every=decode)
-        if not decode:
-            keep = np.union1d(keep, [len(pos) - 1])  # the state at the end of every forward call
-        stats = {k: v[0] for k, v in payload.items() if k != "positions"}
-        self._pend("kda_norms", reduce.select_rows(keep, position=pos, **stats), layer)
+    def _kda(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
+        keep = self._keep_items(items, self.policy.kda_every_tokens, decode_all=True, last=True)
+        stats = {k: torch.cat([payload[k][0] for _, _, payload in items]) for k in items[0][2] if k != "positions"}
+        self._pend("kda_norms", layer, reduce.select_rows(keep, step=steps, position=pos, **stats))
 
-    def _moe(self, layer: int, payload: dict) -> None:
+    def _moe(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
         p = self.policy
-        pos, experts, weights = payload["positions"], payload["experts"][0], payload["weights"][0]
-        entropy = payload["entropy"][0] if "entropy" in payload else None
-        seg = self._segment_map(int(pos[-1]) + 1, experts.device)[pos.to(experts.device)]
+        experts = torch.cat([payload["experts"][0] for _, _, payload in items])
+        weights = torch.cat([payload["weights"][0] for _, _, payload in items])
+        entropy = torch.cat([payload["entropy"][0] for _, _, payload in items]) if "entropy" in items[0][2] else None
+        step = int(steps.max())
+        seg = self._segment_map(int(pos.max()) + 1, experts.device)[pos.to(experts.device)]
         modality = torch.zeros_like(seg)  # image tokens arrive with the vision tower
         n_seg = len(self.session.segments) or 1
-        self._pend("moe_counts", reduce.moe_counts(experts, seg, modality, self.config.num_experts, n_seg,
-                                                   len(MODALITIES)), layer, "count")
-        self._pend("moe_rank_load", reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world), layer,
-                   "tokens")
-        if self._ctx.phase == "decode":
-            keep = np.arange(len(pos)) if p.moe_decode_routes else np.zeros(0, np.int64)
-        else:
-            window = (pos.numpy() % p.moe_window_every) < p.moe_window_tokens if p.moe_window_every > 0 else \
-                np.zeros(len(pos), bool)
-            keep = np.union1d(np.flatnonzero(window), self._keep(pos, 0))
-        self._pend("moe_routes", reduce.select_rows(keep, position=pos, experts=experts, weights=weights,
-                                                    entropy=entropy), layer)
+        self._pend("moe_counts", layer, {"step": step, **reduce.moe_counts(
+            experts, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))}, "count")
+        self._pend("moe_rank_load", layer,
+                   {"step": step, **reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world)}, "tokens")
+        keep, offset = [], 0
+        for _, decode, payload in items:
+            ip = payload["positions"].numpy()
+            if decode:
+                rows = np.arange(len(ip)) if p.moe_decode_routes else np.zeros(0, np.int64)
+            else:
+                window = (ip % p.moe_window_every) < p.moe_window_tokens if p.moe_window_every > 0 else \
+                    np.zeros(len(ip), bool)
+                rows = np.union1d(np.flatnonzero(window), self._keep(payload["positions"], 0))
+            keep.append(rows + offset)
+            offset += len(ip)
+        self._pend("moe_routes", layer, reduce.select_rows(np.concatenate(keep), step=steps, position=pos,
+                                                           experts=experts, weights=weights, entropy=entropy))
 
     # ---- session events --------------------------------------------------------------------------------
     def _on_event(self, event: str, payload: dict) -> None:
@@ -232,7 +268,7 @@ class Recorder:
                               "tokens_per_s": rate, "eta_s": (total - done) / rate if rate else None}
         elif event == "step":
             if time.monotonic() - self._last_flush >= self.policy.flush_seconds:
-                self.flush()
+                self.flush(wait=False)
 
     def _on_segment(self, seg: Segment, announce: bool = True) -> None:
         if self.writer is None:
@@ -251,11 +287,13 @@ class Recorder:
             piece=np.asarray(pieces, dtype=object), segment=np.full(len(ids), segment, np.int32),
             modality=np.full(len(ids), "text", dtype=object))
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Write what was recorded so far; periodic flushes (wait=False) encode and fsync the Parquet
+        parts on the writer's background thread while the engine runs on."""
         if self.writer is None:
             return
         self._drain()
-        self.writer.flush()
+        self.writer.flush(wait=wait)
         self.writer.update_session(segments=[_segment_json(s) for s in self.session.segments],
                                    progress=self._progress, timings=_timings(self.session))
         self._last_flush = time.monotonic()

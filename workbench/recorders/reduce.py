@@ -78,10 +78,11 @@ def moe_rank_load(experts: torch.Tensor, num_experts: int, ep_world: int) -> Pen
     return {"ep_rank": torch.arange(ep_world, device=experts.device), "tokens": counts[:ep_world]}
 
 
-def to_columns(pending: Pending, drop_zero: str | None = None) -> dict[str, np.ndarray]:
-    """Device tensors -> numpy columns (the copy happens here, at flush time)."""
-    cols = {name: t.detach().to("cpu").numpy() for name, t in pending.items()}
+def to_columns(pending: Pending, drop_zero: str | None = None) -> dict:
+    """Device tensors -> numpy columns (the copy happens here, at flush time); scalars stay scalars.
+    With drop_zero, rows whose `drop_zero` column is 0 are dropped (dense counts -> sparse rows)."""
+    cols = {name: t.detach().to("cpu").numpy() if isinstance(t, torch.Tensor) else t for name, t in pending.items()}
     if drop_zero is not None:
         nz = cols[drop_zero] != 0
-        cols = {name: c[nz] for name, c in cols.items()}
+        cols = {name: c[nz] if isinstance(c, np.ndarray) and c.ndim > 0 else c for name, c in cols.items()}
     return cols
