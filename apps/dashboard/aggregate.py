@@ -270,13 +270,14 @@ def _snippet(tokens: TokenText, keys: np.ndarray, start: int, end: int) -> str:
 
 
 def token_reads(position: int, rows: pa.Table, tokens: TokenText, segments: list[dict], bins: int,
-                extent: float, windows: int = 2) -> dict:
+                extent: float, windows: int = 2, marks: tuple[tuple[int, int, str], ...] = ()) -> dict:
     """What each DSA layer read for the query at `position` (rows of `trace.topk_for(position)`).
 
     Returns {"position", "piece", "layers" [L], "heat" float32 [L, bins] (selected keys per screen bin),
-    "rows": [{"layer", "keys", "nearest", "farthest", "local_share", "top_segment", "snippets": [html]}]}.
-    Snippets are the `windows` densest SNIPPET_WINDOW-token runs of selected keys with some context,
-    escaped, selected keys in <mark>.
+    "marks", "rows": [{"layer", "keys", "nearest", "farthest", "local_share", "top_segment", "marked",
+    "snippets": [html]}]}. `marked` counts the selected keys inside each marked range (e.g. a planted
+    needle). Snippets are the `windows` densest SNIPPET_WINDOW-token runs of selected keys with some
+    context, escaped, selected keys in <mark>.
     """
     out_rows, heat, layers = [], [], []
     if rows.num_rows:
@@ -292,7 +293,8 @@ def token_reads(position: int, rows: pa.Table, tokens: TokenText, segments: list
             dist = position - keys
             row = {"layer": layer, "keys": int(len(keys)), "nearest": int(dist.min()) if len(keys) else -1,
                    "farthest": int(dist.max()) if len(keys) else -1,
-                   "local_share": float((dist < LOCAL_WINDOW).mean()) if len(keys) else 0.0}
+                   "local_share": float((dist < LOCAL_WINDOW).mean()) if len(keys) else 0.0,
+                   "marked": [int(((keys >= a) & (keys < b)).sum()) for a, b, _ in marks]}
             if len(keys):
                 owners = [segment_name(segments, int(k)) for k in keys[:: max(1, len(keys) // 256)]]
                 names, counts = np.unique(owners, return_counts=True)
@@ -307,7 +309,7 @@ def token_reads(position: int, rows: pa.Table, tokens: TokenText, segments: list
                 row["top_segment"], row["snippets"], row["snippet_starts"] = "", [], []
             out_rows.append(row)
     piece = tokens.lookup(np.array([position]))[0]
-    return {"position": int(position), "piece": piece, "layers": layers,
+    return {"position": int(position), "piece": piece, "layers": layers, "marks": list(marks),
             "heat": np.stack(heat) if heat else np.zeros((0, bins), np.float32), "rows": out_rows}
 
 
@@ -316,12 +318,15 @@ def reads_html(reads: dict) -> str:
     if not reads["rows"]:
         return (f"<p>No top-k lists recorded for position {reads['position']} (the default policy keeps them "
                 "for every generated token and every 1024th prompt token).</p>")
+    marks = "".join(f"<th>keys in {html.escape(label)} [{a}, {b})</th>" for a, b, label in reads["marks"])
     head = ("<table class='k3-reads'><tr><th>layer</th><th>keys</th><th>nearest</th><th>farthest back</th>"
-            "<th>local</th><th>mostly in</th><th>text around the densest far reads</th></tr>")
+            f"<th>local</th><th>mostly in</th>{marks}<th>text around the densest far reads</th></tr>")
     body = []
     for r in reads["rows"]:
         snippets = "".join(f"<div class='k3-snippet'><span class='k3-at'>@{s}</span> {t}</div>"
                            for s, t in zip(r["snippet_starts"], r["snippets"]))
+        marked = "".join(f"<td><b>{n}</b></td>" if n else "<td>0</td>" for n in r["marked"])
         body.append(f"<tr><td>{r['layer']}</td><td>{r['keys']}</td><td>{r['nearest']}</td><td>{r['farthest']}</td>"
-                    f"<td>{r['local_share']:.0%}</td><td>{html.escape(r['top_segment'])}</td><td>{snippets}</td></tr>")
+                    f"<td>{r['local_share']:.0%}</td><td>{html.escape(r['top_segment'])}</td>{marked}"
+                    f"<td>{snippets}</td></tr>")
     return head + "".join(body) + "</table>"

@@ -80,6 +80,7 @@ class Snapshot:
     progress: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     segments: tuple[dict, ...] = ()
+    marks: tuple[tuple[int, int, str], ...] = ()  # marked key ranges (start, end, label), e.g. a planted needle
     generated: tuple[tuple[int, str], ...] = ()
     dsa: HeatMap | None = None
     kda: HeatMap | None = None
@@ -94,6 +95,20 @@ class Snapshot:
     reads_html: str = ""
     patches: dict | None = None  # {"image": name, "grid": int [rows, cols]} read for the selected token
     routes: list[dict] | None = None  # [{"layer", "experts", "weights", "entropy"}] of the selected token
+
+
+def _marks(session: dict) -> tuple[tuple[int, int, str], ...]:
+    """Key ranges worth marking: a `"marks": [{"start", "end", "label"}]` list in session.json, plus the
+    needle of `workbench demo` ("demo") or of a synthetic trace ("synthetic")."""
+    found = []
+    for mark in session.get("marks") or []:
+        if isinstance(mark, dict) and {"start", "end"} <= set(mark):
+            found.append((int(mark["start"]), int(mark["end"]), str(mark.get("label", "marked"))))
+    for key in ("demo", "synthetic"):
+        needle = (session.get(key) or {}).get("needle") if isinstance(session.get(key), dict) else None
+        if isinstance(needle, (list, tuple)) and len(needle) == 2:
+            found.append((int(needle[0]), int(needle[1]), "needle"))
+    return tuple(found)
 
 
 def _clamp_bins(bins: int) -> int:
@@ -217,6 +232,7 @@ class TraceFollower:
         segments = tuple({k: seg.get(k) for k in ("id", "kind", "name", "start", "end", "modality")}
                          | {"image": seg.get("image")} for seg in s.get("segments", []))
         progress = dict(s.get("progress") or {})
+        marks = _marks(s)
         tokens = int(s.get("tokens", 0))
         total = int(progress.get("total") or 0) if progress.get("phase") == "prefill" else 0
         extent = max(tokens, total, max((int(g["end"]) for g in segments), default=0), 1)
@@ -230,7 +246,11 @@ class TraceFollower:
         if self._stale("dsa", trace.parts("dsa_key_counts").__len__(), extent, bins):
             layers = trace.layers("dsa_key_counts")
             heat = trace.dsa_heatmap(layers, bins=bins, end=extent) if layers else np.zeros((0, bins))
-            fields["dsa"] = HeatMap(tuple(layers), np.log1p(heat).astype(np.float32), 0.0, float(extent))
+            values = np.log1p(heat).astype(np.float32)
+            # bins past the furthest one ever read are "not reached yet", not "never read": draw nothing
+            read = np.flatnonzero(heat.sum(axis=0) > 0)
+            values[:, (read[-1] + 1 if len(read) else 0):] = np.nan
+            fields["dsa"] = HeatMap(tuple(layers), values, 0.0, float(extent))
         if self._kda.update(trace) | self._stale("kda", extent, bins, opts.kda_reduce):
             fields["kda"] = self._kda_heat(extent, bins, opts.kda_reduce)
         kda_layers = sorted(self._kda.layers)
@@ -247,14 +267,14 @@ class TraceFollower:
             fields.update(self._rank_load(trace))
         if opts.position is not None and self._stale("reads", opts.position, len(trace.parts("dsa_topk")),
                                                       len(trace.parts("moe_routes")), extent, bins, len(self._tokens)):
-            fields.update(self._detail(trace, opts.position, list(segments), bins, extent))
+            fields.update(self._detail(trace, opts.position, list(segments), bins, extent, marks))
         elif opts.position is None and last.reads is not None:
             fields.update(reads=None, reads_html="", routes=None, patches=None)
         status = trace.status
         return dataclasses.replace(
             last, seq=last.seq + 1, path=str(self.path), status=status, error=None,
             problems=tuple(trace.problems + self._kda.problems), tokens=tokens, extent=extent, progress=progress,
-            timings=dict(s.get("timings") or {}), segments=segments, **fields)
+            timings=dict(s.get("timings") or {}), segments=segments, marks=marks, **fields)
 
     def _generated(self, segments: tuple[dict, ...]) -> tuple[tuple[int, str], ...]:
         spans = [(int(g["start"]), int(g["end"])) for g in segments if g["kind"] == "generated"]
@@ -306,9 +326,10 @@ class TraceFollower:
         worst = int(ratio.argmax())
         return {"rank_load": per.sum(axis=0), "rank_worst": (int(ids[worst]), float(ratio[worst]))}
 
-    def _detail(self, trace: Trace, position: int, segments: list[dict], bins: int, extent: int) -> dict[str, Any]:
+    def _detail(self, trace: Trace, position: int, segments: list[dict], bins: int, extent: int,
+                marks: tuple[tuple[int, int, str], ...]) -> dict[str, Any]:
         rows = trace.topk_for(position)
-        reads = token_reads(position, rows, self._tokens, segments, bins, extent)
+        reads = token_reads(position, rows, self._tokens, segments, bins, extent, marks=marks)
         routes_table = trace.routes_for(position)
         routes = []
         if routes_table.num_rows:

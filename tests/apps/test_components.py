@@ -61,6 +61,9 @@ def test_dsa_map_heat_and_readout(state: DashboardState) -> None:
     reads = view.reads.source.data["image"][0]
     assert reads.shape == (3, state.bins) and np.nansum(reads) > 0
     assert len(view.detail.objects) == 2  # the read-out figures joined the page with the first selection
+    needle = state.snapshot.marks[0]
+    assert needle[2] == "needle" and list(view.heat.marks.data["x0"]) == [needle[0]]  # the planted fact, shaded
+    assert "keys in needle" in view.readout.object
     view.show_segments = False
     assert list(view.heat.bounds.data["x"]) == []
 

@@ -110,6 +110,22 @@ def test_follower_sees_a_live_trace_grow(tmp_path: Path, small_trace: Path) -> N
     assert tokens == sorted(tokens) and len(set(tokens)) >= 3, seen
     assert "prefill" in {p for _, p, _ in seen}
     assert len(state.snapshot.generated) == 256
+    assert state.snapshot.marks and state.snapshot.marks[0][2] == "needle"
+
+
+def test_unreached_context_is_not_drawn_as_unread(tmp_path: Path, small_trace: Path) -> None:
+    replay = TraceReplay(small_trace, tmp_path / "live", seconds=16.0, interval=0.2).start()
+    state = DashboardState(tmp_path / "live")
+    deadline = time.monotonic() + 30
+    snap = state.sync()
+    while (snap.dsa is None or not snap.dsa.rows or not 0 < snap.progress.get("done", 0)) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        snap = state.sync()
+    replay.stop()
+    replay.join(5)
+    values = snap.dsa.values
+    # during prefill the axis spans the whole prompt; bins past the frontier are NaN, the rest finite
+    assert np.isnan(values[:, -1]).all() and np.isfinite(values[:, 0]).all()
 
 
 def test_binning_helpers() -> None:

@@ -78,6 +78,9 @@ class DSAMemoryMap(pn.viewable.Viewer):
             starts = segment_starts(snap.segments) if self.show_segments else []
             self.heat.set_boundaries(starts)
             self.reads.set_boundaries(starts)
+        if snap.marks != shown.marks:
+            self.heat.set_marks(snap.marks)
+            self.reads.set_marks(snap.marks)
         if snap.generated is not shown.generated:
             self.strip.tokens = [list(t) for t in snap.generated]
         if snap.reads is not shown.reads:

@@ -42,6 +42,9 @@ class HeatFigure:
         self.glyph = self.figure.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source,
                                        color_mapper=self.mapper)
         self.figure.vspan(x="x", source=self.bounds, line_color="white", line_alpha=0.7, line_dash="dashed")
+        self.marks = ColumnDataSource({"x0": [], "x1": [], "label": []})
+        self.figure.vstrip(x0="x0", x1="x1", source=self.marks, fill_color="#00e5ff", fill_alpha=0.25,
+                           line_color="#00e5ff", line_width=1.5)
         self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=[(x_label, "$x{0,0}"),
                                                                           (y_label, "$y{0}"),
                                                                           (value_label, "@image{0.00}")]))
@@ -68,6 +71,11 @@ class HeatFigure:
             self.figure.yaxis.ticker = FixedTicker(ticks=ticks)
             self.figure.yaxis.major_label_overrides = {t: labels[t] for t in ticks}
             self.figure.y_range.update(start=-0.5, end=n - 0.5)
+
+    def set_marks(self, marks: tuple[tuple[int, int, str], ...]) -> None:
+        """Shade marked position ranges (e.g. the planted needle), at least one pixel-ish wide."""
+        self.marks.data = {"x0": [a for a, _, _ in marks], "x1": [b for _, b, _ in marks],
+                           "label": [label for _, _, label in marks]}
 
     def set_boundaries(self, positions: list[int]) -> None:
         """Mark segment starts (dashed vertical lines)."""
