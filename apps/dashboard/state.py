@@ -308,7 +308,8 @@ class TraceFollower:
         pick = layers if opts.moe_layer not in layers else [opts.moe_layer]
         text = trace.moe_counts_matrix("text", segs, pick).sum(axis=0)
         image = trace.moe_counts_matrix("image", segs, pick).sum(axis=0)
-        return {"moe": HeatMap(tuple(layers), share, 0.0, float(counts.shape[1])), "moe_text": text,
+        # expert i is centred on x = i, like the bars and the routes below it
+        return {"moe": HeatMap(tuple(layers), share, -0.5, counts.shape[1] - 0.5), "moe_text": text,
                 "moe_image": image}
 
     def _rank_load(self, trace: Trace) -> dict[str, Any]:
