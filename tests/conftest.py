@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# one compute thread per process: tests spawn ranks, notebook kernels and servers beside pytest,
+# and OpenMP threads spinning against each other on 2 cores can slow torch down 50-100x
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# keep CPU tests deterministic and light on the 2-core CI machine
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 torch.manual_seed(42)
 
 
