@@ -12,6 +12,7 @@ with the trace store's synthetic generator at every 24th layer and scaled to all
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
@@ -43,22 +44,16 @@ def prompt_ids(n: int, tok: Tokenizer) -> list[int]:
 def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trace: Path) -> dict:
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=chunk, progress=False)
     session.append(ids=ids, name="document")
-    if policy is None:
+    if policy is not None:
+        shutil.rmtree(trace, ignore_errors=True)
+    recording = workbench.record(session, trace=trace, policy=policy) if policy else contextlib.nullcontext()
+    with recording:
         start = time.perf_counter()
         session.prefill()
         mid = time.perf_counter()
         for _ in session.generate(decode, temperature=0, stop_ids=()):
             pass
         end = time.perf_counter()
-    else:
-        shutil.rmtree(trace, ignore_errors=True)
-        with workbench.record(session, trace=trace, policy=policy):
-            start = time.perf_counter()
-            session.prefill()
-            mid = time.perf_counter()
-            for _ in session.generate(decode, temperature=0, stop_ids=()):
-                pass
-            end = time.perf_counter()
     # generation may end early on the end-of-message token: count the decode steps that ran
     rec = session.record
     return {"prefill_s": mid - start, "decode_s": rec.decode_seconds, "decode_steps": rec.decode_steps,
