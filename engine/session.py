@@ -80,6 +80,9 @@ class Session:
         self.step = 0  # forward calls so far (prefill chunks and decode steps)
         self.sampling = SamplingParams()
         self.generator = make_generator(None)
+        # reserved placeholder tokens are never sampled (a trained model gives them ~0 probability;
+        # random demo weights would not); set to an empty set to sample the raw distribution
+        self.suppressed_ids: frozenset[int] = tokenizer.reserved_ids if tokenizer is not None else frozenset()
         self.observers: list[Observer] = []
         self._stop = False
         self.previous_records: list[dict] = []  # records of earlier runs this session was restored from
@@ -252,8 +255,9 @@ class Session:
             if self._stop or len(self.tokens) >= self.config.max_position_embeddings:
                 break
             assert self.last_logits is not None
-            token = sample(self.last_logits, p, self.generator)
-            logprob = float(torch.log_softmax(self.last_logits, -1)[token])
+            logits = self._suppress(self.last_logits)
+            token = sample(logits, p, self.generator)
+            logprob = float(torch.log_softmax(logits, -1)[token])
             position = len(self.tokens)
             self.tokens.append(token)
             seg.end = len(self.tokens)
@@ -269,6 +273,12 @@ class Session:
             t0 = time.perf_counter()
             self._forward([token], "decode", False)
             self.record.note_decode_step(time.perf_counter() - t0)
+
+    def _suppress(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.suppressed_ids:
+            return logits
+        index = torch.tensor(sorted(self.suppressed_ids), device=logits.device)
+        return logits.index_fill(-1, index[index < logits.shape[-1]], float("-inf"))
 
     def text(self, start: int = 0, end: int | None = None) -> str:
         if self.tokenizer is None:

@@ -59,6 +59,8 @@ class Tokenizer:
         self.bos_id = special.get("[BOS]")
         self.end_of_msg_id = special.get("<|end_of_msg|>")
         self.open_id, self.close_id, self.sep_id = (special.get(n) for n in ("<|open|>", "<|close|>", "<|sep|>"))
+        # ids no trained model emits (placeholders in the special range): sessions never sample them
+        self.reserved_ids = frozenset(i for n, i in special.items() if n.startswith("<|reserved_token_"))
 
     @classmethod
     def load(cls, directory: str | Path) -> "Tokenizer":
