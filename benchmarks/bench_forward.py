@@ -111,7 +111,9 @@ def worker(impl: str, ckpt: Path, tokens: int, threads: int, repeat: int, out: P
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
     peak = _rss_kb("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    torch.save(logits[0, -KEEP_LOGITS:].float().clone(), out.with_suffix(".logits.pt"))
+    from safetensors.torch import save_file
+
+    save_file({"logits": logits[0, -KEEP_LOGITS:].float().contiguous()}, str(out.with_suffix(".logits.safetensors")))
     out.write_text(json.dumps({"impl": impl, "seconds": min(times), "all_seconds": times, "cpu_seconds": min(cpu_times),
                                "rss_before_kb": rss_before, "peak_kb": peak, "peak_reset": peak_reset}))
 
@@ -169,9 +171,10 @@ def main() -> None:
         if len(results) == 2:
             e, t = results["engine"], results["transformers"]
             import torch
+            from safetensors.torch import load_file
 
-            le = torch.load(tmp / "engine.logits.pt").double()
-            lt = torch.load(tmp / "transformers.logits.pt").double()
+            le = load_file(str(tmp / "engine.logits.safetensors"))["logits"].double()
+            lt = load_file(str(tmp / "transformers.logits.safetensors"))["logits"].double()
             print(f"\nspeed-up (transformers / engine): wall {t['seconds'] / e['seconds']:.2f}x, "
                   f"CPU {t['cpu_seconds'] / e['cpu_seconds']:.2f}x")
             print(f"peak RSS ratio (engine / transformers): {e['peak_kb'] / t['peak_kb']:.2f}")
