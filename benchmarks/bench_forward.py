@@ -170,7 +170,6 @@ def main() -> None:
                   f"{r['rss_before_kb'] / 1024:>14.0f} {r['peak_kb'] / 1024:>9.0f} {extra:>12.0f}")
         if len(results) == 2:
             e, t = results["engine"], results["transformers"]
-            import torch
             from safetensors.torch import load_file
 
             le = load_file(str(tmp / "engine.logits.safetensors"))["logits"].double()
