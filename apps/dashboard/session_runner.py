@@ -208,7 +208,8 @@ class SessionRunner(pn.viewable.Viewer):
         return pn.Column(
             pn.pane.Markdown("### Drive a session"),
             pn.widgets.Select.from_param(self.param.model, label="Model"),
-            pn.widgets.TextAreaInput.from_param(self.param.prompt, label="Prompt", height=90),
+            # Panel caps a text area at 5,000 characters by default: long pasted prompts are the point here
+            pn.widgets.TextAreaInput.from_param(self.param.prompt, label="Prompt", height=90, max_length=1 << 20),
             pn.widgets.Checkbox.from_param(self.param.chat, label="Chat message"),
             pn.Row(pn.widgets.IntInput.from_param(self.param.max_new_tokens, label="New tokens", width=110),
                    pn.widgets.FloatInput.from_param(self.param.temperature, label="Temperature", width=110)),
