@@ -94,12 +94,12 @@ class KimiDeltaAttention(nn.Module):
             if not seen:
                 return
             ends_cpu = torch.tensor([t for t, _, _ in seen])
-            ends = ends_cpu.to(g.device)
-            payload = {"positions": start + ends_cpu,
-                       "norm": comm.all_gather(torch.stack([n for _, n, _ in seen], 1), self.parallel, -1, "probe.kda")}
+            norms = seen[0][1].unsqueeze(1) if len(seen) == 1 else torch.stack([n for _, n, _ in seen], 1)
+            payload = {"positions": start + ends_cpu, "norm": comm.all_gather(norms, self.parallel, -1, "probe.kda")}
             if extras:
                 payload["max_abs"] = comm.all_gather(torch.stack([a for _, _, a in seen], 1), self.parallel, -1)
                 # interval means since the previous measurement, from prefix sums over time
+                ends = ends_cpu.to(g.device)
                 begins = torch.cat((ends.new_zeros(1), ends[:-1] + 1))
                 for name, series in (("mean_decay", g.exp().mean(-1)), ("mean_beta", beta)):  # [B, T, H]
                     csum = torch.cat((series.new_zeros(series.shape[0], 1, series.shape[2]), series.cumsum(1)), 1)

@@ -54,6 +54,7 @@ class Recorder:
         self._segments_seen = -1
         self._pending: list[tuple[str, int | None, dict, str | None]] = []
         self._deferred: dict[tuple[str, int], list] = defaultdict(list)
+        self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
         self._generated = 0
@@ -259,7 +260,7 @@ class Recorder:
         elif event == "token":
             tok = payload["token"]
             self._generated += 1
-            self._token_rows([tok.position], [tok.id], self.session.segments[-1].id)
+            self._generated_rows.append((tok.position, tok.id, self.session.segments[-1].id))  # written at flush
             self._progress = {**self._progress, "phase": "decode", "generated": self._generated}
         elif event == "prefill_progress":
             done, total, elapsed = payload["done"], payload["total"], payload["elapsed"]
@@ -278,13 +279,13 @@ class Recorder:
         if seg.kind != "generated" and seg.end > seg.start:
             self._token_rows(range(seg.start, seg.end), self.session.tokens[seg.start:seg.end], seg.id)
 
-    def _token_rows(self, positions, ids, segment: int) -> None:
+    def _token_rows(self, positions, ids, segment: "int | np.ndarray") -> None:
         tok = self.session.tokenizer
         ids = list(ids)
         pieces = [tok.piece(i) for i in ids] if tok is not None else [str(i) for i in ids]
         self.rows_written += self.writer.append(
             "tokens", position=np.asarray(list(positions), np.int32), token_id=np.asarray(ids, np.int32),
-            piece=np.asarray(pieces, dtype=object), segment=np.full(len(ids), segment, np.int32),
+            piece=np.asarray(pieces, dtype=object), segment=np.broadcast_to(np.asarray(segment, np.int32), len(ids)),
             modality=np.full(len(ids), "text", dtype=object))
 
     def flush(self, wait: bool = True) -> None:
@@ -292,6 +293,10 @@ class Recorder:
         parts on the writer's background thread while the engine runs on."""
         if self.writer is None:
             return
+        if self._generated_rows:
+            positions, ids, segments = zip(*self._generated_rows)
+            self._generated_rows.clear()
+            self._token_rows(positions, ids, np.asarray(segments, np.int32))
         self._drain()
         self.writer.flush(wait=wait)
         self.writer.update_session(segments=[_segment_json(s) for s in self.session.segments],
