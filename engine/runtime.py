@@ -19,6 +19,7 @@ class RuntimeOptions:
     kda_recurrent_max_tokens: at or below this many new tokens KDA steps token by token.
     expert_cache_mib: budget for dequantized MXFP4 experts kept between calls (the packed copy is
         always kept; hot experts skip dequantization on the next token). 0 = dequantize at every use.
+    kernels: "auto" runs the Triton kernels on CUDA tensors; "reference" forces the pure-torch ops.
     """
 
     dsa_force_dense: bool = False
@@ -26,3 +27,4 @@ class RuntimeOptions:
     kda_chunk_size: int = 64
     kda_recurrent_max_tokens: int = 8
     expert_cache_mib: int = 256
+    kernels: str = "auto"

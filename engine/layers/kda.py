@@ -14,7 +14,7 @@ from torch import nn
 from engine.cache import KDAState
 from engine.config import ModelConfig
 from engine.layers.common import GatedRMSNorm, l2norm
-from engine.ops.kda.reference import kda_chunked, kda_recurrent
+from engine.ops.kda import kda_chunked, kda_recurrent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
@@ -139,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
         initial = None if state is None else state.recurrent
         observe, emit = self._observer(g, beta) if self.probe_state.sink is not None else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:
-            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe)
+            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=self.runtime.kernels)
         else:
             o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size,
                                    observe=observe)

@@ -20,7 +20,7 @@ from engine.cache import MLACache
 from engine.config import ModelConfig
 from engine.layers.common import RMSNorm
 from engine.layers.indexer import Indexer
-from engine.ops.dsa.reference import indexer_topk
+from engine.ops.dsa import indexer_topk
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
@@ -137,7 +137,8 @@ class GatedMLA(nn.Module):
         if self.indexer is not None:
             assert keys_all is not None and q_resid is not None
             iq, iw = self.indexer.queries(q_resid, x)
-            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk, key_start=key_start)
+            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk, key_start=key_start,
+                                       impl=self.runtime.kernels)
             selection = Selection(positions, idx, scores)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")

@@ -26,6 +26,7 @@ from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
+from engine.ops.mxfp4 import dequantize
 from engine.weights import mxfp4
 
 
@@ -101,7 +102,8 @@ class RoutedExperts(nn.Module):
         if hit is not None:
             self._dense.move_to_end(key)
             return hit
-        dense = mxfp4.dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype)
+        dense = dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype,
+                           impl=self.runtime.kernels)
         budget = self.runtime.expert_cache_mib * 2**20 // self.moe_layers
         size = dense.numel() * dense.element_size()
         if size <= budget:

@@ -18,6 +18,8 @@ the largest scores, and among keys tied at the k-th score the earliest ones, wha
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # scores held at once: q_block * key_block * indexer heads (fp32) stays near 64 MB
@@ -91,6 +93,7 @@ def indexer_topk(
     q_block: int | None = None,
     key_block: int | None = None,
     key_start: torch.Tensor | None = None,
+    scorer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k key positions per query, scored blockwise.
 
@@ -101,6 +104,7 @@ def indexer_topk(
         q_pos (torch.Tensor): `[Tq]` positions of the queries (keys at <= pos are visible).
         topk (int): keys kept per query.
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
+        scorer (callable, Optional): computes a score block like `indexer_scores` (a fused kernel).
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty).
@@ -120,7 +124,7 @@ def indexer_topk(
         run_idx: torch.Tensor | None = None
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
-            s = indexer_scores(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
+            s = (scorer or indexer_scores)(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
             lo = max(first, k0)  # keys before the block's first query are visible to all of it
             if lo < k1:
                 s[..., lo - k0:].masked_fill_(key_pos[lo:k1] > pos.unsqueeze(1), float("-inf"))
