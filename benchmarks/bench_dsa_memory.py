@@ -16,21 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _status_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+from measure import peak_kb, reset_peak, status_kb
 
 
 def worker(model_path: str, tokens: int, threads: int) -> dict:
@@ -41,17 +32,13 @@ def worker(model_path: str, tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     model = load_model(model_path)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    rss_before = _status_kb("VmRSS")
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-        reset = True
-    except OSError:
-        reset = False
+    rss_before = status_kb("VmRSS")
+    reset = reset_peak()  # peak RSS := current RSS
     t0 = time.perf_counter()
     with torch.no_grad():
         logits = model(ids)
     seconds = time.perf_counter() - t0
-    peak = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_kb(reset)
     assert logits.shape == (1, tokens, model.config.vocab_size) and bool(torch.isfinite(logits[0, -1]).all())
     return {"tokens": tokens, "rss_before_kb": rss_before, "peak_kb": peak, "seconds": seconds, "peak_reset": reset,
             "topk": model.config.dsa.topk if model.config.dsa else None}

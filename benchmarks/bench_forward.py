@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from measure import peak_kb, reset_peak, status_kb
 
 CONFIG = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
@@ -44,25 +45,6 @@ KEEP_LOGITS = 8  # last positions whose logits are compared between the two runs
 def _block_fla() -> None:
     # transformers routes KDA to fla's Triton kernels when fla is importable; they need a GPU
     sys.modules["fla"] = None  # type: ignore[assignment]
-
-
-def _rss_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where unsupported."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def write_checkpoint(out: Path, seed: int) -> None:
@@ -101,8 +83,8 @@ def worker(impl: str, ckpt: Path, tokens: int, threads: int, repeat: int, out: P
                                                       experts_implementation="eager").eval()
         run = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
     ids = torch.randint(0, CONFIG["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
-    rss_before = _rss_kb("VmRSS")
-    peak_reset = _reset_peak()
+    rss_before = status_kb("VmRSS")
+    peak_reset = reset_peak()
     times, cpu_times = [], []
     with torch.no_grad():
         for _ in range(repeat):
@@ -110,7 +92,7 @@ def worker(impl: str, ckpt: Path, tokens: int, threads: int, repeat: int, out: P
             logits = run(ids)
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
-    peak = _rss_kb("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_kb(peak_reset)
     from safetensors.torch import save_file
 
     save_file({"logits": logits[0, -KEEP_LOGITS:].float().contiguous()}, str(out.with_suffix(".logits.safetensors")))

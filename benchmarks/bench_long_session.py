@@ -18,18 +18,10 @@ from engine import load_model
 from engine.deployment import peak_rss_bytes
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from measure import filler_ids
 
 LOREM = ("The indexer keeps the keys that matter; the recurrent state keeps the gist. Section {i}: a record "
          "of measurements, names and dates, written so that nothing repeats exactly. ")
-
-
-def document(n_tokens: int, tokenizer: Tokenizer) -> list[int]:
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n_tokens:
-        ids.extend(tokenizer.encode(LOREM.format(i=i)))
-        i += 1
-    return ids[:n_tokens]
 
 
 def main() -> None:
@@ -45,7 +37,7 @@ def main() -> None:
     model = load_model(args.model)
     tokenizer = Tokenizer.byte_level()
     session = Session(model, tokenizer, prefill_chunk=args.chunk, progress=True, model_name=args.model)
-    session.append(ids=document(args.tokens, tokenizer), name="long document")
+    session.append(ids=filler_ids(args.tokens, tokenizer.encode, LOREM), name="long document")
     start = time.perf_counter()
     session.prefill()
     prefill_s = time.perf_counter() - start

@@ -25,20 +25,12 @@ import workbench
 from engine import load_model
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from measure import filler_ids
 from workbench.recorders.policy import RecordPolicy
 from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes
 
 TEXT = ("Sparse attention reads a few thousand keys; the recurrent memory keeps the rest. Entry {i}: "
         "values, names and dates that do not repeat. ")
-
-
-def prompt_ids(n: int, tok: Tokenizer) -> list[int]:
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n:
-        ids.extend(tok.encode(TEXT.format(i=i)))
-        i += 1
-    return ids[:n]
 
 
 def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trace: Path) -> dict:
@@ -70,7 +62,7 @@ def main() -> None:
     ap.add_argument("--skip-projection", action="store_true")
     args = ap.parse_args()
     model = load_model("preset:demo")
-    ids = prompt_ids(args.tokens, Tokenizer.byte_level())
+    ids = filler_ids(args.tokens, Tokenizer.byte_level().encode, TEXT)
     tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
     modes = {"off": None, "default": "default", "all": "all"}
     best: dict[str, dict] = {}
