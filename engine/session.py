@@ -83,6 +83,8 @@ class Session:
         # reserved placeholder tokens are never sampled (a trained model gives them ~0 probability;
         # random demo weights would not); set to an empty set to sample the raw distribution
         self.suppressed_ids: frozenset[int] = tokenizer.reserved_ids if tokenizer is not None else frozenset()
+        self._suppress_key: tuple | None = None
+        self._suppress_index: torch.Tensor | None = None
         self.observers: list[Observer] = []
         self._stop = False
         self.previous_records: list[dict] = []  # records of earlier runs this session was restored from
@@ -277,8 +279,11 @@ class Session:
     def _suppress(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.suppressed_ids:
             return logits
-        index = torch.tensor(sorted(self.suppressed_ids), device=logits.device)
-        return logits.index_fill(-1, index[index < logits.shape[-1]], float("-inf"))
+        key = (self.suppressed_ids, logits.device)
+        if self._suppress_key != key:  # rebuilt only when the set or device changes
+            index = torch.tensor(sorted(self.suppressed_ids), device=logits.device)
+            self._suppress_key, self._suppress_index = key, index[index < logits.shape[-1]]
+        return logits.index_fill(-1, self._suppress_index, float("-inf"))
 
     def text(self, start: int = 0, end: int | None = None) -> str:
         if self.tokenizer is None:

@@ -11,8 +11,6 @@ for decode and sparse reads. The model is NoPE: `k_r` is a shared, unrotated key
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -26,15 +24,6 @@ from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
-
-
-@dataclass
-class Selection:
-    """What the indexer chose for the queries of one forward call (for probes and tests)."""
-
-    positions: torch.Tensor  # [T] query positions
-    indices: torch.Tensor  # [B, T, topk] int64 key positions, -1 = empty
-    scores: torch.Tensor  # [B, T, topk] fp32
 
 
 class GatedMLA(nn.Module):
@@ -133,13 +122,12 @@ class GatedMLA(nn.Module):
         positions = torch.arange(start, start + T, device=x.device)
         w_kb, w_vb = self._kv_b()
 
-        selection = None
+        idx = None  # [B, T, topk] key positions selected by the indexer (-1 = empty)
         if self.indexer is not None:
             assert keys_all is not None and q_resid is not None
             iq, iw = self.indexer.queries(q_resid, x)
             idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk, key_start=key_start,
                                        impl=self.runtime.kernels)
-            selection = Selection(positions, idx, scores)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.sink is not None:
@@ -147,11 +135,11 @@ class GatedMLA(nn.Module):
                                                        "scores": scores})
             if self.probe_dense_mass.sink is not None:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
-        sparse = selection is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
+        sparse = idx is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
 
         if sparse:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
-            o_lat = sparse_attention_latent(q_lat, q_rope, latent_all, k_rope_all, selection.indices, self.scale)
+            o_lat = sparse_attention_latent(q_lat, q_rope, latent_all, k_rope_all, idx, self.scale)
             attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float())
         elif T * 4 < start + T:
             # few queries over a long cache (decode): stay in latent space

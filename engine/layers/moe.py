@@ -74,6 +74,7 @@ class RoutedExperts(nn.Module):
         self._slot_of = [-1] * config.num_experts
         for slot, e in enumerate(ids):
             self._slot_of[e] = slot
+        self._slot_tensor: dict[torch.device, torch.Tensor] = {}  # the same map on each device used
         self.packed = config.expert_format == "mxfp4"
         self.moe_layers = max(1, sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)))
         self._dense: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # dequantized-expert LRU
@@ -119,7 +120,9 @@ class RoutedExperts(nn.Module):
         N, k = ids.shape
         out = h.new_zeros(N, h.shape[-1], dtype=torch.float32)
         flat = ids.flatten()
-        slots = torch.tensor(self._slot_of, device=ids.device)[flat]
+        if ids.device not in self._slot_tensor:
+            self._slot_tensor[ids.device] = torch.tensor(self._slot_of, device=ids.device)
+        slots = self._slot_tensor[ids.device][flat]
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots[slots >= 0], minlength=len(self.expert_ids)).tolist()
         start = int((slots < 0).sum())  # routes to experts held elsewhere sort first (slot -1)

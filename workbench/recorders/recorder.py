@@ -114,12 +114,16 @@ class Recorder:
             self._segment_dev[device] = self._segment_of.to(device)
         return self._segment_dev[device]
 
-    def _keep(self, positions: torch.Tensor, stride: int, *, every: bool = False) -> np.ndarray:
-        """Row indices to keep in full: every row, or stride-sampled rows, plus marked positions/segments."""
+    def _keep(self, positions: torch.Tensor, stride: int, *, every: bool = False,
+              window: tuple[int, int] | None = None) -> np.ndarray:
+        """Row indices to keep in full: every row, or stride-sampled rows (and windows of `window[1]`
+        tokens every `window[0]`), plus marked positions/segments."""
         pos = positions.numpy()
         if every:
             return np.arange(len(pos))
         keep = (pos + 1) % stride == 0 if stride > 0 else np.zeros(len(pos), bool)
+        if window is not None and window[0] > 0:
+            keep |= (pos % window[0]) < window[1]
         p = self.policy
         if p.mark_positions:
             keep |= np.isin(pos, np.asarray(p.mark_positions))
@@ -190,12 +194,14 @@ class Recorder:
         family = {"dsa.topk": self._dsa, "kda.state": self._kda, "moe.route": self._moe}[name]
         family(layer, items, steps, pos)
 
-    def _keep_items(self, items: list, stride: int, *, decode_all: bool, last: bool = False) -> np.ndarray:
+    def _keep_items(self, items: list, stride: int, *, decode_all: bool, last: bool = False,
+                    window: tuple[int, int] | None = None) -> np.ndarray:
         """Row indices (over the concatenated items) to keep in full."""
         keep, offset = [], 0
         for _, decode, payload in items:
             n = len(payload["positions"])
-            rows = self._keep(payload["positions"], stride, every=decode and decode_all)
+            rows = self._keep(payload["positions"], stride, every=decode and decode_all,
+                              window=None if decode else window)
             if last and not decode:
                 rows = np.union1d(rows, [n - 1])  # the state at the end of every forward call
             keep.append(rows + offset)
@@ -237,18 +243,9 @@ class Recorder:
             experts, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))}, "count")
         self._pend("moe_rank_load", layer,
                    {"step": step, **reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world)}, "tokens")
-        keep, offset = [], 0
-        for _, decode, payload in items:
-            ip = payload["positions"].numpy()
-            if decode:
-                rows = np.arange(len(ip)) if p.moe_decode_routes else np.zeros(0, np.int64)
-            else:
-                window = (ip % p.moe_window_every) < p.moe_window_tokens if p.moe_window_every > 0 else \
-                    np.zeros(len(ip), bool)
-                rows = np.union1d(np.flatnonzero(window), self._keep(payload["positions"], 0))
-            keep.append(rows + offset)
-            offset += len(ip)
-        self._pend("moe_routes", layer, reduce.select_rows(np.concatenate(keep), step=steps, position=pos,
+        keep = self._keep_items(items, 0, decode_all=p.moe_decode_routes,
+                                window=(p.moe_window_every, p.moe_window_tokens))
+        self._pend("moe_routes", layer, reduce.select_rows(keep, step=steps, position=pos,
                                                            experts=experts, weights=weights, entropy=entropy))
 
     # ---- session events --------------------------------------------------------------------------------
