@@ -18,7 +18,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.text import set_text, text_pane
-from apps.dashboard.components.token_strip import TokenStrip
+from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from apps.dashboard.state import DashboardState, HeatMap, Snapshot
 
 
@@ -45,7 +45,7 @@ class DSAMemoryMap(pn.viewable.Viewer):
         self.position_input = pn.widgets.IntInput.from_param(self.state.param.position, label="Query position",
                                                              width=160)
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
-        self.strip.param.watch(self._clicked, "selected")
+        link_selection(self.strip, self.state)
         self.readout = pn.pane.HTML("<p>Select a generated token to see what each DSA layer read for it.</p>",
                                     sizing_mode="stretch_width", css_classes=["k3-dsa-readout"],
                                     stylesheets=[_READOUT_CSS])
@@ -54,14 +54,6 @@ class DSAMemoryMap(pn.viewable.Viewer):
         self.detail = pn.Column(self.readout, sizing_mode="stretch_width")
         self._shown = Snapshot()
         self._apply()
-
-    def _clicked(self, event: param.parameterized.Event) -> None:
-        if event.new is not None:
-            self.state.position = event.new
-
-    @param.depends("state.position", watch=True)
-    def _selection(self) -> None:
-        self.strip.selected = self.state.position
 
     @param.depends("show_segments", watch=True)
     def _toggle_segments(self) -> None:

@@ -17,7 +17,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
 from apps.dashboard.components.text import set_text, text_pane
-from apps.dashboard.components.token_strip import TokenStrip
+from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from apps.dashboard.state import DashboardState, Snapshot
 
 
@@ -63,17 +63,9 @@ class SessionMap(pn.viewable.Viewer):
         self.stats = text_pane("waiting for the trace…", sizing_mode="stretch_width")
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-session-text"])
-        self.strip.param.watch(self._clicked, "selected")
+        link_selection(self.strip, self.state)
         self._shown = Snapshot()
         self._apply()
-
-    def _clicked(self, event: param.parameterized.Event) -> None:
-        if event.new is not None:
-            self.state.position = event.new
-
-    @param.depends("state.position", watch=True)
-    def _selection(self) -> None:
-        self.strip.selected = self.state.position
 
     @param.depends("state.snapshot", watch=True)
     def _apply(self) -> None:

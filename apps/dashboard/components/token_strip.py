@@ -62,6 +62,21 @@ export function render({ model, el }) {
 """
 
 
+def link_selection(strip: TokenStrip, state: param.Parameterized) -> None:
+    """Keep `strip.selected` and the shared `state.position` in step, both ways (every view that
+    shows clickable tokens selects the same token)."""
+
+    def clicked(event: param.parameterized.Event) -> None:
+        if event.new is not None:
+            state.position = event.new
+
+    def moved(event: param.parameterized.Event) -> None:
+        strip.selected = event.new
+
+    strip.param.watch(clicked, "selected")
+    state.param.watch(moved, "position")
+
+
 class WidthProbe(JSComponent):
     """An empty strip that reports its width in CSS pixels (`px`), debounced, on load and on resize."""
 
