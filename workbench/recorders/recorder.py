@@ -306,18 +306,8 @@ def _modality_names(cols: dict) -> dict:
     return cols
 
 
-def _half_lists(*names: str):
-    def convert(cols: dict) -> dict:
-        for name in names:
-            if name in cols:
-                cols[name] = cols[name].astype(np.float16)
-        return cols
-    return convert
-
-
-# host-side column conversions applied at flush (string dictionaries, fp16 storage)
-_CONVERT = {"moe_counts": _modality_names, "moe_routes": _half_lists("weights"),
-            "kda_norms": _half_lists("norm", "max_abs", "mean_decay", "mean_beta")}
+# host-side conversions applied at flush (the writer casts numbers to the schema's types itself)
+_CONVERT = {"moe_counts": _modality_names}
 
 
 def _segment_json(seg: Segment) -> dict:
