@@ -20,7 +20,7 @@ from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.tokenizer import Tokenizer
-from workbench.cli.model_cmds import DTYPES, add_parallel_args
+from apps.cli.model_cmds import DTYPES, add_parallel_args
 from workbench.recorders import record
 
 

@@ -17,7 +17,7 @@ from engine.errors import InputError
 from engine.parallel.plan import format_plan, plan_memory, smallest_fitting
 from engine.presets import PRESETS
 from engine.weights.load import parse_model_path
-from workbench.cli.model_cmds import DTYPES
+from apps.cli.model_cmds import DTYPES
 
 _BYTES = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20,
           "GIB": 2 ** 30, "TIB": 2 ** 40}
