@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         print(f"saved snapshot to {args.save}", file=sys.stderr)
     if not ctx.is_leader:
         return 0
-    rec = session.record
+    rec = session.deployment
     if args.stats:
         print(json.dumps(rec.to_json(), indent=1), file=sys.stderr)
     else:
