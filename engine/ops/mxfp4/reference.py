@@ -7,6 +7,9 @@ Layout of compressed-tensors "mxfp4-pack-quantized" (the K3 checkpoint format), 
   0xFF encodes NaN and is rejected at load time.
 An E2M1 code is sign (bit 3) + magnitude index (bits 0-2) into [0, .5, 1, 1.5, 2, 3, 4, 6]; the code
 0x8 ("-0") decodes to zero. Dequantization is exact in bf16 and fp32.
+
+This is the pure-torch reference of the Triton kernel beside it (`triton_dequant.py`); the package's
+`dequantize` picks one, and the checkpoint writer uses `quantize` from here.
 """
 
 from __future__ import annotations
