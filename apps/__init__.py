@@ -1,1 +1,5 @@
-"""Applications built on the workbench's public API (the Panel dashboard lives in `apps.dashboard`)."""
+"""The top floor: applications wired from the engine and the workbench's public API.
+
+- `apps.cli`: the `workbench` command line (console script and `python -m workbench`).
+- `apps.dashboard`: the Panel dashboard.
+"""

@@ -56,8 +56,8 @@ def main() -> None:
             n += 1
         # generate's first token comes from the previous logits: n tokens = n - 1 decode forwards
         elapsed = time.perf_counter() - start
-        steps = s.record.decode_steps
-        ms = 1000 * s.record.decode_seconds / max(1, steps)
+        steps = s.deployment.decode_steps
+        ms = 1000 * s.deployment.decode_seconds / max(1, steps)
         rows.append((context, ms, 1000 / ms if ms else float("nan"), elapsed))
     print(f"{'context':>10} {'ms/token':>10} {'tokens/s':>10}")
     for context, ms, tps, _ in rows:

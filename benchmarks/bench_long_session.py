@@ -43,7 +43,7 @@ def main() -> None:
     prefill_s = time.perf_counter() - start
     rss_after_prefill = peak_rss_bytes()
     tokens = [t.id for t in session.generate(args.decode, temperature=0)]
-    rec = session.record
+    rec = session.deployment
     print(json.dumps({
         "model": args.model,
         "context_tokens": args.tokens,

@@ -47,7 +47,7 @@ def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trac
             pass
         end = time.perf_counter()
     # generation may end early on the end-of-message token: count the decode steps that ran
-    rec = session.record
+    rec = session.deployment
     return {"prefill_s": mid - start, "decode_s": rec.decode_seconds, "decode_steps": rec.decode_steps,
             "total_s": end - start, "tokens": len(session.tokens),
             "bytes": trace_bytes(trace)["total"] if policy is not None else 0}

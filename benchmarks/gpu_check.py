@@ -46,7 +46,7 @@ def main() -> int:
     from engine.ops.kda.reference import kda_recurrent as kda_ref
     from engine.ops.kda.triton_recurrent import kda_recurrent as kda_triton
     from engine.ops.mxfp4.triton_dequant import dequantize as dequant_triton
-    from engine.weights import mxfp4
+    from engine.ops.mxfp4 import reference as mxfp4
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

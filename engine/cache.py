@@ -5,18 +5,39 @@
   [B, cap, Di] on K3.1's sparse layers. Rows are indexed by sequence position.
 - `ModelState`: one entry per layer and the number of tokens already consumed (`length`).
 
-Shapes and dtypes come from the config alone (`state_shapes`), so a planner can size them without
+Shapes and dtypes come from the config alone (`shapes`), so a planner can size them without
 building a model. Layers read and write rows [start, start + T) of a cache but never move
 `length`: only the session does (after a whole forward step succeeded).
+
+Each state turns itself into named tensors (`to_tensors`) and back (`from_tensors`, which checks
+every name and shape against the config and copies), so snapshots and forks never reach into the
+fields: `ModelState.to_tensors()` names them `layers.{i}.{field}` (MLA rows [0, length) only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import InputError
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _checked(tensors: Mapping[str, torch.Tensor], prefix: str, shapes: Shapes) -> dict[str, torch.Tensor]:
+    """`tensors[prefix + name]` for every name of `shapes`, each of the shape the config implies."""
+    out = {}
+    for name, (shape, _) in shapes.items():
+        key = prefix + name
+        if key not in tensors:
+            raise InputError(f"missing tensor {key}")
+        if tuple(tensors[key].shape) != tuple(shape):
+            raise InputError(f"tensor {key} has shape {list(tensors[key].shape)}, the model implies {list(shape)}")
+        out[name] = tensors[key]
+    return out
 
 
 @dataclass
@@ -39,6 +60,18 @@ class KDAState:
               heads: int | None = None) -> "KDAState":
         s = cls.shapes(config, batch, heads)
         return cls(**{k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in s.items()})
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """`recurrent` and `conv` (the tensors themselves, not copies)."""
+        return {"recurrent": self.recurrent, "conv": self.conv}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: ModelConfig, batch: int, *,
+                     heads: int | None = None, device: torch.device | str = "cpu", prefix: str = "") -> "KDAState":
+        """A new state holding copies of `tensors[prefix + name]` (names and shapes checked; raises InputError)."""
+        shapes = cls.shapes(config, batch, heads)
+        found = _checked(tensors, prefix, shapes)
+        return cls(**{k: found[k].to(device=device, dtype=dt, copy=True) for k, (_, dt) in shapes.items()})
 
 
 @dataclass
@@ -65,6 +98,24 @@ class MLACache:
         s = cls.shapes(config, layer, batch, capacity, dtype)
         t = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in s.items()}
         return cls(latent=t["latent"], k_rope=t["k_rope"], index_keys=t.get("index_keys"))
+
+    def to_tensors(self, length: int) -> dict[str, torch.Tensor]:
+        """Rows [0, length) of `latent`, `k_rope` (and `index_keys` on DSA layers), as views."""
+        out = {"latent": self.latent[:, :length], "k_rope": self.k_rope[:, :length]}
+        if self.index_keys is not None:
+            out["index_keys"] = self.index_keys[:, :length]
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: ModelConfig, layer: int, batch: int,
+                     length: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     capacity: int = 256, prefix: str = "") -> "MLACache":
+        """A new cache (capacity at least `length`) holding copies of rows [0, length) (raises InputError)."""
+        found = _checked(tensors, prefix, cls.shapes(config, layer, batch, length))
+        cache = cls.empty(config, layer, batch, max(capacity, length), dtype, device)
+        for name, t in found.items():
+            getattr(cache, name)[:, :length] = t.to(device=device, dtype=dtype)
+        return cache
 
     @property
     def capacity(self) -> int:
@@ -110,7 +161,6 @@ class ModelState:
     # [B] first real cache slot of each row when a batch is left-padded to a common length (None:
     # no padding); padding slots hold no key and leave the recurrent state untouched
     key_start: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int = 1, *, dtype: torch.dtype = torch.float32,
@@ -123,6 +173,36 @@ class ModelState:
             else:
                 layers.append(MLACache.empty(config, i, batch, capacity, dtype, device))
         return cls(layers=layers)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Every layer's state as `layers.{i}.{field}` (MLA rows [0, length) only), plus `key_start` if set."""
+        out: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            parts = layer.to_tensors() if isinstance(layer, KDAState) else layer.to_tensors(self.length)
+            out.update({f"layers.{i}.{name}": t for name, t in parts.items()})
+        if self.key_start is not None:
+            out["key_start"] = self.key_start
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: ModelConfig, length: int, batch: int = 1, *,
+                     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", capacity: int = 256,
+                     kda_heads: int | None = None) -> "ModelState":
+        """The inverse of `to_tensors` for a sequence batch that consumed `length` tokens (copies; raises
+        InputError naming the first missing or misshapen tensor)."""
+        layers: list[LayerState] = []
+        for i in range(config.num_hidden_layers):
+            prefix = f"layers.{i}."
+            if config.is_kda_layer(i):
+                layers.append(KDAState.from_tensors(tensors, config, batch, heads=kda_heads, device=device,
+                                                    prefix=prefix))
+            else:
+                layers.append(MLACache.from_tensors(tensors, config, i, batch, length, dtype=dtype, device=device,
+                                                    capacity=capacity, prefix=prefix))
+        key_start = tensors.get("key_start")
+        if key_start is not None:
+            key_start = key_start.to(device=device, copy=True)
+        return cls(layers=layers, length=length, key_start=key_start)
 
 
 def state_bytes(config: ModelConfig, batch: int, length: int, cache_dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:

@@ -139,9 +139,6 @@ class ModelConfig:
     def is_kda_layer(self, layer: int) -> bool:
         return layer in self._kda_set
 
-    def is_mla_layer(self, layer: int) -> bool:
-        return layer in self._mla_set
-
     def is_dsa_layer(self, layer: int) -> bool:
         return self.dsa is not None and layer in self.dsa.layers
 
@@ -157,10 +154,6 @@ class ModelConfig:
     @property
     def _kda_set(self) -> frozenset[int]:
         return frozenset(self.kda_layers)
-
-    @property
-    def _mla_set(self) -> frozenset[int]:
-        return frozenset(self.mla_layers)
 
     @property
     def kda_dim(self) -> int:

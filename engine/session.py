@@ -18,20 +18,23 @@ recorders and the dashboard follow a session without the session knowing them.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
 
-from engine.cache import KDAState
+from engine.cache import KDAState, ModelState
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
+from engine.snapshot import prefix_hash, read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
 
 Observer = Callable[[str, dict], None]
@@ -87,8 +90,8 @@ class Session:
         self._suppress_index: torch.Tensor | None = None
         self.observers: list[Observer] = []
         self._stop = False
-        self.previous_records: list[dict] = []  # records of earlier runs this session was restored from
-        self.record = DeploymentRecord(model=model_name or "unnamed", config_hash=self.config.fingerprint(),
+        self.previous_deployments: list[dict] = []  # records of earlier runs this session was restored from
+        self.deployment = DeploymentRecord(model=model_name or "unnamed", config_hash=self.config.fingerprint(),
                                        variant=self.config.variant, precision=str(self.dtype).removeprefix("torch."),
                                        device=str(self.device))
 
@@ -198,7 +201,7 @@ class Session:
                 bar.update(len(chunk))
                 elapsed = time.perf_counter() - started
                 self._emit("prefill_progress", done=done, total=total, elapsed=elapsed)
-        self.record.note_prefill(done, time.perf_counter() - started)
+        self.deployment.note_prefill(done, time.perf_counter() - started)
         return torch.cat(collected) if return_logits else self.last_logits
 
     def feed(self, ids: Sequence[int], *, name: str = "forced") -> torch.Tensor:
@@ -264,8 +267,8 @@ class Session:
             self.tokens.append(token)
             seg.end = len(self.tokens)
             if i == 0:
-                self.record.note_first_token(time.perf_counter() - requested)
-            self.record.note_output_token()
+                self.deployment.note_first_token(time.perf_counter() - requested)
+            self.deployment.note_output_token()
             text = self.tokenizer.piece(token) if self.tokenizer else ""
             out = GeneratedToken(token, text, position, logprob)
             self._emit("token", token=out)
@@ -274,7 +277,7 @@ class Session:
                 break
             t0 = time.perf_counter()
             self._forward([token], "decode", False)
-            self.record.note_decode_step(time.perf_counter() - t0)
+            self.deployment.note_decode_step(time.perf_counter() - t0)
 
     def _suppress(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.suppressed_ids:
@@ -291,21 +294,115 @@ class Session:
         return self.tokenizer.decode(self.tokens[start:end])
 
     # ---- branching and snapshots --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a continuation needs: `tensors` (token ids, sampler RNG, last logits, every
+        layer's state; the tensors themselves, not copies) and JSON values (model identity, prefix
+        hash, segments, sampling, step, deployment record). `engine.snapshot` writes it to disk."""
+        tensors: dict[str, torch.Tensor] = {
+            "tokens": torch.tensor(self.tokens, dtype=torch.int64),
+            "generator": self.generator.get_state(),
+        }
+        if self.last_logits is not None:
+            tensors["last_logits"] = self.last_logits.float()
+        tensors.update(self.state.to_tensors())
+        return {
+            "tensors": tensors,
+            "model": {"config_hash": self.config.fingerprint(), "weights_hash": model_fingerprint(self.model),
+                      "variant": self.config.variant, "name": self.deployment.model},
+            "tokens": len(self.tokens),
+            "consumed": self.state.length,
+            "prefix_sha256": prefix_hash(self.tokens),
+            "step": self.step,
+            "cache_dtype": str(self.dtype).removeprefix("torch."),
+            "segments": [asdict(seg) for seg in self.segments],
+            "sampling": self.sampling.to_json(),
+            # snapshot format v1 calls the deployment record "record"
+            "record": self.deployment.to_json(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, expect_tokens: Sequence[int] | None = None) -> None:
+        """Continue from `state` (as `state_dict()` gives it); tensors are copied onto this session's device.
+
+        Refuses (InputError) a state of another model or other weights, a token prefix other than
+        `expect_tokens`, and any tensor whose name or shape the config does not imply: restoring
+        KDA state for the wrong prefix silently produces garbage, so it is never allowed.
+        """
+        config, model = self.config, self.model
+        recorded = state.get("model", {})
+        if recorded.get("config_hash") != config.fingerprint():
+            raise InputError(f"snapshot belongs to a different model (config hash {recorded.get('config_hash')}); "
+                             f"this model is {config.fingerprint()} ({config.variant})")
+        if recorded.get("weights_hash") != model_fingerprint(model):
+            raise InputError(f"snapshot was made with other weights of the same architecture (weights hash "
+                             f"{recorded.get('weights_hash')}, this model {model_fingerprint(model)})")
+        tensors = state.get("tensors", {})
+        if "tokens" not in tensors:
+            raise InputError("corrupt snapshot state (no token ids)")
+        tokens = tensors["tokens"].tolist()
+        if prefix_hash(tokens) != state.get("prefix_sha256") or len(tokens) != state.get("tokens"):
+            raise InputError("token ids do not match the recorded prefix hash: corrupt snapshot")
+        if expect_tokens is not None and list(expect_tokens) != tokens:
+            raise InputError(f"snapshot holds the state of a different token prefix ({len(tokens)} tokens, "
+                             f"sha256 {state['prefix_sha256'][:12]}); refusing to reuse it")
+        consumed = int(state.get("consumed", -1))
+        if not 0 <= consumed <= len(tokens):
+            raise InputError(f"invalid consumed-token count {consumed}")
+        try:
+            layers = ModelState.from_tensors(tensors, config, consumed, dtype=self.dtype, device=self.device,
+                                             kda_heads=model.parallel.split(config.kda_num_heads))
+        except InputError as exc:
+            raise InputError(f"{exc}: corrupt or foreign snapshot") from None
+        self.state = layers
+        self.tokens = tokens
+        self.segments = [Segment(**seg) for seg in state.get("segments", [])]
+        self.step = int(state.get("step", 0))
+        self.sampling = SamplingParams.from_json(state.get("sampling", {}))
+        if "generator" in tensors:
+            self.generator.set_state(tensors["generator"].cpu())
+        self.last_logits = tensors["last_logits"].to(self.device, copy=True) if "last_logits" in tensors else None
+        # the deployment record describes a run (this process, this hardware): a restored session starts a new one
+        self.previous_deployments = [state["record"]] if state.get("record") else []
+
     def fork(self) -> "Session":
         """An independent copy (same model) that continues from exactly this point."""
-        from engine.snapshot import clone_session
-
-        return clone_session(self)
+        other = type(self)(self.model, self.tokenizer, prefill_chunk=self.prefill_chunk,
+                           model_name=self.deployment.model, progress=self.progress)
+        other.load_state_dict(self.state_dict())
+        # a branch continues this run: it inherits the record so far and the sampling filters
+        other.deployment = copy.deepcopy(self.deployment)
+        other.previous_deployments = copy.deepcopy(self.previous_deployments)
+        other.suppressed_ids = self.suppressed_ids
+        return other
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        from engine.snapshot import save_session
-
-        return save_session(self, Path(path), overwrite=overwrite)
+        """Write a snapshot (`snapshot.json` + `state.safetensors`) atomically; see `engine.snapshot`."""
+        return write_snapshot(Path(path), self.state_dict(), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | Path, model: KimiForCausalLM, tokenizer: Tokenizer | None = None, *,
              expect_tokens: Sequence[int] | None = None, **kwargs) -> "Session":
         """Restore a snapshot; refuses a different model, or `expect_tokens` other than its prefix."""
-        from engine.snapshot import load_session
+        state = read_snapshot(Path(path))
+        session = cls(model, tokenizer, **kwargs)
+        try:
+            session.load_state_dict(state, expect_tokens=expect_tokens)
+        except InputError as exc:
+            raise InputError(f"{path}: {exc}") from None
+        return session
 
-        return load_session(cls, Path(path), model, tokenizer, expect_tokens=expect_tokens, **kwargs)
+
+def model_fingerprint(model: KimiForCausalLM) -> str:
+    """Config hash + a hash of strided samples of every weight: tells two checkpoints of one
+    config apart (e.g. different seeds) without reading every byte. Cached on the model."""
+    cached = getattr(model, "_snapshot_fingerprint", None)
+    if cached is not None:
+        return cached
+    h = hashlib.sha256(model.config.fingerprint().encode())
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // 64)
+            h.update(name.encode())
+            h.update(flat[::step][:64].float().cpu().numpy().tobytes())
+    model._snapshot_fingerprint = h.hexdigest()[:16]  # type: ignore[attr-defined]
+    return model._snapshot_fingerprint  # type: ignore[attr-defined]

@@ -128,11 +128,6 @@ class Tokenizer:
         """Display text of one token (special names verbatim, partial UTF-8 as replacement chars)."""
         return self.encoding.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def check_ids(self, ids: Sequence[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise InputError(f"token ids {bad[:8]} are outside the tokenizer's vocabulary [0, {self.vocab_size})")
-
     def _tag(self, ids: list[int], opening: bool, name: str) -> None:
         ids.append(self.open_id if opening else self.close_id)
         ids.extend(self.encode(name))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import load_model
-from workbench.cli import main
+from apps.cli import main
 
 
 def test_inspect_k31_pro_reports_true_sizes(capsys):

@@ -1,4 +1,4 @@
-"""K3 Workbench: probes, recorders, trace store, analysis and the `workbench` command line.
+"""K3 Workbench: recorders, trace store and analysis (the `workbench` command line lives in `apps.cli`).
 
 The engine (`engine`) runs the model; this package observes it and never the other way round.
 
@@ -7,6 +7,9 @@ Public API:
   that records a running `engine.session.Session` into a trace directory.
 - `open_trace(DIR)`: read a finished or live trace (`Trace.refresh()` follows a live one).
 - `RecordPolicy`, `load_policy`: what is kept raw and what is only counted.
+- `recorded_session(model_ref, trace, ...)`: load a model and its tokenizer, open a `Session` and
+  record it, in one context manager (what `workbench run`, `workbench demo` and the dashboard's
+  drive mode share).
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 
 Names are imported lazily: reading a trace does not import torch.
@@ -21,6 +24,7 @@ _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
     "TraceWriter": "workbench.trace",
+    "recorded_session": "workbench.sessions",
 }
 
 __all__ = sorted(_EXPORTS)

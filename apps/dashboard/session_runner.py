@@ -33,17 +33,12 @@ _MODELS_LOCK = threading.Lock()
 
 def load_cached_model(name: str) -> tuple[Any, Any]:
     """(model, tokenizer) for a preset or checkpoint directory, loaded once per process (raises EngineError)."""
-    from engine import InputError, load_model
-    from engine.tokenizer import Tokenizer
+    from workbench.sessions import load_with_tokenizer
 
     with _MODELS_LOCK:
         if name not in _MODELS:
             _MODELS.clear()
-            model = load_model(name)
-            tokenizer = Tokenizer.for_model(name, model.config.vocab_size)
-            if tokenizer is None:
-                raise InputError(f"{name}: no tokenizer files (tiktoken.model) next to the model")
-            _MODELS[name] = (model, tokenizer)
+            _MODELS[name] = load_with_tokenizer(name)
         return _MODELS[name]
 
 
@@ -170,15 +165,14 @@ class SessionRunner(pn.viewable.Viewer):
              chunk: int, trace: Path) -> None:
         import workbench
         from engine import EngineError
-        from workbench.recorders import record
-        from engine.session import Session
+        from workbench.sessions import recorded_session
 
         try:
-            model, tokenizer = load_cached_model(model_name)
-            session = Session(model, tokenizer, prefill_chunk=chunk, model_name=model_name, progress=False)
-            with self._lock:
-                self._session = session
-            with record(session, trace=trace):
+            with recorded_session(model_name, trace, prefill_chunk=chunk, progress=False,
+                                  loader=load_cached_model) as run:
+                session = run.session
+                with self._lock:
+                    self._session = session
                 for name, text in documents:
                     session.append(text, name=name)
                 if prompt.strip():

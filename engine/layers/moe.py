@@ -27,7 +27,7 @@ from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.mxfp4 import dequantize
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 
 
 class Router(nn.Module):

@@ -6,7 +6,6 @@
 - `tp`: the vocabulary-parallel embedding and local-size helpers the layers use.
 - `ep`: expert placement and dispatch index maths (pure functions).
 - `failure`: the watchdog that makes every rank exit when one fails.
-- `plan`: the per-GPU memory planner behind `workbench plan`.
 """
 
 from engine.parallel.mesh import ParallelContext, distributed, init_distributed

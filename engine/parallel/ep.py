@@ -95,7 +95,3 @@ def ring_all_reduce_bytes(nbytes: int, world: int) -> float:
     """Bytes each rank sends in a bandwidth-optimal (ring) all-reduce of `nbytes`."""
     return 2 * (world - 1) / world * nbytes
 
-
-def ring_all_gather_bytes(shard_nbytes: int, world: int) -> float:
-    """Bytes each rank sends in a ring all-gather of one `shard_nbytes` shard per rank."""
-    return (world - 1) * shard_nbytes

@@ -6,6 +6,8 @@
   At world 1 no process group exists and every collective is a no-op.
 - `ParallelContext.layout(rank, world)`: the same shapes without a process group, for sharded
   loading tests and the planner.
+- `shard_range(size, rank, world)`: the even contiguous split every layout decision uses (the
+  layers' local sizes and `engine.weights.shard`'s checkpoint slices).
 - `CommStats`: an optional per-rank byte counter the collectives report to (benchmarks).
 - `check_divisible(config, world)`: every split the layout makes, checked once, naming the field.
 - `init_distributed()`: builds the context from torchrun's environment (RANK, WORLD_SIZE,
@@ -30,7 +32,12 @@ import torch.distributed as dist
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.parallel.failure import Watchdog
-from engine.weights.shard import shard_range
+
+
+def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s even share of `size` rows/columns (heads, experts, vocabulary)."""
+    share = size // world
+    return rank * share, (rank + 1) * share
 
 
 @dataclass

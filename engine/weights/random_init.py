@@ -16,7 +16,7 @@ import zlib
 import torch
 
 from engine.config import ModelConfig
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 from engine.weights.names import TensorSpec
 
 FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")

@@ -10,12 +10,14 @@ experts read the full latent) and the AttnRes projections. Routed experts are no
 parallelism gives each rank whole experts (`engine.parallel.ep`).
 
 `A_log` is split on its logical [num_heads] view (it is stored padded to 128 entries).
+The range maths (`shard_range`) lives below, in `engine.parallel.mesh`, which the layers use too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.parallel.mesh import shard_range
 from engine.weights.names import TensorSpec
 
 SHARD_DIM: dict[str, int] = {
@@ -44,12 +46,6 @@ def shard_dim(spec: TensorSpec) -> int | None:
     if spec.expert is not None or spec.target is None:
         return None
     return SHARD_DIM.get(module_name(spec.name))
-
-
-def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
-    """[start, stop) of rank `rank`'s even share of `size` rows/columns."""
-    share = size // world
-    return rank * share, (rank + 1) * share
 
 
 def take_shard(full: torch.Tensor, spec: TensorSpec, rank: int, world: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import main
-from workbench.cli.demo_cmd import NEEDLE, build_documents
+from apps.cli import main
+from apps.cli.demo_cmd import NEEDLE, build_documents
 
 
 def test_documents_hold_the_needle_once() -> None:

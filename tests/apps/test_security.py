@@ -61,7 +61,7 @@ def test_bad_trace_parameter_shows_an_error(small_trace: Path) -> None:
 
 def test_cli_config_and_token(tmp_path: Path) -> None:
     from apps.dashboard.app import serve
-    from workbench.cli.dashboard_cmd import dashboard_config
+    from apps.cli.dashboard_cmd import dashboard_config
 
     args = argparse.Namespace(trace=tmp_path / "t", model=None, host="0.0.0.0", port=5999, root=None, no_drive=False)
     config = dashboard_config(args)

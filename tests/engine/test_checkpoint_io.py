@@ -167,7 +167,7 @@ def test_corrupt_header_and_not_a_checkpoint(checkpoint_dir, tmp_path):
 
 
 def test_cli_reports_errors_in_one_line(checkpoint_dir, tmp_path, capsys):
-    from workbench.cli import main
+    from apps.cli import main
 
     ckpt = copy_checkpoint(checkpoint_dir("tiny", "k3.1"), tmp_path / "ck")
     sorted(ckpt.glob("model-*.safetensors"))[0].unlink()

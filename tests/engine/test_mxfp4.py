@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import CheckpointError, load_model
 from engine.presets import get_preset
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 from engine.weights.safetensors_io import INDEX_FILE
 from engine.weights.write import write_checkpoint
 

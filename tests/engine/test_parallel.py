@@ -23,7 +23,7 @@ from engine import load_model
 from engine.session import Session
 from tests.conftest import relative_error
 from tests.engine.parallel_worker import PROMPT
-from workbench.cli import main
+from apps.cli import main
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

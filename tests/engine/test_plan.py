@@ -9,10 +9,10 @@ from engine import load_model
 from engine.cache import KDAState, state_bytes
 from engine.errors import ConfigError, InputError
 from engine.parallel.mesh import ParallelContext
-from engine.parallel.plan import GiB, plan_memory
+from engine.plan import GiB, plan_memory
 from engine.presets import get_preset
-from workbench.cli import main
-from workbench.cli.plan_cmd import parse_bytes, parse_tokens
+from apps.cli import main
+from apps.cli.plan_cmd import parse_bytes, parse_tokens
 
 
 def _model_bytes(model: torch.nn.Module) -> int:

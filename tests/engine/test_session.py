@@ -206,7 +206,7 @@ def test_progress_and_token_events(models):
     s.append(ids=random_ids(30))
     list(s.generate(3, temperature=0))
     assert events.count("prefill_progress") == 4 and events.count("token") == 3
-    rec = s.record.to_json()
+    rec = s.deployment.to_json()
     for key in ("model", "precision", "device_count", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s",
                 "tokens_per_s", "peak_memory_bytes"):
         assert key in rec

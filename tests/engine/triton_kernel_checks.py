@@ -15,7 +15,7 @@ import torch
 
 from engine.ops.dsa import reference as dsa_reference
 from engine.ops.kda.reference import kda_recurrent as kda_recurrent_reference
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from workbench.cli import main
+from apps.cli import main
 from workbench.trace import TraceError, open_trace
 from workbench.trace.export import export_trace, parse_layers
 from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace

@@ -12,7 +12,7 @@ import pytest
 
 import workbench
 from tests.engine.test_parallel import _torchrun
-from workbench.cli import main
+from apps.cli import main
 
 PROMPT = "Parallel ranks record once: the sparse reads, the recurrent memory and the routes."
 

@@ -316,7 +316,7 @@ def _segment_json(seg: Segment) -> dict:
 
 
 def _timings(session: Session) -> dict:
-    r = session.record.to_json()
+    r = session.deployment.to_json()
     return {k: r[k] for k in ("ttft_s", "tpot_s", "tokens_per_s", "prefill_tokens_per_s", "prompt_tokens",
                               "output_tokens", "peak_memory_bytes")}
 
@@ -325,7 +325,7 @@ def _session_meta(session: Session, policy: RecordPolicy) -> dict:
     model = session.model
     parallel = getattr(model, "parallel", None)
     return {
-        "model": {**session.config.summary(), "checkpoint": session.record.model},
+        "model": {**session.config.summary(), "checkpoint": session.deployment.model},
         "engine": {"dtype": str(session.dtype).removeprefix("torch."), "device": str(session.device),
                    "prefill_chunk": session.prefill_chunk, "world_size": int(getattr(parallel, "world", 1)),
                    "dsa_force_dense": model.runtime.dsa_force_dense,

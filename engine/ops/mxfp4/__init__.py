@@ -1,4 +1,4 @@
-"""MXFP4 expert dequantization: the format's pure-torch definition (`engine.weights.mxfp4`) or, on
+"""MXFP4 expert dequantization: the format's pure-torch definition (`reference.py`) or, on
 CUDA, the Triton kernel (`triton_dequant.py`). Both are exact in bf16 and fp32."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.backend import use_triton
-from engine.weights.mxfp4 import dequantize as dequantize_reference
+from engine.ops.mxfp4.reference import dequantize as dequantize_reference
 
 __all__ = ["dequantize"]
 

@@ -1,4 +1,4 @@
-"""MXFP4 dequantization in Triton (GPU path; the reference is `engine.weights.mxfp4.dequantize`).
+"""MXFP4 dequantization in Triton (GPU path; the reference beside it is `reference.dequantize`).
 
 One program expands a [rows, 16] tile of packed bytes (32 elements, i.e. one E8M0 scale group per
 row) into dense values. E2M1 codes are decoded arithmetically (sign, 2-bit exponent, 1-bit

@@ -1,5 +1,8 @@
 """The `workbench` command line: one parser, subcommands registered by topic modules.
 
+The top floor: the commands wire the engine, the workbench and the dashboard together (the
+console script `workbench` and `python -m workbench` both call `main`).
+
 User errors (`engine.errors.EngineError` and friends) print one line, `error: ...`, and exit 2;
 anything else is a bug and keeps its traceback.
 """
@@ -11,7 +14,7 @@ import sys
 from typing import Sequence
 
 from engine.errors import EngineError
-from workbench.cli import dashboard_cmd, demo_cmd, export_cmd, model_cmds, plan_cmd, run_cmd
+from apps.cli import dashboard_cmd, demo_cmd, export_cmd, model_cmds, plan_cmd, run_cmd
 
 COMMAND_MODULES = [model_cmds, run_cmd, plan_cmd, demo_cmd, dashboard_cmd, export_cmd]
 

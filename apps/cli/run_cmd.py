@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import contextlib
 import io
 import json
 import sys
 from pathlib import Path
 
-from engine import load_model
+from apps.cli.model_cmds import DTYPES, add_parallel_args
 from engine.errors import InputError
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
-from engine.session import Session
-from engine.tokenizer import Tokenizer
-from workbench.cli.model_cmds import DTYPES, add_parallel_args
-from workbench.recorders import record
+from workbench.sessions import FAMILIES, recorded_session
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,13 +60,13 @@ def read_prompt(args: argparse.Namespace) -> str | None:
     return args.prompt
 
 
-def record_families(spec: str) -> dict[str, bool]:
-    """`dsa,kda,moe` -> record() keyword flags; unknown names are an error."""
+def record_families(spec: str) -> tuple[str, ...]:
+    """`dsa,kda,moe` -> the signal families to record; unknown names are an error."""
     names = {n.strip() for n in spec.split(",") if n.strip()}
-    unknown = sorted(names - {"dsa", "kda", "moe"})
+    unknown = sorted(names - set(FAMILIES))
     if unknown or not names:
         raise InputError(f"--record takes a comma list of dsa, kda, moe; got {spec!r}")
-    return {name: name in names for name in ("dsa", "kda", "moe")}
+    return tuple(name for name in FAMILIES if name in names)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -89,26 +85,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
-    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed, parallel=ctx, device=ctx.device)
-    tokenizer = Tokenizer.for_model(args.model, model.config.vocab_size)
-    if tokenizer is None:
-        raise InputError(f"{args.model}: no tokenizer files (tiktoken.model) found next to the model")
-    kwargs = dict(prefill_chunk=args.prefill_chunk, model_name=str(args.model),
-                  progress=args.progress if ctx.is_leader else False)
-    if args.load is not None:
-        session = Session.load(args.load, model, tokenizer, **kwargs)
-    else:
-        session = Session(model, tokenizer, **kwargs)
-    if prompt is not None:
-        session.append(prompt, role="user" if args.chat else None, name="prompt")
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = sys.stdout if ctx.is_leader else io.StringIO()
-    with contextlib.ExitStack() as stack:
-        if args.trace is not None:
-            stack.enter_context(record(session, trace=args.trace, policy=args.policy, overwrite=args.overwrite_trace,
-                                       **record_families(args.record)))
+    families = record_families(args.record) if args.trace is not None else FAMILIES
+    with recorded_session(args.model, args.trace, snapshot=args.load, prefill_chunk=args.prefill_chunk,
+                          progress=args.progress if ctx.is_leader else False, policy=args.policy, families=families,
+                          overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,
+                          parallel=ctx, device=ctx.device) as run:
+        session = run.session
+        if prompt is not None:
+            session.append(prompt, role="user" if args.chat else None, name="prompt")
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        out = sys.stdout if ctx.is_leader else io.StringIO()
         for token in session.generate(params=params):
-            out.write(decoder.decode(tokenizer.encoding.decode_single_token_bytes(token.id)))
+            out.write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
             out.flush()
     out.write(decoder.decode(b"", final=True) + "\n")
     if args.trace is not None and ctx.is_leader:
@@ -118,12 +106,12 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         print(f"saved snapshot to {args.save}", file=sys.stderr)
     if not ctx.is_leader:
         return 0
-    rec = session.record
+    dep = session.deployment
     if args.stats:
-        print(json.dumps(rec.to_json(), indent=1), file=sys.stderr)
+        print(json.dumps(dep.to_json(), indent=1), file=sys.stderr)
     else:
-        tps = f"{rec.tokens_per_s:.1f} tok/s" if rec.tokens_per_s else "n/a"
-        ttft = f"{rec.ttft_s:.3f}s" if rec.ttft_s is not None else "n/a"
-        print(f"[{rec.prompt_tokens} prompt + {rec.output_tokens} generated tokens; TTFT {ttft}; decode {tps}; "
-              f"peak RSS {rec.peak_memory_bytes / 2**20:.0f} MiB]", file=sys.stderr)
+        tps = f"{dep.tokens_per_s:.1f} tok/s" if dep.tokens_per_s else "n/a"
+        ttft = f"{dep.ttft_s:.3f}s" if dep.ttft_s is not None else "n/a"
+        print(f"[{dep.prompt_tokens} prompt + {dep.output_tokens} generated tokens; TTFT {ttft}; decode {tps}; "
+              f"peak RSS {dep.peak_memory_bytes / 2**20:.0f} MiB]", file=sys.stderr)
     return 0

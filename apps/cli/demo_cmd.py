@@ -102,24 +102,15 @@ def build_documents(tokens: int, count_tokens, seed: int = 0) -> tuple[list[tupl
 def record_demo(checkpoint: Path, trace: Path, tokens: int, new_tokens: int, prefill_chunk: int) -> dict:
     """Run the demo session under `workbench.record` into `trace`; returns what the demo found."""
     import workbench
-    from engine import load_model
-    from engine.session import Session
-    from engine.tokenizer import Tokenizer
     from workbench.analysis import layers_reading
+    from workbench.sessions import recorded_session
 
     print(f"loading {checkpoint} ...", flush=True)
-    model = load_model(checkpoint)
-    tokenizer = Tokenizer.for_model(checkpoint, model.config.vocab_size)
-    if tokenizer is None:
-        raise InputError(f"{checkpoint}: no tokenizer files next to the checkpoint")
-    session = Session(model, tokenizer, prefill_chunk=prefill_chunk, model_name=str(checkpoint), progress=True)
-    system = "You are a careful reader. Answer questions about the documents exactly."
-    docs, needle_doc, needle_at = build_documents(tokens, lambda t: len(tokenizer.encode(t)))
-    started = time.perf_counter()
-    # the function, not the subpackage of the same name (an attribute lookup may find either)
-    from workbench.recorders import record
-
-    with record(session, trace=trace, overwrite=True) as rec:
+    with recorded_session(checkpoint, trace, prefill_chunk=prefill_chunk, progress=True, overwrite=True) as run:
+        session, tokenizer = run.session, run.session.tokenizer
+        system = "You are a careful reader. Answer questions about the documents exactly."
+        docs, needle_doc, needle_at = build_documents(tokens, lambda t: len(tokenizer.encode(t)))
+        started = time.perf_counter()
         session.append(system, role="system", name="system")
         needle = (0, 0)
         for i, (name, text) in enumerate(docs):
@@ -128,7 +119,7 @@ def record_demo(checkpoint: Path, trace: Path, tokens: int, new_tokens: int, pre
                 start = seg.start + len(tokenizer.encode(text[:needle_at]))
                 needle = (start, start + len(tokenizer.encode(NEEDLE)))
         session.append(QUESTION, role="user", name="question")
-        rec.writer.update_session(demo={"needle": list(needle), "needle_text": NEEDLE, "question": QUESTION})
+        run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": NEEDLE, "question": QUESTION})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
         answer = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0)]

@@ -6,7 +6,7 @@
 
 The server binds to 127.0.0.1 unless told otherwise; any other host gets a random access token that
 every URL must carry (`?token=...`). `?trace=NAME` picks a trace inside `--root` only.
-The dashboard lives in `apps/`, above this package, so it is imported only when the command runs.
+Panel is imported only when this command runs, so the other commands start without it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Prints weights by dtype, KDA state, MLA and indexer caches, activation and workspace estimates and
 a runtime reserve per GPU, then the verdict (fits, or the shortfall and the smallest GPU count that
-would fit); exits 1 when it does not fit. The maths lives in `engine.parallel.plan`.
+would fit); exits 1 when it does not fit. The maths lives in `engine.plan`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import json
 import re
 
 from engine.errors import InputError
-from engine.parallel.plan import format_plan, plan_memory, smallest_fitting
+from engine.plan import format_plan, plan_memory, smallest_fitting
 from engine.presets import PRESETS
 from engine.weights.load import parse_model_path
-from workbench.cli.model_cmds import DTYPES
+from apps.cli.model_cmds import DTYPES
 
 _BYTES = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20,
           "GIB": 2 ** 30, "TIB": 2 ** 40}
