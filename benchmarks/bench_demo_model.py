@@ -38,22 +38,39 @@ from workbench.analysis.chance import chance_of_hit, format_read  # noqa: E402
 
 
 def run_case(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int], needle: tuple[int, int],
-             chunk: int) -> dict:
-    """One prompt: exact-answer check plus per-DSA-layer needle reads over the answer tokens."""
+             chunk: int, value: tuple[int, int] | None = None) -> dict:
+    """See `run_case_spans`; reads of the `needle` span only (as {layer: {read, chance}})."""
+    out = run_case_spans(model, tok, ids, plen, target, {"needle": needle}, chunk, value)
+    return {"correct": out["correct"], "layers": {la: v["needle"] for la, v in out["layers"].items()}}
+
+
+def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int],
+                   spans: dict[str, tuple[int, int]], chunk: int, value: tuple[int, int] | None = None) -> dict:
+    """One prompt: exact-answer check plus per-DSA-layer needle reads.
+
+    Reads are counted for the queries that predict the answer's value tokens (`value`: offsets
+    into `target`; default all of it), not for the fixed response scaffold around it.
+    """
+    lo, hi = value if value is not None else (0, len(target))
+    q_lo, q_hi = plen - 1 + lo, plen - 1 + hi   # query position t predicts token t + 1
     session = Session(model, tok, prefill_chunk=chunk, progress=False)
     session.append(ids=ids[:plen], name="prompt")
     first = session.prefill()
-    reads: dict[int, list[bool]] = {}
-    chance: dict[int, list[float]] = {}
+    reads: dict[tuple[int, str], list[bool]] = {}
+    chance: dict[tuple[int, str], list[float]] = {}
     topk = model.config.dsa.topk if model.config.dsa else 0
 
     def sink(point, payload) -> None:
-        pos = payload["positions"]
-        idx = payload["indices"][0]                       # [T, k]
-        hit = ((idx >= needle[0]) & (idx < needle[1])).any(-1)
-        reads.setdefault(point.layer, []).extend(hit.tolist())
-        chance.setdefault(point.layer, []).extend(
-            np.atleast_1d(chance_of_hit(pos.numpy() + 1, needle[1] - needle[0], topk)).tolist())
+        keep = (payload["positions"] >= q_lo) & (payload["positions"] < q_hi)
+        if not bool(keep.any()):
+            return
+        pos = payload["positions"][keep]
+        idx = payload["indices"][0][keep.to(payload["indices"].device)]     # [n, k]
+        for name, (a, b) in spans.items():
+            hit = ((idx >= a) & (idx < b)).any(-1)
+            reads.setdefault((point.layer, name), []).extend(hit.tolist())
+            chance.setdefault((point.layer, name), []).extend(
+                np.atleast_1d(chance_of_hit(pos.numpy() + 1, b - a, topk)).tolist())
 
     points = [m.probe_topk for m in model.modules() if getattr(m, "indexer", None) is not None]
     for p in points:
@@ -66,11 +83,21 @@ def run_case(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int]
         for p in points:
             p.sink = None
     pred = [int(first.argmax())] + logits.argmax(-1).tolist()
-    layers = {}
-    for layer in reads:
-        r = np.array(reads[layer], dtype=float)
-        layers[layer] = {"read": float(r.mean()), "chance": float(np.mean(chance[layer]))}
+    layers: dict[int, dict[str, dict[str, float]]] = {}
+    for (layer, name), r in reads.items():
+        layers.setdefault(layer, {})[name] = {"read": float(np.mean(r)), "chance": float(np.mean(chance[(layer, name)]))}
     return {"correct": pred == target, "layers": layers}
+
+
+def _best_layer(results: list[dict], span: str) -> tuple[int, float, float] | None:
+    """(layer, mean read rate, mean chance) of the layer with the highest read/chance ratio."""
+    best = None
+    for layer in sorted({la for r in results for la in r["layers"]}):
+        read = float(np.mean([r["layers"][layer][span]["read"] for r in results]))
+        ch = float(np.mean([r["layers"][layer][span]["chance"] for r in results]))
+        if best is None or read / max(ch, 1e-12) > best[1] / max(best[2], 1e-12):
+            best = (layer, read, ch)
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,25 +131,29 @@ def main(argv: list[str] | None = None) -> int:
                 s = needle_prompt(tok, HELD_OUT, rng, length, depth)
                 before, ans, after = answer_ids(tok, s.answer)
                 target = before + ans + after[:1]
-                cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, (s.facts[0].start, s.facts[0].end)))
+                f = s.facts[0]
+                at = f.start + f.text.index(s.answer)   # byte-level: character offset = token offset
+                spans = {"needle": (f.start, f.end), "value": (at, at + len(ans))}
+                cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, spans,
+                              (len(before), len(before) + len(ans))))
             for mode in modes:
                 model.runtime.dsa_force_dense = mode == "dense"
                 started = time.perf_counter()
-                results = [run_case(model, tok, ids, plen, target, needle, args.prefill_chunk)
-                           for ids, plen, target, needle in cases]
+                results = [run_case_spans(model, tok, ids, plen, target, spans, args.prefill_chunk, value)
+                           for ids, plen, target, spans, value in cases]
                 good = [r for r in results if r["correct"]]
-                best = None
-                for layer in sorted({la for r in good for la in r["layers"]}):
-                    read = float(np.mean([r["layers"][layer]["read"] for r in good]))
-                    ch = float(np.mean([r["layers"][layer]["chance"] for r in good]))
-                    if best is None or read / max(ch, 1e-12) > best[1] / max(best[2], 1e-12):
-                        best = (layer, read, ch)
                 row = {"length": length, "depth": depth, "mode": mode, "correct": len(good), "total": n,
-                       "seconds": round(time.perf_counter() - started, 1),
-                       "best_layer": None if best is None else best[0],
-                       "best_read": None if best is None else best[1], "best_chance": None if best is None else best[2]}
+                       "seconds": round(time.perf_counter() - started, 1)}
+                reads = ""
+                for span in ("needle", "value"):
+                    for label, group in (("right answers", good), ("all prompts", results)):
+                        best = _best_layer(group, span)
+                        if best is None:
+                            continue
+                        key = f"{span}_{'right' if group is good else 'all'}"
+                        row[key] = {"layer": best[0], "read": best[1], "chance": best[2]}
+                        reads += f"; {span} ({label}) layer {best[0]}: {format_read(best[1], best[2])}"
                 rows.append(row)
-                reads = "" if best is None else f"; layer {best[0]}: {format_read(best[1], best[2])}"
                 print(f"{length:>7,} tokens depth {depth:.0%} {mode:6s}: {len(good)}/{n} correct "
                       f"({row['seconds']:.0f} s){reads}", flush=True)
     model.runtime.dsa_force_dense = False
