@@ -1,0 +1,177 @@
+"""Held-out needle accuracy of the trained demo model: lengths x depths, sparse (as trained) vs dense.
+
+    python benchmarks/bench_demo_model.py --model builtin:demo                  # 2K..128K, one table
+    python benchmarks/bench_demo_model.py --model DIR --lengths 2048,8192 --samples 8,4
+
+Runs the real path: `engine.load_model` on the checkpoint directory (MXFP4 experts), a `Session`
+with chunked prefill, then the expected assistant response teacher-forced (`Session.feed`): the
+answer is exactly right when every one of its tokens is the argmax after its prefix, which is when
+greedy decoding would produce it. The same prompts are run with DSA sparse and with
+`model.runtime.dsa_force_dense`, side by side.
+
+While the answer tokens run, a sink on every DSA layer's `dsa.topk` probe counts the answer tokens
+whose selected keys include at least one needle token, beside the exact chance of that for random
+picks (`workbench.analysis.chance`). Prompts come from `training.text.HELD_OUT`: filler, key
+names and needle wording the training generator never produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import load_model  # noqa: E402
+from engine.builtin import is_builtin, resolve_builtin  # noqa: E402
+from engine.session import Session  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from training.tasks import HELD_OUT, answer_ids, needle_prompt  # noqa: E402
+from workbench.analysis.chance import chance_of_hit, format_read  # noqa: E402
+
+
+def run_case(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int], needle: tuple[int, int],
+             chunk: int, value: tuple[int, int] | None = None) -> dict:
+    """See `run_case_spans`; reads of the `needle` span only (as {layer: {read, chance}})."""
+    out = run_case_spans(model, tok, ids, plen, target, {"needle": needle}, chunk, value)
+    return {"correct": out["correct"], "layers": {la: v["needle"] for la, v in out["layers"].items()}}
+
+
+def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int],
+                   spans: dict[str, tuple[int, int]], chunk: int, value: tuple[int, int] | None = None) -> dict:
+    """One prompt: exact-answer check plus per-DSA-layer needle reads.
+
+    Reads are counted for the queries that predict the answer's value tokens (`value`: offsets
+    into `target`; default all of it), not for the fixed response scaffold around it.
+    """
+    lo, hi = value if value is not None else (0, len(target))
+    q_lo, q_hi = plen - 1 + lo, plen - 1 + hi   # query position t predicts token t + 1
+    session = Session(model, tok, prefill_chunk=chunk, progress=False)
+    session.append(ids=ids[:plen], name="prompt")
+    first = session.prefill()
+    reads: dict[tuple[int, str], list[bool]] = {}
+    chance: dict[tuple[int, str], list[float]] = {}
+    topk = model.config.dsa.topk if model.config.dsa else 0
+
+    def sink(point, payload) -> None:
+        keep = (payload["positions"] >= q_lo) & (payload["positions"] < q_hi)
+        if not bool(keep.any()):
+            return
+        pos = payload["positions"][keep]
+        idx = payload["indices"][0][keep.to(payload["indices"].device)]     # [n, k]
+        for name, (a, b) in spans.items():
+            hit = ((idx >= a) & (idx < b)).any(-1)
+            reads.setdefault((point.layer, name), []).extend(hit.tolist())
+            chance.setdefault((point.layer, name), []).extend(
+                np.atleast_1d(chance_of_hit(pos.numpy() + 1, b - a, topk)).tolist())
+
+    points = [m.probe_topk for m in model.modules() if getattr(m, "indexer", None) is not None]
+    for p in points:
+        p.sink = sink
+    try:
+        # the answer's first token comes after the prompt; the query positions of the answer tokens
+        # are the prompt's last position and the forced tokens before the last
+        logits = session.feed(target[:-1], name="answer")
+    finally:
+        for p in points:
+            p.sink = None
+    pred = [int(first.argmax())] + logits.argmax(-1).tolist()
+    layers: dict[int, dict[str, dict[str, float]]] = {}
+    for (layer, name), r in reads.items():
+        layers.setdefault(layer, {})[name] = {"read": float(np.mean(r)), "chance": float(np.mean(chance[(layer, name)]))}
+    return {"correct": pred == target, "layers": layers}
+
+
+def _best_layer(results: list[dict], span: str) -> tuple[int, float, float] | None:
+    """(layer, mean read rate, mean chance) of the layer with the highest read/chance ratio."""
+    best = None
+    for layer in sorted({la for r in results for la in r["layers"]}):
+        read = float(np.mean([r["layers"][layer][span]["read"] for r in results]))
+        ch = float(np.mean([r["layers"][layer][span]["chance"] for r in results]))
+        if best is None or read / max(ch, 1e-12) > best[1] / max(best[2], 1e-12):
+            best = (layer, read, ch)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:demo")
+    p.add_argument("--lengths", default="2048,8192,32768,65536,131072")
+    p.add_argument("--samples", default="8,6,4,2,1", help="prompts per depth for each length")
+    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--modes", default="sparse,dense")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=99)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = resolve_builtin(args.model) if is_builtin(args.model) else Path(args.model)
+    model = load_model(path)
+    tok = Tokenizer.for_model(path, model.config.vocab_size)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    counts = [int(x) for x in args.samples.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    modes = args.modes.split(",")
+    rows = []
+    print(f"model {path} (DSA top-k {model.config.dsa.topk}); held-out needle prompts; exact answer", flush=True)
+    for li, length in enumerate(lengths):
+        n = counts[min(li, len(counts) - 1)]
+        for depth in depths:
+            rng = random.Random(args.seed * 7919 + length * 31 + int(depth * 100))
+            cases = []
+            for _ in range(n):
+                s = needle_prompt(tok, HELD_OUT, rng, length, depth)
+                before, ans, after = answer_ids(tok, s.answer)
+                target = before + ans + after[:1]
+                f = s.facts[0]
+                at = f.start + f.text.index(s.answer)   # byte-level: character offset = token offset
+                spans = {"needle": (f.start, f.end), "value": (at, at + len(ans))}
+                cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, spans,
+                              (len(before), len(before) + len(ans))))
+            for mode in modes:
+                model.runtime.dsa_force_dense = mode == "dense"
+                started = time.perf_counter()
+                results = [run_case_spans(model, tok, ids, plen, target, spans, args.prefill_chunk, value)
+                           for ids, plen, target, spans, value in cases]
+                good = [r for r in results if r["correct"]]
+                row = {"length": length, "depth": depth, "mode": mode, "correct": len(good), "total": n,
+                       "seconds": round(time.perf_counter() - started, 1)}
+                reads = ""
+                for span in ("needle", "value"):
+                    for label, group in (("right answers", good), ("all prompts", results)):
+                        best = _best_layer(group, span)
+                        if best is None:
+                            continue
+                        key = f"{span}_{'right' if group is good else 'all'}"
+                        row[key] = {"layer": best[0], "read": best[1], "chance": best[2]}
+                        reads += f"; {span} ({label}) layer {best[0]}: {format_read(best[1], best[2])}"
+                rows.append(row)
+                print(f"{length:>7,} tokens depth {depth:.0%} {mode:6s}: {len(good)}/{n} correct "
+                      f"({row['seconds']:.0f} s){reads}", flush=True)
+    model.runtime.dsa_force_dense = False
+    print("\naccuracy (correct/total), held-out needle; sparse = DSA as trained, dense = dsa_force_dense")
+    header = "| tokens | " + " | ".join(f"{m} {d:.0%}" for m in modes for d in depths) + " |"
+    print(header)
+    print("|---:|" + "---:|" * (len(modes) * len(depths)))
+    for length in lengths:
+        cells = []
+        for m in modes:
+            for d in depths:
+                r = next(r for r in rows if r["length"] == length and r["mode"] == m and r["depth"] == d)
+                cells.append(f"{r['correct']}/{r['total']}")
+        print(f"| {length:,} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""The demo model's task generator: exact lengths, known fact spans, deterministic batches, and a
+held-out world that shares no content word with the training world."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import torch
+
+from engine.tokenizer import Tokenizer
+from training.tasks import HELD_OUT, TRAIN, answer_ids, batch, build, needle_prompt, parse_answer
+from training.text import World
+
+TOK = Tokenizer.byte_level()
+_STOP = {"the", "a", "of", "on", "in", "is", "to", "for", "and", "at", "it", "was", "with", "be", "that", "this",
+         "what", "which", "number", "value", "by", "an", "after", "from", "no", "only", "are", "as"}
+
+
+def _words(world: World) -> set[str]:
+    pools = (world.subjects, world.verbs, world.objects, world.tails, world.shapes, world.key_adjectives,
+             world.key_nouns, world.quote_words, world.needles, world.needle_questions, world.kv_facts,
+             world.kv_questions, world.quote_facts, world.quote_questions)
+    text = " ".join(" ".join(p) for p in pools)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    return {w for w in re.findall(r"[a-z]+", text.lower()) if w not in _STOP}
+
+
+def test_held_out_world_is_disjoint() -> None:
+    shared = _words(TRAIN) & _words(HELD_OUT)
+    assert not shared, f"held-out prompts reuse training words: {sorted(shared)}"
+    assert not set(TRAIN.variables) & set(HELD_OUT.variables)
+    assert not set(TRAIN.needles) & set(HELD_OUT.needles)
+
+
+def test_samples_have_exact_length_and_fact_spans() -> None:
+    rng = random.Random(0)
+    for length in (256, 512, 2048):
+        for _ in range(10):
+            s = build(TOK, TRAIN, rng, length)
+            assert len(s.ids) == length
+            assert len(s.weights) == length
+            for f in s.facts:
+                assert TOK.decode(s.ids[f.start:f.end]) == f.text
+            # the first answer follows the generation prompt
+            before, ans, _ = answer_ids(TOK, s.answer)
+            assert s.ids[s.prompt_len:s.prompt_len + len(before) + len(ans)] == before + ans
+
+
+def test_needle_prompt_depth_and_answer_parse() -> None:
+    rng = random.Random(1)
+    for depth in (0.1, 0.5, 0.9):
+        s = needle_prompt(TOK, HELD_OUT, rng, 4096, depth)
+        assert abs(s.facts[0].start / 4096 - depth) < 0.08
+        text = TOK.decode(s.ids[s.prompt_len:])
+        assert parse_answer(text) == s.answer
+
+
+def test_batches_are_deterministic() -> None:
+    a = batch(TOK, 0, 7, 2, 512)
+    b = batch(TOK, 0, 7, 2, 512)
+    c = batch(TOK, 0, 8, 2, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    assert float(a[1][:, -1].abs().sum()) == 0.0

@@ -1,0 +1,333 @@
+"""Train the built-in demo model: `python -m training.demo_model --out checkpoints/trained-demo`.
+
+Seeded and resumable: every batch is a pure function of (seed, step) (`training.tasks.batch`), and
+the run saves its whole state (weights, optimizer moments, step) every `--save-every` steps to
+`--state` (safetensors + JSON, atomic). Running the same command again resumes from there, after
+any interruption. At the end the model is quantized (MXFP4 experts) and written to `--out` in the
+real on-disk layout, reloaded with `engine.load_model`, and evaluated on held-out needle prompts;
+`loss.csv`, `eval.json`/`eval.csv` and `training.json` are written next to the checkpoint.
+
+Schedule (DeepSeek V3.2's order for the sparse layers):
+1. dense: the whole model learns with DSA forced dense (`runtime.dsa_force_dense`), short
+   sequences growing 256 -> 1024 tokens;
+2. indexer warm-up: everything else frozen; the indexer learns the head-summed, L1-normalised
+   dense attention distribution of its layer (KL, `training.distill`);
+3. sparse: DSA selection on (top-k 64 < sequence length, so selection matters), the model on the
+   language-model loss, the indexer on KL over its selected keys; sequences 1024 -> 2048 tokens.
+
+Gradients flow through the engine's own layers (`engine.model.KimiForCausalLM`, pure-torch ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.tokenizer import Tokenizer
+from training import state as state_io
+from training.distill import ExpertBalance, IndexerDistill, query_rows
+from training.evaluate import needle_accuracy, summary
+from training.model_setup import export, trainable_model, trained_demo_config
+from training.tasks import batch
+
+
+@dataclass(frozen=True)
+class Stage:
+    phase: str      # "dense" | "warmup" | "sparse"
+    steps: int
+    batch: int
+    length: int
+
+
+def schedule(scale: float) -> list[Stage]:
+    """About 90 minutes on 2 free CPU cores at scale 1 (4,096 tokens per step)."""
+    base = [Stage("dense", 200, 16, 256), Stage("dense", 250, 8, 512), Stage("dense", 150, 4, 1024),
+            Stage("warmup", 80, 4, 1024),
+            Stage("sparse", 300, 4, 1024), Stage("sparse", 180, 2, 2048)]
+    return [Stage(s.phase, max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
+
+
+def stage_at(stages: list[Stage], step: int) -> tuple[int, Stage]:
+    acc = 0
+    for i, s in enumerate(stages):
+        if step < acc + s.steps:
+            return i, s
+        acc += s.steps
+    return len(stages) - 1, stages[-1]
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 40, floor: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _truncate_csv(path: Path, step: int) -> None:
+    """Drop loss rows past `step` (a resumed run recomputes them)."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return
+    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) < step]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(keep)
+
+
+LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s",
+                "expert_max_load"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("checkpoints/trained-demo"), help="final checkpoint directory")
+    p.add_argument("--state", type=Path, default=None, help="resumable state directory (default: OUT.state)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.01 = smoke test)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared, oversubscribed "
+                   "machine 2 OpenMP threads measured 10x slower than 1)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--indexer-lr", type=float, default=3e-3)
+    p.add_argument("--topk", type=int, default=64, help="DSA keys per query (trained and shipped)")
+    p.add_argument("--save-every", type=int, default=25, help="steps between saved states")
+    p.add_argument("--eval-every", type=int, default=150, help="steps between quick held-out evaluations")
+    p.add_argument("--eval-lengths", type=str, default="2048,8192,32768", help="final evaluation lengths")
+    p.add_argument("--eval-samples", type=str, default="8,4,2", help="samples per depth for each final length")
+    p.add_argument("--no-final", action="store_true", help="stop after training (no export/evaluation)")
+    p.add_argument("--stop-after", type=int, default=None, help="save and exit after this step (tests resuming)")
+    p.add_argument("--eval-samples-during", type=int, default=2, help="held-out samples per depth in quick evals")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    state_dir = args.state or args.out.with_name(args.out.name + ".state")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stages = schedule(args.scale)
+    total = sum(s.steps for s in stages)
+    config = trained_demo_config(args.topk)
+    tok = Tokenizer.byte_level()
+    model = trainable_model(config, args.seed)
+    distill = IndexerDistill(model)
+    balance = ExpertBalance(model)
+
+    index_params = {n: q for n, q in model.named_parameters() if ".indexer." in n}
+    bias = {n for n, _ in model.named_parameters() if n.endswith("e_score_correction_bias")}
+    main_params = {n: q for n, q in model.named_parameters() if n not in index_params and n not in bias}
+    for n, q in model.named_parameters():
+        if n in bias:
+            q.requires_grad_(False)
+    decay = [q for n, q in main_params.items() if q.dim() >= 2 and "embed" not in n]
+    no_decay = [q for n, q in main_params.items() if not (q.dim() >= 2 and "embed" not in n)]
+    opt_main = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=args.lr, betas=(0.9, 0.95))
+    opt_index = torch.optim.AdamW(list(index_params.values()), lr=args.indexer_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizers = {"main": opt_main, "indexer": opt_index}
+
+    step = 0
+    metrics: dict = {"evals": []}
+    resumed = state_io.latest(state_dir)
+    if resumed is not None:
+        info = state_io.load(resumed, model, optimizers)
+        if info.get("seed") != args.seed or info.get("scale") != args.scale or info.get("topk") != args.topk:
+            raise SystemExit(f"{state_dir} holds a run with seed {info.get('seed')}, scale {info.get('scale')}, "
+                             f"topk {info.get('topk')}; pass the same settings or another --state")
+        step = int(info["step"])
+        metrics = info.get("metrics", metrics)
+        print(f"resumed from {resumed} at step {step}/{total}", flush=True)
+    loss_csv = state_dir / "loss.csv"
+    _truncate_csv(loss_csv, step)
+    new_csv = not loss_csv.exists()
+    log = open(loss_csv, "a", newline="")
+    writer = csv.writer(log)
+    if new_csv:
+        writer.writerow(LOSS_COLUMNS)
+    run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:]), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
+                "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
+
+    dense_total = sum(s.steps for s in stages if s.phase != "warmup")
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=step, desc="training", unit="step", file=sys.stderr, ascii=not interactive,
+               mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens_seen, started = 0, time.perf_counter()
+    ema_tps = None
+    while step < total:
+        _, stage = stage_at(stages, step)
+        t0 = time.perf_counter()
+        ids, weights = batch(tok, args.seed, step, stage.batch, stage.length)
+        gen.manual_seed(args.seed * 1_000_003 + step)
+        warmup = stage.phase == "warmup"
+        model.runtime.dsa_force_dense = stage.phase != "sparse"
+        distill.active = stage.phase in ("warmup", "sparse")
+        distill.sparse = stage.phase == "sparse"
+        distill.rows = query_rows(weights, 64, gen) if distill.active else None
+        for q in index_params.values():
+            q.requires_grad_(distill.active)
+        for q in main_params.values():
+            q.requires_grad_(not warmup)
+        # the main schedule skips the warm-up steps: its cosine runs over dense + sparse steps
+        main_step = sum(min(s.steps, max(0, step - sum(x.steps for x in stages[:i])))
+                        for i, s in enumerate(stages) if s.phase != "warmup")
+        lr = lr_at(main_step, dense_total, args.lr)
+        for g in opt_main.param_groups:
+            g["lr"] = lr
+        for g in opt_index.param_groups:
+            g["lr"] = args.indexer_lr
+        loss_value = answer_value = float("nan")
+        if warmup:
+            with torch.no_grad():
+                model(ids)
+            kl = distill.take()
+            assert kl is not None
+            kl.backward()
+            torch.nn.utils.clip_grad_norm_(list(index_params.values()), 1.0)
+            opt_index.step()
+            opt_index.zero_grad(set_to_none=True)
+        else:
+            logits = model(ids)
+            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+            w = weights[:, :-1].flatten()
+            loss = (ce * w).sum() / w.sum()
+            answer = w >= 0.99
+            answer_value = float(ce.detach()[answer].mean()) if bool(answer.any()) else float("nan")
+            kl = distill.take()
+            total_loss = loss + (kl if kl is not None else 0.0)
+            total_loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(main_params.values()), 1.0)
+            opt_main.step()
+            opt_main.zero_grad(set_to_none=True)
+            if kl is not None:
+                torch.nn.utils.clip_grad_norm_(list(index_params.values()), 1.0)
+                opt_index.step()
+                opt_index.zero_grad(set_to_none=True)
+            loss_value = float(loss.detach())
+        max_load = balance.update()
+        kl_value = float(kl.detach()) if kl is not None else float("nan")
+        coverage = sum(distill.coverage) / len(distill.coverage) if distill.coverage else float("nan")
+        distill.coverage = []
+        dt = time.perf_counter() - t0
+        tps = ids.numel() / dt
+        ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
+        tokens_seen += ids.numel()
+        writer.writerow([step, stage.phase, stage.length, f"{loss_value:.5f}", f"{answer_value:.5f}", f"{kl_value:.5f}",
+                         f"{coverage:.4f}", f"{lr:.6f}", f"{tps:.1f}", f"{max_load:.2f}"])
+        step += 1
+        bar.set_postfix_str(f"{stage.phase} L={stage.length} loss {loss_value:.3f} ans {answer_value:.3f} "
+                            f"kl {kl_value:.3f} {ema_tps:.0f} tok/s", refresh=False)
+        bar.update(1)
+        if step % 10 == 0 or step == total:
+            log.flush()
+            left = sum(s.steps * s.batch * s.length for s in stages) - sum(
+                min(s.steps, max(0, step - sum(x.steps for x in stages[:i]))) * s.batch * s.length
+                for i, s in enumerate(stages))
+            print(f"step {step}/{total} {stage.phase} L={stage.length} loss {loss_value:.3f} answer {answer_value:.3f} "
+                  f"kl {kl_value:.3f} topk-mass {coverage:.2f} lr {lr:.2e} {ema_tps:.0f} tok/s "
+                  f"ETA {left / max(ema_tps, 1) / 60:.0f} min", flush=True)
+        if step % args.save_every == 0 or step == total or step == args.stop_after:
+            state_io.save(state_dir, step, model, optimizers, {**run_info, "metrics": metrics})
+        if step == args.stop_after:
+            print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
+            return 0
+        if step % args.eval_every == 0 or step == total:
+            distill.active = False  # quick evals are plain forwards
+            rows = needle_accuracy(model, tok, lengths=(stage.length,), depths=(0.1, 0.5, 0.9),
+                                   samples=args.eval_samples_during, modes=("sparse", "dense"))
+            metrics["evals"].append({"step": step, "rows": rows})
+            print(f"eval step {step} (held-out needle, in-memory fp32 model): {summary(rows)}", flush=True)
+    bar.close()
+    log.close()
+    distill.remove()
+    if args.no_final:
+        return 0
+    return finalize(model, config, tok, args, state_dir, run_info, metrics)
+
+
+def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dict, metrics: dict) -> int:
+    """Quantize + write the checkpoint, reload it with the engine's loader, evaluate, write data files."""
+    from engine import load_model
+
+    out = export(model, config, args.out)
+    shutil_copy(state_dir / "loss.csv", out / "loss.csv")
+    shipped = load_model(out)
+    lengths = [int(x) for x in args.eval_lengths.split(",") if x]
+    counts = [int(x) for x in args.eval_samples.split(",") if x]
+    samples = {n: counts[min(i, len(counts) - 1)] for i, n in enumerate(lengths)}
+    print(f"evaluating the written checkpoint {out} (MXFP4 experts) at {lengths} ...", flush=True)
+    rows = needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples,
+                           batch_tokens=8192)
+    (out / "eval.json").write_text(json.dumps({"held_out_needle": rows, "during_training": metrics["evals"]},
+                                              indent=1) + "\n")
+    with open(out / "eval.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    (out / "training.json").write_text(json.dumps({
+        **run_info, "config": config.summary(), "checkpoint_bytes": size}, indent=1, default=str) + "\n")
+    write_model_card(out, config, run_info, rows, size, sum(q.numel() for q in model.parameters()))
+    print(f"wrote {out} ({size / 2**20:.1f} MiB); held-out needle accuracy: {summary(rows)}", flush=True)
+    return 0
+
+
+def eval_table(rows: list[dict]) -> str:
+    """Markdown table: one row per (length, mode), one column per depth, cells `correct/total`."""
+    depths = sorted({r["depth"] for r in rows})
+    lines = ["| tokens | DSA | " + " | ".join(f"depth {d:.0%}" for d in depths) + " | all |",
+             "|---:|---|" + "---:|" * (len(depths) + 1)]
+    for length in sorted({r["length"] for r in rows}):
+        for mode in ("sparse", "dense"):
+            sel = {r["depth"]: r for r in rows if r["length"] == length and r["mode"] == mode}
+            if not sel:
+                continue
+            cells = [f"{sel[d]['correct']}/{sel[d]['total']}" if d in sel else "-" for d in depths]
+            c, t = sum(r["correct"] for r in sel.values()), sum(r["total"] for r in sel.values())
+            lines.append(f"| {length:,} | {mode} | " + " | ".join(cells) + f" | {c / t:.0%} |")
+    return "\n".join(lines)
+
+
+def write_model_card(out: Path, config, run_info: dict, rows: list[dict], size: int, params: int) -> None:
+    template = (Path(__file__).parent / "MODEL_CARD.template.md").read_text()
+    summ = config.summary()
+    stages = run_info["stages"]
+    card = template.format(
+        params_m=f"{params / 1e6:.1f}", size_mib=f"{size / 2**20:.1f}", command=run_info.get("command", ""),
+        commit=run_info.get("commit", "")[:12] or "unknown", seed=run_info["seed"],
+        steps=sum(s["steps"] for s in stages),
+        tokens_m=f"{sum(s['steps'] * s['batch'] * s['length'] for s in stages) / 1e6:.1f}",
+        topk=run_info["topk"], eval_table=eval_table(rows),
+        config_lines="\n".join(f"- {k}: {v}" for k, v in summ.items()),
+        stage_lines="\n".join(f"- {s['phase']}: {s['steps']} steps of {s['batch']} x {s['length']} tokens"
+                              for s in stages))
+    (out / "MODEL_CARD.md").write_text(card)
+
+
+def shutil_copy(src: Path, dst: Path) -> None:
+    import shutil
+    if src.exists():
+        shutil.copyfile(src, dst)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

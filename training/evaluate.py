@@ -1,0 +1,80 @@
+"""Held-out exact-answer accuracy: needle prompts the training generator never produces.
+
+A prompt's answer is exactly right when greedy decoding would emit the whole assistant response
+(`<|close|>think<|sep|><|open|>response<|sep|>{answer}<|close|>`): one teacher-forced forward pass
+shows that, since greedy decoding emits a sequence iff every token of it is the argmax after its
+prefix. Prompts use `training.text.HELD_OUT` (other filler, key names and needle wording).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from engine.model import KimiForCausalLM
+from engine.tokenizer import Tokenizer
+from training.tasks import HELD_OUT, answer_ids, needle_prompt
+
+
+def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float) -> tuple[list[int], int, dict]:
+    s = needle_prompt(tok, HELD_OUT, rng, length, depth)
+    before, ans, after = answer_ids(tok, s.answer)
+    prompt = s.ids[: s.prompt_len]
+    target = before + ans + after[:1]
+    return prompt + target, len(prompt), {"needle": [s.facts[0].start, s.facts[0].end], "answer": s.answer}
+
+
+@torch.no_grad()
+def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), depths=(0.1, 0.5, 0.9),
+                    samples: int | dict = 4, modes=("sparse", "dense"), seed: int = 1234,
+                    batch_tokens: int = 16384) -> list[dict]:
+    """Rows {length, depth, mode, correct, total, accuracy, seconds}: one per (length, depth, mode)."""
+    was_training = model.training
+    model.eval()
+    saved = model.runtime.dsa_force_dense
+    rows = []
+    try:
+        for length in lengths:
+            n = samples[length] if isinstance(samples, dict) else samples
+            for depth in depths:
+                # the same prompts for both modes: the comparison is paired
+                rng = random.Random(seed * 7919 + length * 31 + int(depth * 100))
+                cases = [_case(tok, rng, length, depth) for _ in range(n)]
+                for mode in modes:
+                    model.runtime.dsa_force_dense = mode == "dense"
+                    started = time.perf_counter()
+                    correct = 0
+                    per = max(1, batch_tokens // max(len(c[0]) for c in cases))
+                    for i in range(0, n, per):
+                        group = cases[i:i + per]
+                        width = max(len(c[0]) for c in group)
+                        # left-aligned rows padded at the end: causal, so padding never reaches a row's prefix
+                        ids = torch.zeros(len(group), width - 1, dtype=torch.long)
+                        for b, (seq, _, _) in enumerate(group):
+                            ids[b, : len(seq) - 1] = torch.tensor(seq[:-1])
+                        logits = model(ids)
+                        for b, (seq, plen, _) in enumerate(group):
+                            pred = logits[b, plen - 1: len(seq) - 1].argmax(-1)
+                            correct += int(torch.equal(pred, torch.tensor(seq[plen:])))
+                    rows.append({"length": length, "depth": depth, "mode": mode, "correct": correct, "total": n,
+                                 "accuracy": correct / n, "seconds": round(time.perf_counter() - started, 2)})
+    finally:
+        model.runtime.dsa_force_dense = saved
+        model.train(was_training)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """'1024: sparse 83% dense 75% | ...' (accuracy over depths per length and mode)."""
+    parts = []
+    for length in sorted({r["length"] for r in rows}):
+        bits = []
+        for mode in ("sparse", "dense"):
+            sel = [r for r in rows if r["length"] == length and r["mode"] == mode]
+            if sel:
+                acc = sum(r["correct"] for r in sel) / sum(r["total"] for r in sel)
+                bits.append(f"{mode} {acc:.0%}")
+        parts.append(f"{length}: " + " ".join(bits))
+    return " | ".join(parts)

@@ -1,0 +1,78 @@
+"""The trained demo model's configuration, its trainable build and its export to the real layout.
+
+The architecture is the `demo` preset's (K3.1: KDA + gated MLA with the DSA indexer, latent MoE with
+SiTU experts, Block Attention Residuals, MXFP4 routed experts on disk), scaled down so it trains on
+a 2-core CPU. Training runs the engine's own `KimiForCausalLM` with `expert_format="dense"`, whose
+routed experts are ordinary parameters; `export` quantizes them to MXFP4 and writes the checkpoint
+with `engine.weights.write.write_checkpoint`, so what users load is exactly what was evaluated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import KimiForCausalLM
+from engine.presets import _k3_family
+from engine.weights import mxfp4
+from engine.weights.load import fill
+from engine.weights.names import TensorSpec
+from engine.weights.random_init import RandomSource, storage_dtype
+from engine.weights.write import write_checkpoint
+
+
+def trained_demo_config(topk: int = 64) -> ModelConfig:
+    """6 layers (4 KDA + 2 gated DSA/MLA at layers 3 and 6, 1-indexed), hidden 128, 16 latent
+    experts (top-2) + 1 shared, AttnRes blocks of 2, byte-level vocabulary, MXFP4 experts."""
+    return _k3_family(vocab_base=256, hidden=128, n_layers=6, full_attn_every=3, heads=4, q_lora=64, kv_lora=64,
+                      nope=32, rope=16, v_dim=32, kda_heads=2, kda_dim=64, idx_heads=2, idx_dim=32, topk=topk,
+                      experts=16, top_k=2, shared=1, moe_inter=64, latent=64, dense_inter=256, attn_res=2,
+                      max_pos=1048576, expert_format="mxfp4", vision=None)
+
+
+def trainable_model(config: ModelConfig, seed: int) -> KimiForCausalLM:
+    """The engine's model with dense (trainable) experts, fp32, filled with the seeded random init."""
+    dense = config.replace(expert_format="dense")
+    with torch.device("meta"):
+        model = KimiForCausalLM(dense)
+    model.to_empty(device="cpu")
+    fill(model, RandomSource(dense, seed, torch.float32), torch.float32)
+    model.train()
+    return model
+
+
+class TrainedSource:
+    """Tensor source for `write_checkpoint`: the trained model's values, experts quantized to MXFP4."""
+
+    def __init__(self, model: KimiForCausalLM, float_dtype: torch.dtype) -> None:
+        self.state = {k: v.detach() for k, v in model.state_dict().items()}
+        self.float_dtype = float_dtype
+        self._mx: tuple[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def get(self, spec: TensorSpec) -> torch.Tensor:
+        assert spec.target is not None
+        if spec.kind in ("packed", "scale"):
+            dense_name = spec.target.rsplit("_", 1)[0]      # ...experts.w1_packed -> ...experts.w1
+            key = (dense_name, int(spec.expert))
+            if self._mx is None or self._mx[0] != key:
+                self._mx = (key, mxfp4.quantize(self.state[dense_name][spec.expert].float()))
+            packed, scale = self._mx[1]
+            return packed if spec.kind == "packed" else scale
+        t = self.state[spec.target]
+        if spec.expert is not None:
+            t = t[spec.expert]
+        if spec.init == "a_log" and tuple(t.shape) != spec.shape:  # stored padded to 128 entries
+            padded = torch.zeros(spec.shape)
+            padded.view(-1)[: t.numel()] = t.reshape(-1)
+            t = padded
+        return t.to(storage_dtype(spec, self.float_dtype)).contiguous()
+
+    def get_slice(self, spec: TensorSpec, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.get(spec).narrow(dim, start, stop - start)
+
+
+def export(model: KimiForCausalLM, config: ModelConfig, out_dir, *, float_dtype: torch.dtype = torch.bfloat16,
+           overwrite: bool = True):
+    """Write the trained model as a real K3.1 checkpoint (MXFP4 experts, bf16 floats, tokenizer)."""
+    return write_checkpoint(config, out_dir, shards=1, float_dtype=float_dtype,
+                            source=TrainedSource(model, float_dtype), overwrite=overwrite)

@@ -1,0 +1,224 @@
+"""Retrieval tasks generated on the fly (never stored), in the K3 chat format of spec section 9.
+
+Every sample is one long document with facts planted at random depths in filler text, followed by
+one to three question turns, each answered by the assistant:
+
+- needle: a passcode sentence ("The code that opens the {k} is {v}."), asked for by its key;
+- associative recall: several key-value facts, one (or more) asked for;
+- variable tracking: `Let A3 be 512. ... Then K7 takes the value of A3.`, the last name asked for;
+- copying: a quoted span, asked to be quoted exactly.
+
+Two layouts, as sessions build them: the document as plain text after a system turn, then the
+question as a user turn (what `workbench demo` does), or document and question in one user message.
+The assistant turn is `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>` (the generation
+prompt) + `<|close|>think<|sep|><|open|>response<|sep|>{answer}<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`.
+
+The tokenizer is byte-level, so pieces encoded separately concatenate to exactly the ids of the
+whole text: that is how each fact's token span is known (for evaluation and read statistics).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.tokenizer import Message, Tokenizer
+from training.text import HELD_OUT, TRAIN, World, filler, value_string
+
+# loss weight of the answer value, the fixed assistant scaffold and everything else (the filler)
+W_ANSWER, W_SCAFFOLD, W_CONTEXT = 1.0, 0.3, 0.05
+
+
+@dataclass
+class Fact:
+    text: str
+    question: str
+    answer: str
+    after: "Fact | None" = None   # a fact that must come earlier (variable tracking)
+    start: int = -1              # token span in the sample, filled in by `build`
+    end: int = -1
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    weights: list[float]
+    facts: list[Fact] = field(default_factory=list)
+    prompt_len: int = 0          # tokens up to and including the first generation prompt
+    answer: str = ""             # first question's answer
+
+
+def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
+    ids: list[int] = []
+    tok._tag(ids, opening, name)
+    return ids
+
+
+def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[int]]:
+    """(scaffold before, answer ids, scaffold after) of an assistant answer after the generation prompt."""
+    before = _tags(tok, False, "think") + _tags(tok, True, "response")
+    after = _tags(tok, False, "response") + _tags(tok, False, "message") + [tok.end_of_msg_id]
+    return before, tok.encode(answer), after
+
+
+def parse_answer(text: str) -> str | None:
+    """The response text of a generated assistant turn (None when the scaffold is broken)."""
+    head = "<|open|>response<|sep|>"
+    at = text.find(head)
+    if at < 0:
+        return None
+    rest = text[at + len(head):]
+    end = rest.find("<|close|>")
+    return rest if end < 0 else rest[:end]
+
+
+def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:
+    facts: list[Fact] = []
+    keys = rng.sample([f"{a} {n}" for a in world.key_adjectives for n in world.key_nouns], len(kinds))
+    names = rng.sample(world.variables, 2 * len(kinds))
+    for i, kind in enumerate(kinds):
+        k = keys[i]
+        if kind == "needle":
+            v = value_string(rng)
+            t = rng.randrange(len(world.needles))
+            q = world.needle_questions[t] if rng.random() < 0.7 else rng.choice(world.needle_questions)
+            facts.append(Fact(world.needles[t].format(k=k, v=v), q.format(k=k), v))
+        elif kind == "kv":
+            v = str(rng.randint(10, 99999))
+            facts.append(Fact(rng.choice(world.kv_facts).format(k=k, v=v), rng.choice(world.kv_questions).format(k=k), v))
+        elif kind == "var":
+            a, b = names[2 * i], names[2 * i + 1]
+            v = str(rng.randint(1, 999))
+            first = Fact(rng.choice(world.var_set).format(a=a, v=v), "", v)
+            facts.append(first)
+            facts.append(Fact(rng.choice(world.var_copy).format(a=a, b=b), rng.choice(world.var_questions).format(b=b),
+                              v, after=first))
+        else:  # quote
+            q = " ".join(rng.choice(world.quote_words) for _ in range(rng.randint(2, 4)))
+            facts.append(Fact(rng.choice(world.quote_facts).format(k=k, q=q), rng.choice(world.quote_questions).format(k=k), q))
+    return facts
+
+
+def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | None) -> list[tuple[float, Fact]]:
+    """Depth (fraction of the filler) of each fact; dependent facts come after what they depend on."""
+    if depths is None:
+        depths = [rng.random() for _ in facts]
+    placed = dict(zip(map(id, facts), depths))
+    for f in facts:
+        if f.after is not None and placed[id(f)] < placed[id(f.after)]:
+            placed[id(f)], placed[id(f.after)] = placed[id(f.after)], placed[id(f)]
+    return sorted(((placed[id(f)], f) for f in facts), key=lambda p: p[0])
+
+
+def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
+           layout: str) -> tuple[list[int], list[tuple[list[int], float]]]:
+    """The ids before the document (head) and the (ids, loss weight) pieces after it (tail)."""
+    tail: list[tuple[list[int], float]] = []
+    for i, f in enumerate(asked):
+        if i == 0 and layout == "message":
+            q_ids = tok.encode("\n\n" + f.question) + _tags(tok, False, "message") + [tok.end_of_msg_id]
+        else:
+            q_ids = tok.chat_prompt([Message("user", f.question)], add_generation_prompt=False)
+        tail.append((q_ids, W_CONTEXT))
+        tail.append((tok.chat_prompt([], add_generation_prompt=True), W_CONTEXT))
+        before, ans, after = answer_ids(tok, f.answer)
+        tail += [(before, W_SCAFFOLD), (ans, W_ANSWER), (after, W_SCAFFOLD)]
+    if layout == "plain":
+        head = tok.chat_prompt([Message("system", rng.choice(world.systems))], add_generation_prompt=False)
+    else:
+        head = _tags(tok, True, 'message role="user"')
+    return head, tail
+
+
+def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kinds: list[str] | None = None,
+          depths: list[float] | None = None, questions: int | None = None, layout: str | None = None) -> Sample:
+    """One sample of about `length` tokens (exactly `length` unless the fixed parts are longer).
+
+    Args:
+        kinds: fact kinds to plant (default: a random mix of 1-6 facts).
+        depths: depth of each fact in the document (fraction of the filler), default random.
+        questions: how many facts are asked about (default 1-3, at most the askable facts).
+        layout: "plain" (system turn, plain document, question turn) or "message" (one user message).
+    """
+    if kinds is None:
+        n = rng.randint(1, 6)
+        kinds = [rng.choices(("needle", "kv", "var", "quote"), weights=(4, 3, 2, 1))[0] for _ in range(n)]
+    layout = layout or rng.choice(("plain", "message"))
+    n_questions = questions
+    for attempt in range(8):
+        facts = _facts(world, rng, kinds)
+        askable = [f for f in facts if f.question]
+        rng.shuffle(askable)
+        asked = askable[: n_questions or rng.randint(1, min(3, len(askable)))]
+        head, tail = _frame(tok, world, rng, asked, layout)
+        fact_ids = [tok.encode(f.text) for f in facts]
+        fixed = len(head) + sum(len(i) for i in fact_ids) + sum(len(i) for i, _ in tail)
+        if fixed <= length:
+            break
+        # too long for `length`: fewer questions, then the shorter layout, then fewer facts
+        if attempt == 0 and questions is None:
+            n_questions = 1
+        elif layout == "plain" and questions is None:
+            layout = "message"
+        elif len(kinds) > 1:
+            kinds = kinds[:-1]
+    budget = max(0, length - fixed)
+    text = filler(world, rng, budget + 64)[:budget]
+
+    ids: list[int] = list(head)
+    weights: list[float] = [W_CONTEXT] * len(head)
+    cursor = 0
+    for depth, f in _place(rng, facts, budget, depths):
+        cut = max(cursor, min(budget, int(depth * budget)))
+        # move the cut to the next sentence end so a fact never lands inside a filler sentence
+        dot = text.find(". ", cut)
+        if 0 <= dot < cut + 200:
+            cut = min(budget, dot + 2)
+        piece = tok.encode(text[cursor:cut])
+        ids += piece
+        weights += [W_CONTEXT] * len(piece)
+        cursor = cut
+        f.start = len(ids)
+        f_ids = tok.encode(f.text)
+        ids += f_ids
+        weights += [W_CONTEXT] * len(f_ids)
+        f.end = len(ids)
+    rest = tok.encode(text[cursor:])
+    ids += rest
+    weights += [W_CONTEXT] * len(rest)
+    prompt_len = 0
+    for i, (piece, w) in enumerate(tail):
+        ids += piece
+        weights += [w] * len(piece)
+        if i == 1:
+            prompt_len = len(ids)
+    return Sample(ids=ids, weights=weights, facts=facts, prompt_len=prompt_len, answer=asked[0].answer)
+
+
+def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training batch `step`: ids [size, length] and loss weights [size, length] for the next-token
+    targets (weights[:, t] weighs predicting ids[:, t + 1]; the last column is 0).
+
+    Deterministic in (seed, step), so a resumed run sees exactly the batches it would have seen.
+    """
+    rng = random.Random(seed * 1_000_003 + step)
+    ids = torch.zeros(size, length, dtype=torch.long)
+    weights = torch.zeros(size, length)
+    for b in range(size):
+        s = build(tok, TRAIN, rng, length)
+        n = min(length, len(s.ids))
+        # long fixed parts can overshoot a short length: keep the end (the question and answer)
+        row, w = s.ids[len(s.ids) - n:], s.weights[len(s.ids) - n:]
+        ids[b, :n] = torch.tensor(row)
+        weights[b, : n - 1] = torch.tensor(w[1:])
+    return ids, weights
+
+
+def needle_prompt(tok: Tokenizer, world: World, rng: random.Random, length: int, depth: float) -> Sample:
+    """One needle-retrieval prompt (plain layout, one question) with its needle at `depth`."""
+    return build(tok, world, rng, length, kinds=["needle"], depths=[depth], questions=1, layout="plain")
+
+
+__all__ = ["HELD_OUT", "TRAIN", "Fact", "Sample", "answer_ids", "batch", "build", "needle_prompt", "parse_answer"]
