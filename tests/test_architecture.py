@@ -24,7 +24,8 @@ PACKAGES = ("engine", "workbench", "apps")
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.errors", "engine.runtime",
-                       "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment")),
+                       "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
+                       "engine.builtin")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
