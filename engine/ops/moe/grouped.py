@@ -54,11 +54,20 @@ def _aligned(width: int, t: torch.Tensor) -> bool:
     return width * t.element_size() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
 
 
+def _grouped_mm_runs(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM: any float dtype on CPU; bf16 on CUDA with SM >= 80 (its documented scope)."""
+    if _grouped_mm is None:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+    return x.device.type == "cpu"
+
+
 def _segment_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [R, in] rows grouped by expert, w [E, out, in], ends [E] -> [R, out]; rows past ends[-1] unset."""
-    if _grouped_mm is not None and _aligned(x.shape[-1], x) and _aligned(w.shape[-2], w):
+    if _grouped_mm_runs(x) and _aligned(x.shape[-1], x) and _aligned(w.shape[-2], w):
         return _grouped_mm(x, w.transpose(-2, -1), offs=ends)
-    # widths whose rows are not 16-byte multiples (odd test shapes only): one host sync
+    # other devices and dtypes, or rows that are not 16-byte multiples (odd test shapes): one host sync
     bounds = [0] + ends.tolist()
     out = x.new_zeros(x.shape[0], w.shape[-2])
     for e in range(w.shape[0]):
