@@ -9,12 +9,11 @@
 
 Routed experts are stored stacked per layer (`w1_packed [E, F, in/2]`, ...). A module may hold a
 subset of the experts (`expert_ids`, global ids in order): expert parallelism gives each rank its
-slice. MXFP4 experts stay packed and are dequantized one expert at a time at use.
+slice. MXFP4 experts stay packed; the grouped op dequantises what it reads (`engine.ops.moe`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -26,8 +25,8 @@ from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
-from engine.ops.mxfp4 import dequantize
-from engine.ops.mxfp4 import reference as mxfp4
+from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
+from engine.ops.moe.weights import dense_bytes, take_range
 
 
 class Router(nn.Module):
@@ -62,7 +61,13 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Stacked routed experts of one layer: w1 (gate) and w3 (up) [F, in], w2 (down) [in, F]."""
+    """Stacked routed experts of one layer: w1 (gate) and w3 (up) [F, in], w2 (down) [in, F].
+
+    The compute is `engine.ops.moe.routed_experts` (gather for decode, grouped GEMM for prefill).
+    MXFP4 stacks are dequantised as a whole and kept when the layer's share of
+    `runtime.expert_cache_mib` holds them (demo sizes: decode then reads dense experts); otherwise
+    each call dequantises only what it reads.
+    """
 
     def __init__(self, config: ModelConfig, runtime: RuntimeOptions, expert_ids: Sequence[int] | None = None) -> None:
         super().__init__()
@@ -77,8 +82,7 @@ class RoutedExperts(nn.Module):
         self._slot_tensor: dict[torch.device, torch.Tensor] = {}  # the same map on each device used
         self.packed = config.expert_format == "mxfp4"
         self.moe_layers = max(1, sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)))
-        self._dense: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # dequantized-expert LRU
-        self._dense_bytes = 0
+        self._dense: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (dtype, device) -> dequantized (w1, w3, w2)
         self.runtime = runtime
         self.act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = activation(config)
         e = len(ids)
@@ -90,58 +94,34 @@ class RoutedExperts(nn.Module):
             else:
                 self.register_parameter(name, nn.Parameter(torch.zeros(e, out_f, in_f)))
 
-    def weight(self, name: str, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dense [out, in] weight of local expert `slot` (dequantized on the fly when packed).
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._dense.clear()  # new weights: the dequantized copies are stale
+        super()._load_from_state_dict(*args, **kwargs)
 
-        Dequantized weights are kept in a small per-layer LRU (the layer's share of
-        `runtime.expert_cache_mib`): decode reuses hot experts token after token.
-        """
+    def stacks(self, dtype: torch.dtype) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
+        """(w1, w3, w2) as the op reads them: dense tensors (parameters, or the kept dequantized
+        copy) or `MXFP4` stacks dequantised at use."""
         if not self.packed:
-            return getattr(self, name)[slot].to(dtype)
-        key = (name, slot, dtype)
-        hit = self._dense.get(key)
+            return self.w1, self.w3, self.w2
+        device = self.w1_packed.device
+        hit = self._dense.get((dtype, device))
         if hit is not None:
-            self._dense.move_to_end(key)
             return hit
-        dense = dequantize(getattr(self, name + "_packed")[slot], getattr(self, name + "_scale")[slot], dtype,
-                           impl=self.runtime.kernels)
+        quant = tuple(MXFP4(getattr(self, n + "_packed"), getattr(self, n + "_scale"), self.runtime.kernels)
+                      for n in ("w1", "w3", "w2"))
         budget = self.runtime.expert_cache_mib * 2**20 // self.moe_layers
-        size = dense.numel() * dense.element_size()
-        if size <= budget:
-            self._dense[key] = dense
-            self._dense_bytes += size
-            while self._dense_bytes > budget:
-                _, old = self._dense.popitem(last=False)
-                self._dense_bytes -= old.numel() * old.element_size()
-        return dense
+        if device.type != "meta" and sum(dense_bytes(w, dtype) for w in quant) <= budget:
+            self._dense[(dtype, device)] = tuple(take_range(w, 0, len(self.expert_ids), dtype) for w in quant)
+            return self._dense[(dtype, device)]
+        return quant  # type: ignore[return-value]
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [N, in], ids/weights [N, k] -> sum over the locally held experts [N, in] (fp32)."""
-        N, k = ids.shape
-        out = h.new_zeros(N, h.shape[-1], dtype=torch.float32)
-        flat = ids.flatten()
         if ids.device not in self._slot_tensor:
             self._slot_tensor[ids.device] = torch.tensor(self._slot_of, device=ids.device)
-        slots = self._slot_tensor[ids.device][flat]
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots[slots >= 0], minlength=len(self.expert_ids)).tolist()
-        start = int((slots < 0).sum())  # routes to experts held elsewhere sort first (slot -1)
-        mx8 = self.runtime.mxfp8_activations
-        for slot, count in enumerate(counts):
-            if count == 0:
-                continue
-            routes = order[start:start + count]
-            start += count
-            tokens = routes // k
-            x = h[tokens]
-            if mx8:
-                x = mxfp4.fake_quantize_mxfp8(x)
-            inner = self.act(x @ self.weight("w1", slot, x.dtype).t(), x @ self.weight("w3", slot, x.dtype).t())
-            if mx8:
-                inner = mxfp4.fake_quantize_mxfp8(inner)
-            y = inner @ self.weight("w2", slot, x.dtype).t()
-            out.index_add_(0, tokens, y.float() * weights.flatten()[routes].unsqueeze(-1))
-        return out
+        w1, w3, w2 = self.stacks(h.dtype)
+        return routed_experts(h, ids, weights, self._slot_tensor[ids.device], w1, w3, w2, self.act,
+                              mxfp8=self.runtime.mxfp8_activations)
 
 
 class LatentMoE(nn.Module):
