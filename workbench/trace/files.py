@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,6 +41,19 @@ def list_parts(directory: Path) -> list[tuple[int, Path]]:
             parts.append((int(m.group(1)), Path(entry.path)))
     parts.sort()
     return parts
+
+
+def not_regular(path: Path) -> str | None:
+    """What `path` is when it is not a regular file (after symlinks): "a FIFO", "a directory", ...; else None.
+
+    Raises FileNotFoundError when nothing is there.
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def fsync_dir(directory: Path) -> None:
