@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from engine.fileio import file_kind
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 
@@ -44,16 +45,8 @@ def list_parts(directory: Path) -> list[tuple[int, Path]]:
 
 
 def not_regular(path: Path) -> str | None:
-    """What `path` is when it is not a regular file (after symlinks): "a FIFO", "a directory", ...; else None.
-
-    Raises FileNotFoundError when nothing is there.
-    """
-    mode = os.stat(path).st_mode
-    if stat.S_ISREG(mode):
-        return None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
+    """What `path` is when it is not a regular file ("a FIFO", "a directory", ...); None for a regular file."""
+    return file_kind(path)
 
 
 def fsync_dir(directory: Path) -> None:
