@@ -144,6 +144,7 @@ class Trace:
         self.refresh()
 
     def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
+        message = " ".join(message.splitlines())  # pyarrow's messages span lines; a problem is one
         if self.strict:
             raise exc_type(message)
         if message not in self.problems:
