@@ -151,10 +151,10 @@ def _expert_format(quant: dict | None) -> str:
     quant = _as_dict(quant, "quantization_config")
     method = quant.get("quant_method")
     groups = _as_dict(quant.get("config_groups") or {}, "quantization_config.config_groups")
-    formats = {quant.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
-    formats.discard(None)
-    if not all(isinstance(f, str) for f in formats):
+    listed = [quant.get("format")] + [g.get("format") for g in groups.values() if isinstance(g, dict)]
+    if not all(f is None or isinstance(f, str) for f in listed):
         raise ConfigError("config field `quantization_config.format`: expected a string")
+    formats = set(listed) - {None}
     if method != "compressed-tensors" or formats - {MXFP4_FORMAT}:
         raise ConfigError(f"config field `quantization_config`: unsupported quantization "
                           f"(quant_method={method!r}, format={sorted(formats)}); "

@@ -17,6 +17,7 @@ from engine.fileio import read_limited
 
 MAX_TOKEN_ID = 2 ** 31 - 1  # ids are int32 in traces; no vocabulary comes near
 _MAX_FILE_BYTES = 1 << 30
+MAX_PROMPT_BYTES = 1 << 30  # 1M tokens of text is ~4-8 MB; a GiB is a mistake, not a prompt
 
 
 def parse_id_lists(data: Any, where: str) -> list[list[int]]:
@@ -45,3 +46,13 @@ def read_id_lists(path: str | Path) -> list[list[int]]:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InputError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
     return parse_id_lists(data, str(path))
+
+
+def read_prompt_file(path: str | Path) -> str:
+    """The UTF-8 text of a prompt file (a regular file of at most MAX_PROMPT_BYTES), else one InputError."""
+    path = Path(path)
+    raw = read_limited(path, "a UTF-8 prompt file", InputError, MAX_PROMPT_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start})") from None

@@ -98,3 +98,11 @@ def test_config_json_that_is_not_utf8_or_deeply_nested(tmp_path):
     (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+def test_a_list_as_quantization_format():
+    # found by test_fuzz_config (long profile): an unhashable format crashed the set of formats
+    hf = _hf()
+    hf["text_config"]["quantization_config"]["format"] = []
+    with pytest.raises(ConfigError, match="quantization_config.format`: expected a string"):
+        parse_config(hf)

@@ -87,3 +87,21 @@ def test_a_good_policy_file_and_a_non_utf8_one(tmp_path):
     f.write_bytes(b"\xff{")
     with pytest.raises(InputError, match="not UTF-8 JSON"):
         load_policy(str(f))
+
+
+def test_prompt_files(tmp_path):
+    from engine.inputs import read_prompt_file
+    f = tmp_path / "p.txt"
+    f.write_text("héllo")
+    assert read_prompt_file(f) == "héllo"
+    with pytest.raises(InputError, match="is a directory, not a regular file"):
+        read_prompt_file(tmp_path)
+    with pytest.raises(InputError, match="no such file"):
+        read_prompt_file(tmp_path / "nope")
+    f.write_bytes(b"ab\xff")
+    with pytest.raises(InputError, match=r"not UTF-8 text \(byte 2\)"):
+        read_prompt_file(f)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(InputError, match="is a FIFO"):
+            read_prompt_file(tmp_path / "fifo")

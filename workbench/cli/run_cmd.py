@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine import load_model
 from engine.errors import InputError
+from engine.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from engine.session import Session
@@ -55,12 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def read_prompt(args: argparse.Namespace) -> str | None:
     if args.prompt_file is not None:
-        try:
-            return args.prompt_file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise InputError(f"{args.prompt_file}: no such file") from None
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{args.prompt_file}: not UTF-8 text ({exc})") from None
+        return read_prompt_file(args.prompt_file)  # regular files only, size-limited, one-line errors
     return args.prompt
 
 
