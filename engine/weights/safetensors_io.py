@@ -68,9 +68,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     data_size = size - 8 - header_len
     out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
+    for key, entry in header.items():
+        if key == "__metadata__":
             continue
+        name = key if key.isprintable() else repr(key)  # for messages only: they stay one line
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             if not (isinstance(dtype, str) and all(_is_count(v) for v in (*shape, begin, end)) and begin <= end):
@@ -82,14 +83,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             numel *= s
         expected = numel * _ITEMSIZE.get(dtype, 0)
         if dtype not in _ITEMSIZE:
-            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
+            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dtype!r:.40}")
         if end - begin != expected:
             raise CheckpointError(f"{path}: tensor {name}: header says {end - begin} bytes for "
                                   f"{dtype}{list(shape)} ({expected} expected)")
         if end > data_size:
             raise CheckpointError(f"{path}: truncated: tensor {name} needs bytes up to {end} of the data "
                                   f"section but the file holds only {max(data_size, 0)}")
-        out[name] = TensorInfo(path, dtype, shape, expected)
+        out[key] = TensorInfo(path, dtype, shape, expected)
     return out
 
 

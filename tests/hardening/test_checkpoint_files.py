@@ -112,3 +112,12 @@ def test_a_header_of_huge_dimensions_is_refused_without_allocating(tmp_path):
     _raw_shard(shard, {"t": {"dtype": "F32", "shape": [2 ** 40, 2 ** 40], "data_offsets": [0, 4]}}, b"\0" * 4)
     with pytest.raises(CheckpointError, match="header says 4 bytes"):
         read_header(shard)
+
+
+def test_a_tensor_name_with_a_newline_keeps_the_message_on_one_line(tmp_path):
+    # found by test_fuzz_checkpoint (long profile)
+    shard = tmp_path / "x.safetensors"
+    _raw_shard(shard, {"a\nb": {"dtype": "F32", "shape": [], "data_offsets": []}})
+    with pytest.raises(CheckpointError, match=r"tensor 'a\\nb': malformed") as info:
+        read_header(shard)
+    assert "\n" not in str(info.value)

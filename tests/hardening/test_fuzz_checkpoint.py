@@ -99,4 +99,6 @@ def test_mxfp4_decoder_matches_the_bit_level_definition(out, blocks, data):
             if e == E8M0_NAN:
                 assert got != got  # NaN: the loader refuses such scales before decoding
             else:
-                assert got == _e2m1(code) * 2.0 ** (e - 127), (code, e, got)
+                # exact in float32 except where it overflows (e >= 253 with |code value| >= 4): inf, as IEEE says
+                want = float(torch.tensor(_e2m1(code) * 2.0 ** (e - 127), dtype=torch.float64).float())
+                assert got == want, (code, e, got)
