@@ -13,14 +13,26 @@ what the checkpoint writer stores.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from engine.config import DSAConfig, ModelConfig, VisionConfig
 from engine.errors import ConfigError
+from engine.fileio import read_limited
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 _MISSING = object()
+_MAX_CONFIG_BYTES = 16 << 20
+
+# sane upper bounds, checked before anything is sized by a value (K3.1 Pro: 93 layers, hidden 7168,
+# vocab 163840, 896 experts); each is far above any real model and far below what exhausts memory
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 20
+MAX_HEADS = 1 << 14
+MAX_VOCAB = 1 << 24
+MAX_EXPERTS = 32767  # expert ids are int16 in traces
+MAX_POSITIONS = 2 ** 31 - 1  # positions are int32
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -29,10 +41,11 @@ def load_config(path: str | Path) -> ModelConfig:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: no config.json found")
+    data = read_limited(file, "a config.json", ConfigError, _MAX_CONFIG_BYTES)
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top level")
     try:
@@ -51,9 +64,37 @@ def _get(d: dict, *names: str, default: Any = _MISSING) -> Any:
     return default
 
 
-def _as_int(value: Any, fld: str) -> int:
+def _as_int(value: Any, fld: str, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"config field `{fld}`: expected an integer, got {value!r}")
+        raise ConfigError(f"config field `{fld}`: expected an integer, got {value!r:.80}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError(f"config field `{fld}`: expected an integer in [{lo}, {hi}], got {value:.6g}"
+                          if abs(value) > 10 ** 15 else
+                          f"config field `{fld}`: expected an integer in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _opt_int(value: Any, fld: str, lo: int = 0, hi: int = MAX_WIDTH) -> int | None:
+    return None if value is None else _as_int(value, fld, lo, hi)
+
+
+def _as_float(value: Any, fld: str, *, positive: bool = False) -> float:
+    """A finite number (ints accepted); `positive` also refuses zero and negatives."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field `{fld}`: expected a number, got {value!r:.80}")
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out) or (positive and out <= 0):
+        raise ConfigError(f"config field `{fld}`: expected a finite{' positive' if positive else ''} number, "
+                          f"got {value!r:.80}")
+    return out
+
+
+def _as_dict(value: Any, fld: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"config field `{fld}`: expected an object, got {type(value).__name__}")
     return value
 
 
@@ -79,11 +120,12 @@ def _parse_dsa(raw: dict, mla_layers: tuple[int, ...], n_layers: int) -> DSAConf
     layers_raw = _get(raw, "dsa_layers", "layers", "indexer_layers", default=None)
     layers = mla_layers if layers_raw is None else _layer_list(layers_raw, "dsa_config.layers", n_layers)
     return DSAConfig(
-        n_heads=_as_int(_get(raw, "index_n_heads", "n_heads", "num_heads"), "dsa_config.index_n_heads"),
-        head_dim=_as_int(_get(raw, "index_head_dim", "head_dim"), "dsa_config.index_head_dim"),
-        topk=_as_int(_get(raw, "index_topk", "topk", "top_k"), "dsa_config.index_topk"),
+        n_heads=_as_int(_get(raw, "index_n_heads", "n_heads", "num_heads"), "dsa_config.index_n_heads", 1, MAX_HEADS),
+        head_dim=_as_int(_get(raw, "index_head_dim", "head_dim"), "dsa_config.index_head_dim", 1, MAX_WIDTH),
+        topk=_as_int(_get(raw, "index_topk", "topk", "top_k"), "dsa_config.index_topk", 1, MAX_POSITIONS),
         layers=tuple(sorted(layers)),
-        k_norm_eps=float(_get(raw, "index_k_norm_eps", "k_norm_eps", "norm_eps", default=1e-6)),
+        k_norm_eps=_as_float(_get(raw, "index_k_norm_eps", "k_norm_eps", "norm_eps", default=1e-6),
+                             "dsa_config.index_k_norm_eps", positive=True),
     )
 
 
@@ -106,10 +148,13 @@ def _parse_vision(raw: dict, text_hidden: int) -> VisionConfig:
 def _expert_format(quant: dict | None) -> str:
     if not quant:
         return "dense"
+    quant = _as_dict(quant, "quantization_config")
     method = quant.get("quant_method")
-    formats = {quant.get("format")} | {g.get("format") for g in (quant.get("config_groups") or {}).values()
-                                       if isinstance(g, dict)}
-    formats.discard(None)
+    groups = _as_dict(quant.get("config_groups") or {}, "quantization_config.config_groups")
+    listed = [quant.get("format")] + [g.get("format") for g in groups.values() if isinstance(g, dict)]
+    if not all(f is None or isinstance(f, str) for f in listed):
+        raise ConfigError("config field `quantization_config.format`: expected a string")
+    formats = set(listed) - {None}
     if method != "compressed-tensors" or formats - {MXFP4_FORMAT}:
         raise ConfigError(f"config field `quantization_config`: unsupported quantization "
                           f"(quant_method={method!r}, format={sorted(formats)}); "
@@ -137,12 +182,15 @@ def parse_config(raw: dict) -> ModelConfig:
     else:
         raise ConfigError(f"unknown architecture: model_type={model_type!r}, architectures={archs}; "
                           "supported: kimi_k3 (Kimi K3 / K3.1) and kimi_linear (Kimi-Linear)")
+    if dsa_raw is not None:
+        _as_dict(dsa_raw, "dsa_config")
     text_type = text.get("model_type", "kimi_linear")
     if text_type != "kimi_linear":
         raise ConfigError(f"config field `text_config.model_type`: expected 'kimi_linear', got {text_type!r}")
 
-    n_layers = _as_int(_get(text, "num_hidden_layers"), "num_hidden_layers")
-    lin = text.get("linear_attn_config") or {}
+    # bounded before anything is built from it (a set of all layer ids, the layer lists)
+    n_layers = _as_int(_get(text, "num_hidden_layers"), "num_hidden_layers", 1, MAX_LAYERS)
+    lin = _as_dict(text.get("linear_attn_config") or {}, "linear_attn_config")
     if "kda_layers" in lin and "full_attn_layers" in lin:
         kda = _layer_list(lin["kda_layers"], "linear_attn_config.kda_layers", n_layers)
         mla = _layer_list(lin["full_attn_layers"], "linear_attn_config.full_attn_layers", n_layers)
@@ -150,7 +198,7 @@ def parse_config(raw: dict) -> ModelConfig:
         types = text["layer_types"]
         if len(types) != n_layers:
             raise ConfigError(f"config field `layer_types`: {len(types)} entries for {n_layers} layers")
-        unknown = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+        unknown = sorted({repr(t)[:40] for t in types if t not in ("linear_attention", "full_attention")})
         if unknown:
             raise ConfigError(f"config field `layer_types`: unknown layer types {unknown}")
         kda = tuple(i for i, t in enumerate(types) if t == "linear_attention")
@@ -162,7 +210,7 @@ def parse_config(raw: dict) -> ModelConfig:
     if text.get("mla_use_nope", True) is not True:
         raise ConfigError("config field `mla_use_nope`: rotary MLA is not supported (K3 is NoPE)")
     hidden_act = str(_get(text, "hidden_act", default="silu")).lower()
-    num_heads = _as_int(_get(text, "num_attention_heads"), "num_attention_heads")
+    num_heads = _as_int(_get(text, "num_attention_heads"), "num_attention_heads", 1, MAX_HEADS)
     kv_heads = text.get("num_key_value_heads") or num_heads
     if kv_heads != num_heads:
         raise ConfigError(f"config field `num_key_value_heads`: MLA needs it equal to num_attention_heads "
@@ -172,57 +220,63 @@ def parse_config(raw: dict) -> ModelConfig:
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    token_ids = {name: _opt_int(value, name, 0, MAX_VOCAB) for name, value in (
+        ("bos_token_id", text.get("bos_token_id", raw.get("bos_token_id"))), ("eos_token_id", eos),
+        ("pad_token_id", text.get("pad_token_id", raw.get("pad_token_id"))), ("media_placeholder_token_id", media))}
 
     mla_sorted = tuple(sorted(mla))
     q_lora = text.get("q_lora_rank")
     kwargs: dict[str, Any] = dict(
-        vocab_size=_as_int(_get(text, "vocab_size"), "vocab_size"),
-        hidden_size=_as_int(_get(text, "hidden_size"), "hidden_size"),
+        vocab_size=_as_int(_get(text, "vocab_size"), "vocab_size", 1, MAX_VOCAB),
+        hidden_size=_as_int(_get(text, "hidden_size"), "hidden_size", 1, MAX_WIDTH),
         num_hidden_layers=n_layers,
         kda_layers=tuple(sorted(kda)),
         mla_layers=mla_sorted,
         num_attention_heads=num_heads,
-        q_lora_rank=None if q_lora is None else _as_int(q_lora, "q_lora_rank"),
-        kv_lora_rank=_as_int(_get(text, "kv_lora_rank"), "kv_lora_rank"),
-        qk_nope_head_dim=_as_int(_get(text, "qk_nope_head_dim"), "qk_nope_head_dim"),
-        qk_rope_head_dim=_as_int(_get(text, "qk_rope_head_dim"), "qk_rope_head_dim"),
-        v_head_dim=_as_int(_get(text, "v_head_dim"), "v_head_dim"),
+        q_lora_rank=_opt_int(q_lora, "q_lora_rank", 1),
+        kv_lora_rank=_as_int(_get(text, "kv_lora_rank"), "kv_lora_rank", 1, MAX_WIDTH),
+        qk_nope_head_dim=_as_int(_get(text, "qk_nope_head_dim"), "qk_nope_head_dim", 1, MAX_WIDTH),
+        qk_rope_head_dim=_as_int(_get(text, "qk_rope_head_dim"), "qk_rope_head_dim", 0, MAX_WIDTH),
+        v_head_dim=_as_int(_get(text, "v_head_dim"), "v_head_dim", 1, MAX_WIDTH),
         mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
         kda_num_heads=_as_int(_get(lin, "num_heads", default=text.get("linear_num_heads", num_heads)),
-                              "linear_attn_config.num_heads"),
+                              "linear_attn_config.num_heads", 1, MAX_HEADS),
         kda_head_dim=_as_int(_get(lin, "head_dim", default=text.get("linear_head_dim", 128)),
-                             "linear_attn_config.head_dim"),
+                             "linear_attn_config.head_dim", 1, MAX_WIDTH),
         conv_kernel_size=_as_int(_get(lin, "short_conv_kernel_size", default=text.get("linear_conv_kernel_dim", 4)),
-                                 "linear_attn_config.short_conv_kernel_size"),
+                                 "linear_attn_config.short_conv_kernel_size", 1, 64),
         kda_full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
-        kda_gate_lower_bound=None if lower_bound is None else float(lower_bound),
+        kda_gate_lower_bound=None if lower_bound is None else _as_float(lower_bound,
+                                                                        "linear_attn_config.gate_lower_bound"),
         dsa=None if dsa_raw is None else _parse_dsa(dsa_raw, mla_sorted, n_layers),
-        first_k_dense_replace=_as_int(_get(text, "first_k_dense_replace", default=1), "first_k_dense_replace"),
-        intermediate_size=_as_int(_get(text, "intermediate_size"), "intermediate_size"),
+        first_k_dense_replace=_as_int(_get(text, "first_k_dense_replace", default=1), "first_k_dense_replace",
+                                      0, n_layers),
+        intermediate_size=_as_int(_get(text, "intermediate_size"), "intermediate_size", 1, MAX_WIDTH),
         num_experts=_as_int(_get(text, "num_experts", "num_local_experts", "n_routed_experts", default=0),
-                            "num_experts"),
+                            "num_experts", 0, MAX_EXPERTS),
         num_experts_per_token=_as_int(_get(text, "num_experts_per_token", "num_experts_per_tok", default=1),
-                                      "num_experts_per_token"),
+                                      "num_experts_per_token", 0, MAX_EXPERTS),
         num_shared_experts=_as_int(_get(text, "num_shared_experts", "n_shared_experts", default=0),
-                                   "num_shared_experts"),
-        moe_intermediate_size=_as_int(_get(text, "moe_intermediate_size", default=0), "moe_intermediate_size"),
-        routed_expert_hidden_size=text.get("routed_expert_hidden_size"),
+                                   "num_shared_experts", 0, 64),
+        moe_intermediate_size=_as_int(_get(text, "moe_intermediate_size", default=0), "moe_intermediate_size",
+                                      0, MAX_WIDTH),
+        routed_expert_hidden_size=_opt_int(text.get("routed_expert_hidden_size"), "routed_expert_hidden_size", 1),
         latent_moe_use_norm=bool(text.get("latent_moe_use_norm", False)),
-        routed_scaling_factor=float(_get(text, "routed_scaling_factor", default=2.446 if is_kimi_linear else 1.0)),
+        routed_scaling_factor=_as_float(_get(text, "routed_scaling_factor", default=2.446 if is_kimi_linear else 1.0),
+                                        "routed_scaling_factor"),
         moe_renormalize=bool(_get(text, "moe_renormalize", "norm_topk_prob", default=True)),
-        num_expert_group=_as_int(_get(text, "num_expert_group", "n_group", default=1), "num_expert_group"),
-        topk_group=_as_int(_get(text, "topk_group", default=1), "topk_group"),
+        num_expert_group=_as_int(_get(text, "num_expert_group", "n_group", default=1), "num_expert_group",
+                                 1, MAX_EXPERTS),
+        topk_group=_as_int(_get(text, "topk_group", default=1), "topk_group", 1, MAX_EXPERTS),
         hidden_act=hidden_act,
-        situ_beta=float(_get(text, "activation_situ_beta", default=4.0)),
-        situ_linear_beta=float(_get(text, "activation_situ_linear_beta", default=25.0)),
-        attn_res_block_size=text.get("attn_res_block_size"),
-        rms_norm_eps=float(_get(text, "rms_norm_eps", default=1e-5)),
+        situ_beta=_as_float(_get(text, "activation_situ_beta", default=4.0), "activation_situ_beta"),
+        situ_linear_beta=_as_float(_get(text, "activation_situ_linear_beta", default=25.0),
+                                   "activation_situ_linear_beta"),
+        attn_res_block_size=_opt_int(text.get("attn_res_block_size"), "attn_res_block_size", 1, MAX_LAYERS),
+        rms_norm_eps=_as_float(_get(text, "rms_norm_eps", default=1e-5), "rms_norm_eps", positive=True),
         max_position_embeddings=_as_int(_get(text, "max_position_embeddings", "model_max_length",
-                                             default=1048576), "max_position_embeddings"),
-        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
-        eos_token_id=eos,
-        pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
-        media_placeholder_token_id=media,
+                                             default=1048576), "max_position_embeddings", 1, MAX_POSITIONS),
+        **token_ids,
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         expert_format=_expert_format(quant),
         weight_prefix=prefix,

@@ -22,3 +22,7 @@ class CheckpointError(EngineError, ValueError):
 
 class InputError(EngineError, ValueError):
     """A prompt, token list or runtime argument that the engine refuses."""
+
+
+class NumericsError(EngineError, ArithmeticError):
+    """A forward produced NaN or infinite values (usually from bad weights): names where it first happened."""

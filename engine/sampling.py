@@ -8,11 +8,14 @@ Model card defaults: temperature 1.0, top-p 0.95.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from engine.errors import InputError
+from engine.errors import InputError, NumericsError
+
+_FLOAT32_MAX = 3.0e38  # a little under torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -34,14 +37,34 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{name} must be a number, got {value!r:.40}")
+            return float(value)
+
+        def integer(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if not (value is None and allow_none) and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InputError(f"{name} must be an integer, got {value!r:.40}")
+
+        temperature = number("temperature")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < number("top_p") <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        integer("top_k")
+        integer("max_new_tokens")
+        integer("seed", allow_none=True)
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise InputError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not isinstance(self.stop_ids, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2 ** 31 for i in self.stop_ids):
+            raise InputError(f"stop_ids must be token ids, got {self.stop_ids!r:.80}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -50,7 +73,15 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, d: dict) -> "SamplingParams":
-        return cls(**{**d, "stop_ids": tuple(d.get("stop_ids", ()))})
+        if not isinstance(d, dict):
+            raise InputError(f"sampling parameters must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InputError(f"unknown sampling parameter(s) {', '.join(map(str, unknown))[:120]}")
+        stop = d.get("stop_ids", ())
+        if not isinstance(stop, (list, tuple)):
+            raise InputError(f"stop_ids must be a list of token ids, got {stop!r:.40}")
+        return cls(**{**d, "stop_ids": tuple(stop)})
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -59,7 +90,15 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[V] logits -> [V] fp32 log-weights with excluded tokens at -inf (temperature > 0)."""
-    x = logits.float() / temperature
+    x = logits.float()
+    finite = x[torch.isfinite(x)]
+    if finite.numel() and float(finite.abs().max()) / temperature > _FLOAT32_MAX:
+        # a tiny temperature would overflow logits / temperature to inf and the softmax to NaN:
+        # shift by the maximum first (x - max <= 0) and divide in float64, so the best token stays at
+        # 0 and the rest go to large negatives or -inf (sampling tends to greedy, as it should)
+        x = ((x.double() - finite.max().double()) / temperature).float()
+    else:
+        x = x / temperature
     if 0 < top_k < x.shape[-1]:
         kth = x.topk(top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -77,6 +116,10 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Draw one token id from `logits` [V] (on any device; the draw happens on the CPU)."""
     logits = logits.detach().float().cpu()
+    if torch.isnan(logits).any() or not (logits > float("-inf")).any():
+        bad = int(torch.isnan(logits).sum())
+        raise NumericsError(f"the model's next-token logits are not usable ({bad} of {logits.numel()} are NaN, "
+                            f"or all are -inf); the weights or the input are likely bad")
     if params.temperature == 0:
         return int(logits.argmax())
     weights = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)

@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import tiktoken
 
 from engine.errors import CheckpointError, InputError
+from engine.fileio import read_limited
 
 # Kimi's pre-tokenization split (Han runs, cased words with contractions, 1-3 digit groups, ...)
 KIMI_PAT_STR = "|".join([
@@ -37,6 +38,9 @@ KIMI_PAT_STR = "|".join([
 ])
 
 NUM_SPECIAL = 256
+_MAX_MODEL_BYTES = 256 << 20  # the real tiktoken.model (163,584 ranks) is about 2.5 MB
+_MAX_CONFIG_BYTES = 16 << 20
+_MAX_SPECIAL_ID = 2 ** 31 - 1  # tiktoken stores ranks as u32; ids are int32 in traces
 # offset from the first special id -> name (the real Kimi ids are 163584 + offset)
 SPECIAL_NAMES = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
                  18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>"}
@@ -69,24 +73,10 @@ class Tokenizer:
         model_file, config_file = d / "tiktoken.model", d / "tokenizer_config.json"
         if not model_file.exists():
             raise CheckpointError(f"{model_file}: tokenizer file is missing")
-        ranks: dict[bytes, int] = {}
-        for lineno, line in enumerate(model_file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except ValueError:
-                raise CheckpointError(f"{model_file}:{lineno}: expected `base64-token rank`") from None
-        if sorted(ranks.values()) != list(range(len(ranks))):
-            raise CheckpointError(f"{model_file}: ranks must be 0..{len(ranks) - 1} without gaps")
+        ranks = _read_ranks(model_file)
         special: dict[str, int] = {}
         if config_file.exists():
-            try:
-                decoder = json.loads(config_file.read_text()).get("added_tokens_decoder", {})
-                special = {v["content"]: int(k) for k, v in decoder.items()}
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CheckpointError(f"{config_file}: cannot read added_tokens_decoder ({exc})") from None
+            special = _read_special(config_file, len(ranks))
         base, named = len(ranks), set(special.values())
         for offset in range(NUM_SPECIAL):  # unnamed special ids still decode
             if base + offset not in named:
@@ -113,6 +103,12 @@ class Tokenizer:
         d = Path(path)
         if d.is_dir() and (d / "tiktoken.model").exists():
             return cls.load(d)
+        if d.is_dir() and (d / "tokenizer_config.json").exists():
+            # the checkpoint ships a tokenizer whose vocabulary file is gone: falling back to bytes
+            # would silently produce different ids (and different text) than the model was trained on
+            raise CheckpointError(f"{d / 'tiktoken.model'}: tokenizer file is missing although "
+                                  f"{d / 'tokenizer_config.json'} is present; restore it (or remove both to "
+                                  f"run without a tokenizer)")
         if vocab_size == 256 + NUM_SPECIAL:
             return cls.byte_level()
         return None
@@ -153,6 +149,63 @@ class Tokenizer:
             self._tag(ids, True, 'message role="assistant"')
             self._tag(ids, True, "think")
         return ids
+
+
+def _read_ranks(model_file: Path) -> dict[bytes, int]:
+    """`base64(token) rank` lines -> ranks, checked so that tiktoken can never panic on them."""
+    data = read_limited(model_file, "a tiktoken.model", CheckpointError, _MAX_MODEL_BYTES)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{model_file}: not a tiktoken.model text file (byte {exc.start} is not ASCII)") from None
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            piece = base64.b64decode(token, validate=True)
+            if not rank.isdigit():
+                raise ValueError(rank)
+        except ValueError:
+            raise CheckpointError(f"{model_file}:{lineno}: expected `base64-token rank`") from None
+        if not piece:
+            raise CheckpointError(f"{model_file}:{lineno}: empty token")
+        if piece in ranks:
+            raise CheckpointError(f"{model_file}:{lineno}: token {piece!r:.40} is listed twice")
+        ranks[piece] = int(rank)
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise CheckpointError(f"{model_file}: ranks must be 0..{len(ranks) - 1} without gaps")
+    # byte-pair encoding falls back to single bytes: without a rank for every byte, encoding some
+    # text makes the tokenizer library panic instead of raising
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise CheckpointError(f"{model_file}: {len(missing)} single byte(s) have no rank (e.g. 0x{missing[0]:02x}); "
+                              "every byte 0x00-0xff needs one")
+    return ranks
+
+
+def _read_special(config_file: Path, base: int) -> dict[str, int]:
+    """`added_tokens_decoder` of tokenizer_config.json -> {content: id}, ids checked."""
+    data = read_limited(config_file, "a tokenizer_config.json", CheckpointError, _MAX_CONFIG_BYTES)
+    try:
+        config = json.loads(data.decode("utf-8"))
+        decoder = config.get("added_tokens_decoder", {}) if isinstance(config, dict) else None
+        if not isinstance(decoder, dict):
+            raise TypeError("added_tokens_decoder must be an object {id: {content: ...}}")
+        special = {}
+        for k, v in decoder.items():
+            if not isinstance(v, dict) or not isinstance(v.get("content"), str) or not k.isdigit():
+                raise TypeError(f"entry {k!r:.40} needs a decimal id and a string content")
+            special[v["content"]] = int(k)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_file}: cannot read added_tokens_decoder ({str(exc)[:200]})") from None
+    huge = sorted(i for i in special.values() if i > _MAX_SPECIAL_ID)
+    if huge:
+        raise CheckpointError(f"{config_file}: special token ids {huge[:3]} exceed {_MAX_SPECIAL_ID}")
+    if len(set(special.values())) != len(special):
+        raise CheckpointError(f"{config_file}: two special tokens share an id")
+    return special
 
 
 def write_byte_level_tokenizer(directory: str | Path, *, base_vocab: int = 256) -> None:

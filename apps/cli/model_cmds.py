@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import get_preset, load_config, load_model
+from engine import inputs as engine_inputs
 from engine.census import census, human, human_bytes
 from engine.config import ModelConfig
 from engine.errors import InputError
@@ -124,17 +125,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def read_id_lists(path: Path) -> list[list[int]]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    if (not isinstance(data, list) or not data
-            or not all(isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
-                       for s in data)):
-        raise InputError(f"{path}: expected a non-empty JSON list of non-empty lists of integer token ids")
-    return data
+    return engine_inputs.read_id_lists(path)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

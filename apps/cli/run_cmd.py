@@ -15,6 +15,7 @@ from pathlib import Path
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
 from engine.errors import InputError
+from engine.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from workbench.sessions import FAMILIES, recorded_session
@@ -51,12 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def read_prompt(args: argparse.Namespace) -> str | None:
     if args.prompt_file is not None:
-        try:
-            return args.prompt_file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise InputError(f"{args.prompt_file}: no such file") from None
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{args.prompt_file}: not UTF-8 text ({exc})") from None
+        return read_prompt_file(args.prompt_file)  # regular files only, size-limited, one-line errors
     return args.prompt
 
 

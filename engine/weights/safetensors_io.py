@@ -20,10 +20,12 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
+from engine.fileio import read_limited, require_regular
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER = 512 * 1024 * 1024
+_MAX_INDEX = 256 * 1024 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -45,6 +47,8 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one shard's header. Raises CheckpointError naming the file on any defect."""
+    if path.exists():
+        require_regular(path, "a safetensors shard", CheckpointError)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -58,33 +62,63 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     data_size = size - 8 - header_len
     out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
+    for key, entry in header.items():
+        if key == "__metadata__":
             continue
+        name = key if key.isprintable() else repr(key)  # for messages only: they stay one line
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if not (isinstance(dtype, str) and all(_is_count(v) for v in (*shape, begin, end)) and begin <= end):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {entry!r}") from None
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {entry!r:.200}") from None
         numel = 1
         for s in shape:
             numel *= s
         expected = numel * _ITEMSIZE.get(dtype, 0)
         if dtype not in _ITEMSIZE:
-            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
+            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dtype!r:.40}")
         if end - begin != expected:
             raise CheckpointError(f"{path}: tensor {name}: header says {end - begin} bytes for "
                                   f"{dtype}{list(shape)} ({expected} expected)")
         if end > data_size:
             raise CheckpointError(f"{path}: truncated: tensor {name} needs bytes up to {end} of the data "
                                   f"section but the file holds only {max(data_size, 0)}")
-        out[name] = TensorInfo(path, dtype, shape, expected)
+        out[key] = TensorInfo(path, dtype, shape, expected)
     return out
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_weight_map(root: Path, index_path: Path) -> dict[str, str]:
+    """The index's weight_map, checked: {tensor name: shard file inside the checkpoint directory}."""
+    data = read_limited(index_path, f"a {INDEX_FILE}", CheckpointError, _MAX_INDEX)
+    try:
+        weight_map = json.loads(data.decode("utf-8"))["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index_path}: corrupt index ({str(exc)[:200]})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: corrupt index (weight_map must be an object {{tensor: shard file}}, "
+                              f"got {type(weight_map).__name__})")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(f"{index_path}: corrupt index (weight_map[{name!r:.80}] must be a shard file "
+                                  f"name, got {file!r:.80})")
+        # a shard lies inside the checkpoint directory (lexically: a symlink there may point anywhere,
+        # as the Hugging Face cache's snapshot links do), never at ../ or an absolute path
+        normal = os.path.normpath(file)
+        if os.path.isabs(file) or normal == ".." or normal.startswith(".." + os.sep) or "\0" in file:
+            raise CheckpointError(f"{index_path}: weight_map[{name!r:.80}] = {file!r:.80} points outside the "
+                                  f"checkpoint directory {root}; shards must lie inside it (or be symlinks there)")
+    return weight_map
 
 
 class CheckpointFiles:
@@ -104,10 +138,7 @@ class CheckpointFiles:
         index_path = root / INDEX_FILE
         tensors: dict[str, TensorInfo] = {}
         if index_path.exists():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index_path}: corrupt index ({exc})") from None
+            weight_map = _read_weight_map(root, index_path)
             by_file: dict[str, list[str]] = {}
             for name, file in weight_map.items():
                 by_file.setdefault(file, []).append(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class RecordPolicy:
     flush_seconds: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in ("dsa_bin_tokens", "sink_tokens", "kda_every_tokens", "moe_window_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"policy field `{name}` must be >= 1")
@@ -74,6 +76,34 @@ class RecordPolicy:
     def with_marks(self, positions=(), segments=()) -> "RecordPolicy":
         return dataclasses.replace(self, mark_positions=tuple(self.mark_positions) + tuple(positions),
                                    mark_segments=tuple(self.mark_segments) + tuple(segments))
+
+
+_MAX_INT = 2 ** 31 - 1  # positions and strides are int32-sized
+
+
+def _check_types(policy: RecordPolicy) -> None:
+    """Every field has its declared type (JSON gives strings, floats, lists anywhere)."""
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and -_MAX_INT <= value <= _MAX_INT
+            want = "an integer"
+        elif kind == "bool":
+            ok, want = isinstance(value, bool), "true or false"
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        elif kind == "str":
+            ok, want = isinstance(value, str), "a string"
+        elif f.name == "mark_positions":
+            ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                  and 0 <= v <= _MAX_INT for v in value)
+            want = f"a list of positions (integers 0..{_MAX_INT})"
+        else:  # mark_segments
+            ok, want = isinstance(value, tuple) and all(isinstance(v, str) for v in value), "a list of segment names"
+        if not ok:
+            raise InputError(f"policy field `{f.name}` must be {want}, got {value!r:.60}")
 
 
 ALL = RecordPolicy(name="all", dsa_prefill_stride=1, dsa_scores=True, dense_mass_stride=256,
@@ -97,7 +127,9 @@ def load_policy(spec: "str | RecordPolicy | dict | None") -> RecordPolicy:
         if not path.is_file():
             raise InputError(f"unknown policy {spec!r}: use default, all, or a JSON file of policy fields")
         try:
-            fields = json.loads(path.read_text())
+            fields = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, RecursionError) as exc:
+            raise InputError(f"{path}: policy file is not UTF-8 JSON ({str(exc)[:120]})") from None
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}: policy file is not valid JSON ({exc})") from None
         if not isinstance(fields, dict):
@@ -108,7 +140,13 @@ def load_policy(spec: "str | RecordPolicy | dict | None") -> RecordPolicy:
     if unknown:
         raise InputError(f"unknown policy fields {unknown}; known: {sorted(known)}")
     values = {**fields, "name": name}
+    where = "" if isinstance(spec, dict) else f"{spec}: "
     for key in ("mark_positions", "mark_segments"):
         if key in values:
+            if not isinstance(values[key], (list, tuple)):
+                raise InputError(f"{where}policy field `{key}` must be a list, got {values[key]!r:.60}")
             values[key] = tuple(values[key])
-    return RecordPolicy(**values)
+    try:
+        return RecordPolicy(**values)
+    except InputError as exc:
+        raise InputError(f"{where}{exc}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from workbench.trace.bounds import MAX_DENSE_CELLS
 from workbench.trace.schema import MODALITIES
 
 
@@ -32,10 +33,11 @@ class DenseSums:
         value (str): column to add up (e.g. "count").
     """
 
-    def __init__(self, groups: tuple[str, ...], index: str, value: str) -> None:
+    def __init__(self, groups: tuple[str, ...], index: str, value: str, max_cells: int = MAX_DENSE_CELLS) -> None:
         self.groups = groups
         self.index = index
         self.value = value
+        self.max_cells = max_cells
         self.sums: dict[tuple[int, ...], np.ndarray] = {}
         self.seen: set[str] = set()
 
@@ -66,6 +68,13 @@ class DenseSums:
                 key.append(int(distinct[c]))
             keys.append(tuple(reversed(key)))
         size = int(idx.max()) + 1
+        # every size here comes from a file: refuse before allocating what no session could produce
+        touched = set(keys)
+        after = sum(len(v) for k, v in self.sums.items() if k not in touched) + sum(
+            max(size, len(self.sums.get(k, ()))) for k in touched)
+        if len(used) * size > self.max_cells or after > self.max_cells:
+            raise ValueError(f"{self.index} up to {size - 1} over {len(used)} group(s) would need "
+                             f"{len(used) * size:,} dense cells, more than the {self.max_cells:,} allowed")
         # bincount over (group, slot) pairs; exact in float64 up to 2**53 per slot and part
         flat = np.bincount(inv * size + idx, weights=val, minlength=len(used) * size)
         flat = np.rint(flat).astype(np.int64).reshape(len(used), size)

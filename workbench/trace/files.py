@@ -16,6 +16,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.fileio import file_kind
+
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 
 
@@ -40,6 +42,11 @@ def list_parts(directory: Path) -> list[tuple[int, Path]]:
             parts.append((int(m.group(1)), Path(entry.path)))
     parts.sort()
     return parts
+
+
+def not_regular(path: Path) -> str | None:
+    """What `path` is when it is not a regular file ("a FIFO", "a directory", ...); None for a regular file."""
+    return file_kind(path)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -35,8 +35,9 @@ import pyarrow.parquet as pq
 
 from workbench.analysis.dsa import rebin_counts
 from workbench.trace.aggregates import DenseSums
+from workbench.trace.bounds import SessionBounds, check_session, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
-from workbench.trace.files import list_parts
+from workbench.trace.files import list_parts, not_regular
 from workbench.trace.schema import (EXPORT_MANIFEST, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SESSION_FILE,
                                     SUPPORTED_VERSIONS, TABLES, TOKENS_FILE, TableSpec, table_spec)
 
@@ -64,6 +65,8 @@ def read_session(path: Path) -> dict:
         raise TraceError(f"{path} is an export written by `workbench export`, not a trace; read its files "
                          f"directly (its {EXPORT_MANIFEST} names the source trace)")
     if not file.is_file():
+        if file.exists():
+            raise TraceError(f"{file} is not a regular file; a trace's {SESSION_FILE} must be one")
         raise TraceError(f"{path} is not a K3 Workbench trace: it has no {SESSION_FILE}")
     try:
         session = json.loads(file.read_text())
@@ -82,6 +85,7 @@ def read_session(path: Path) -> dict:
     if version not in SUPPORTED_VERSIONS:
         raise TraceVersionError(f"{path} has trace schema version {version}, which this workbench no longer "
                                 f"reads (it reads version {supported})")
+    check_session(session, file)
     return session
 
 
@@ -97,7 +101,7 @@ def _footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]
         if found != c.type:
             raise ValueError(f"column {c.name} has type {found}, expected {c.type}")
     ranges: dict[str, tuple[int, int]] = {}
-    for name in ("layer", "position", "step"):
+    for name in ("layer", "position", "step", "key_bin", "expert", "segment", "image_id"):
         if name not in arrow.names or meta.num_row_groups == 0:
             continue
         col = arrow.names.index(name)
@@ -131,6 +135,7 @@ class Trace:
         self._parts: dict[str, list[Part]] = {name: [] for name in TABLES}
         self._bad: set[Path] = set()
         self._tokens_compact = False
+        self._bounds = SessionBounds()
         self._cache: dict[Path, pa.Table] = {}
         self._sums: dict[str, DenseSums] = {
             "dsa_key_counts": DenseSums(("layer",), "key_bin", "count"),
@@ -139,6 +144,7 @@ class Trace:
         self.refresh()
 
     def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
+        message = " ".join(message.splitlines())  # pyarrow's messages span lines; a problem is one
         if self.strict:
             raise exc_type(message)
         if message not in self.problems:
@@ -158,6 +164,7 @@ class Trace:
         session = read_session(self.path)
         if session != self.session:
             self.session = session
+            self._bounds = SessionBounds.of(session)
             changed.add("session")
         for name in TABLES:
             if self._refresh_table(name):
@@ -184,7 +191,14 @@ class Trace:
             if seq in known:
                 continue
             try:
+                # a FIFO or device in place of a part would block or stream forever when opened
+                odd = not_regular(path)
+                if odd:
+                    raise ValueError(f"it is {odd}, not a regular file")
                 rows, ranges = _footer(path, spec)
+                beyond = out_of_bounds(ranges, self._bounds)
+                if beyond:
+                    raise ValueError(beyond)
             except FileNotFoundError:
                 continue
             except _READ_ERRORS as exc:
@@ -201,10 +215,17 @@ class Trace:
     def _check_numbering(self, name: str, listing: list[tuple[int, Path]]) -> None:
         present = {seq for seq, _ in listing}
         expected = max(max(present, default=-1) + 1, int(self.session.get("parts", {}).get(name, 0)))
-        missing = [seq for seq in range(expected) if seq not in present]
-        if missing:
-            shown = ", ".join(f"part-{s:06d}.parquet" for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
-            self._problem(f"table {name}: {len(missing)} part(s) missing ({shown}); their rows are absent",
+        # counted, not listed: `parts` comes from session.json and may claim a billion parts
+        n_missing = expected - sum(1 for seq in present if seq < expected)
+        if n_missing:
+            first = []
+            seq = 0
+            while len(first) < 5 and seq < expected:
+                if seq not in present:
+                    first.append(seq)
+                seq += 1
+            shown = ", ".join(f"part-{s:06d}.parquet" for s in first) + (" ..." if n_missing > 5 else "")
+            self._problem(f"table {name}: {n_missing} part(s) missing ({shown}); their rows are absent",
                           TraceError)
 
     def parts(self, name: str) -> list[Path]:
@@ -222,6 +243,12 @@ class Trace:
         except _READ_ERRORS as exc:
             self._bad.add(part.path)
             self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
+            return None
+        # footer statistics are optional: the decoded values are checked before anything is sized by them
+        beyond = out_of_bounds(table_ranges(table), self._bounds)
+        if beyond:
+            self._bad.add(part.path)
+            self._problem(f"corrupt Parquet part {part.path}: {beyond}; skipped")
             return None
         # the spec's columns in the spec's order (a part may carry extra columns a reader ignores)
         return table.select(columns or spec.names)
@@ -365,7 +392,11 @@ class Trace:
                 continue
             table = self._read(part, spec, cols)
             if table is not None:
-                sums.add(key, table)
+                try:
+                    sums.add(key, table)
+                except ValueError as exc:
+                    self._bad.add(part.path)
+                    self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
         return sums
 
     def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
@@ -382,7 +413,10 @@ class Trace:
             sums = self._fold("dsa_key_counts").total(by="layer")
         else:
             sums = DenseSums(("layer",), "key_bin", "count")
-            sums.add("steps", self.table("dsa_key_counts", steps=steps, columns=["layer", "key_bin", "count"]))
+            try:
+                sums.add("steps", self.table("dsa_key_counts", steps=steps, columns=["layer", "key_bin", "count"]))
+            except ValueError as exc:
+                raise TraceCorruptError(f"{self.path}: dsa_key_counts of steps {steps}: {exc}") from None
             sums = sums.total(by="layer")
         rows = sorted(sums) if layer is None else ([layer] if isinstance(layer, (int, np.integer)) else list(layer))
         width = int(self.policy["dsa_bin_tokens"])

@@ -1,0 +1,60 @@
+"""Non-finite forwards: name the first layer whose output is not finite.
+
+The model checks its logits once per forward (one reduction over [B, T, vocab]); only when they hold
+NaN or inf does it call `nonfinite_error`, which finds the culprit: for a forward without a cache
+(or the first chunk of one: the cache held nothing before it) it re-runs the same input without
+state, keeping every layer's output, and names the first layer whose output is not finite. A forward
+that continued a cache cannot be replayed without the cache as it was before, so the error says so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from engine.errors import NumericsError
+from engine.probes import probe_points
+
+if TYPE_CHECKING:
+    from engine.cache import ModelState
+    from engine.model import KimiForCausalLM
+
+
+def first_nonfinite(outputs: Sequence[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding NaN or inf, or None when all are finite."""
+    for i, t in enumerate(outputs):
+        if not bool(torch.isfinite(t).all()):
+            return i
+    return None
+
+
+def nonfinite_error(model: "KimiForCausalLM", input_ids: torch.Tensor, logits: torch.Tensor,
+                    state: "ModelState | None") -> NumericsError:
+    """The error to raise for non-finite `logits` of `model(input_ids, state)`, naming the first bad layer."""
+    bad = int((~torch.isfinite(logits)).sum())
+    head = f"non-finite logits ({bad} of {logits.numel()} values NaN/inf) for {input_ids.shape[-1]} token(s)"
+    if state is not None and state.length > 0:
+        return NumericsError(f"{head} after {state.length} cached tokens; the weights or the cached state are "
+                             f"likely bad (run `workbench inspect` to check the checkpoint's values)")
+    outputs: list[torch.Tensor] = []
+    # the replay must not reach a recorder: detach every probe point's sink while it runs
+    points = list(probe_points(model))
+    sinks = [p.sink for p in points]
+    for p in points:
+        p.sink = None
+    try:
+        with torch.inference_mode():
+            model.model(input_ids, None, outputs)
+    finally:
+        for p, sink in zip(points, sinks):
+            p.sink = sink
+    layer = first_nonfinite(outputs)
+    config = model.config
+    if layer is None:
+        where = "the decoder layers' outputs are finite: the final norm or lm_head produces them"
+    else:
+        where = (f"the first layer whose output is not finite is layer {layer} ({config.layer_kind(layer)}"
+                 f"{', MoE' if config.is_moe_layer(layer) else ''})")
+    return NumericsError(f"{head}: {where}; the checkpoint's weights are likely bad "
+                         f"(`workbench inspect` checks their values)")
