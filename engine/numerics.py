@@ -9,16 +9,14 @@ that continued a cache cannot be replayed without the cache as it was before, so
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from engine.errors import NumericsError
 from engine.probes import probe_points
 
-if TYPE_CHECKING:
-    from engine.cache import ModelState
-    from engine.model import KimiForCausalLM
+from engine.cache import ModelState
 
 
 def first_nonfinite(outputs: Sequence[torch.Tensor]) -> int | None:
@@ -29,8 +27,8 @@ def first_nonfinite(outputs: Sequence[torch.Tensor]) -> int | None:
     return None
 
 
-def nonfinite_error(model: "KimiForCausalLM", input_ids: torch.Tensor, logits: torch.Tensor,
-                    state: "ModelState | None") -> NumericsError:
+def nonfinite_error(model: torch.nn.Module, input_ids: torch.Tensor, logits: torch.Tensor,
+                    state: ModelState | None) -> NumericsError:
     """The error to raise for non-finite `logits` of `model(input_ids, state)`, naming the first bad layer."""
     bad = int((~torch.isfinite(logits)).sum())
     head = f"non-finite logits ({bad} of {logits.numel()} values NaN/inf) for {input_ids.shape[-1]} token(s)"

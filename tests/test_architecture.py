@@ -25,14 +25,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.errors", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin")),
+                       "engine.builtin", "engine.fileio", "engine.inputs")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
     ("engine ops", ("engine.ops",)),
     # the layers wire projections, caches and collectives to the ops (the vision tower is layers the model calls)
     ("engine layers", ("engine.layers", "engine.vision")),
-    ("engine model", ("engine.model",)),
+    ("engine model", ("engine.model", "engine.numerics")),
     # the checkpoint: tensor table, shard slices, files, loading that builds a model, counts and plans from the table
     ("engine weights", ("engine.weights", "engine.census", "engine.plan")),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches

@@ -45,7 +45,7 @@ def test_token_id_file_that_is_missing_a_directory_or_binary(tmp_path):
 
 
 def test_the_cli_reads_ids_through_the_checked_reader(tmp_path):
-    from workbench.cli.model_cmds import read_id_lists as cli_reader
+    from apps.cli.model_cmds import read_id_lists as cli_reader
     f = tmp_path / "ids.json"
     f.write_text(json.dumps([[1, 2 ** 70]]))
     with pytest.raises(InputError, match="is not a token id"):
