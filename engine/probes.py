@@ -10,6 +10,11 @@
 - `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
   its step, phase and rank.
 
+Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
+(`if point.sink is not None: point.emit(...)`, any optional measure an `engine.ops` function); give
+it a table in `workbench/trace/schema.py` (`signal=`, `field=` on the columns it fills) and a
+request + reducer entry in `workbench/recorders/recorder.py`.
+
 Positions are sequence positions, given as CPU int64 tensors so that a listener can decide what to
 keep without synchronising the device; expert ids are logical. The engine never imports the
 workbench, and this module imports neither torch nor the rest of the engine (trace readers cite

@@ -32,9 +32,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, ratio:
     reference values, with NaN exactly where the reference has NaN and the same infinities."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     nan_a, nan_e = actual.isnan(), expected.isnan()
-    assert not bool((nan_a & ~nan_e).any()), f"{what}: {int((nan_a & ~nan_e).sum())} NaN element(s) where the " \
-                                            "reference has a value (unwritten output?)"
-    assert not bool((nan_e & ~nan_a).any()), f"{what}: {int((nan_e & ~nan_a).sum())} element(s) where the reference is NaN"
+    stray, missing = int((nan_a & ~nan_e).sum()), int((nan_e & ~nan_a).sum())
+    assert not stray, f"{what}: {stray} NaN element(s) where the reference has a value (unwritten output?)"
+    assert not missing, f"{what}: {missing} element(s) with a value where the reference is NaN"
     inf_e = expected.isinf()
     assert torch.equal(actual[inf_e], expected[inf_e].to(actual.dtype)), f"{what}: infinities differ from the reference"
     finite = expected.isfinite()

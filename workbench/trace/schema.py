@@ -23,7 +23,9 @@ Rules that make the store crash-safe and followable:
 
 Signal tables say which probe signal they are reduced from (`TableSpec.signal`, declared with its
 payload fields in `engine.probes.SIGNALS`); a column that holds a payload field names it
-(`Column.field`), and the recorder fills exactly those columns from the emitted tensors. Signal tables tag every row with `layer` (model layer index), `step` (a session-wide forward counter:
+(`Column.field`), and the recorder fills exactly those columns from the emitted tensors.
+
+Signal tables tag every row with `layer` (model layer index), `step` (a session-wide forward counter:
 each prefill chunk and each decode token is one step, so it only grows) and `rank` (the process that
 recorded the row). Positions are sequence positions, never KV-cache slots; experts are logical ids.
 
@@ -125,7 +127,8 @@ class TableSpec:
     def __post_init__(self) -> None:
         cited = [c.field for c in self.columns if c.field is not None]
         if cited and (self.signal not in SIGNALS or not set(cited) <= set(SIGNALS[self.signal].names)):
-            raise ValueError(f"table {self.name}: columns cite fields {cited} that signal {self.signal!r} does not declare")
+            raise ValueError(f"table {self.name}: columns cite fields {cited} that signal {self.signal!r} "
+                             "does not declare")
         fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in self.columns]
         tags = {b"k3wb.table": self.name.encode(), b"k3wb.schema_version": str(SCHEMA_VERSION).encode()}
         object.__setattr__(self, "arrow_schema", pa.schema(fields, metadata=tags))
