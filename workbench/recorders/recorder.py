@@ -153,6 +153,7 @@ class Recorder:
         pos = positions.numpy()
         if every:
             return np.arange(len(pos))
+        self._update_marks()  # segments as they are now (a flush may follow a change no event announced)
         every_n, tokens = window if window is not None else (0, 0)
         return Sample(stride=stride, window_every=every_n, window_tokens=tokens, marks=self._marks).rows(pos)
 
