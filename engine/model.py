@@ -30,7 +30,7 @@ from engine.parallel import comm
 from engine.parallel.ep import expert_range
 from engine.parallel.mesh import SINGLE, ParallelContext, check_divisible
 from engine.parallel.tp import VocabParallelEmbedding
-from engine.probes import ProbeContext
+from engine.probes import ProbeContext, bind_probes
 from engine.runtime import RuntimeOptions
 
 
@@ -141,9 +141,10 @@ class KimiForCausalLM(nn.Module):
         self.config = config
         self.runtime = runtime or RuntimeOptions()
         self.parallel = parallel
-        self.probe_context = ProbeContext()  # set by the session around each forward call
+        self.probe_context = ProbeContext(rank=parallel.rank)  # step and phase set by the session per forward
         self.model = KimiModel(config, self.runtime, expert_ids, parallel)
         self.lm_head = nn.Linear(config.hidden_size, parallel.split(config.vocab_size), bias=False)
+        bind_probes(self, self.probe_context)
 
     def empty_state(self, batch: int = 1, *, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", capacity: int = 256) -> ModelState:

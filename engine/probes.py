@@ -1,77 +1,319 @@
 """Named probe points: the engine's one surface for observers (the workbench's recorders).
 
-A layer declares a `ProbePoint` per signal it can report. With nothing attached, the cost is one
-`None` check per layer call; a recorder attaches a sink (`point.sink = fn`) inside a context
-manager that always detaches it. The engine never imports the workbench.
+- `Signal` / `Field`: each signal's payload declared once, as data (field names, dims, dtypes, what
+  the positions mean). `SIGNALS` is the catalogue; the recorder and the trace schema read it.
+- `ProbePoint`: one signal of one layer, named by family + layer and by its module path
+  (`model.layers.3.self_attn:dsa.topk`). A layer calls `point.emit(**tensors)` only when
+  `point.sink is not None`, so with nothing attached the cost is that one `None` check.
+- `ProbeRequest`: what the listener asks for (optional fields, which queries to measure), declared
+  data the layer reads; `Sample` / `Marks` say which positions are wanted, decided on the host.
+- `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
+  its step, phase and rank.
 
-Catalogue (payload keys; positions are sequence positions, given as CPU int64 tensors so that a
-listener can decide what to keep without synchronising the device; expert ids are logical):
-- `dsa.topk`   (DSA layers): positions [T] int64, indices [B, T, k] int64 (ascending, -1 = empty),
-  scores [B, T, k] fp32.
-- `dsa.dense_mass` (DSA layers, only when a sink asks for it): positions [n] of sampled queries,
-  mass [B, n] fp32 = share of the dense softmax attention mass inside the selected set.
-- `kda.state`  (KDA layers): positions [n] int64 (the state is measured after these positions),
-  norm [B, n, H] fp32 Frobenius norms, and when requested max_abs [B, n, H], mean_decay [B, n, H],
-  mean_beta [B, n, H].
-- `moe.route`  (MoE layers): positions [T] int64, experts [B, T, k] int64, weights [B, T, k] fp32,
-  entropy [B, T] fp32 (of the router's normalised sigmoid scores over all experts).
+Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
+(`if point.sink is not None: point.emit(...)`, any optional measure an `engine.ops` function); give
+it a table in `workbench/trace/schema.py` (`signal=`, `field=` on the columns it fills) and a
+request + reducer entry in `workbench/recorders/recorder.py`.
 
-`ProbeContext` (one per model, set by the session around each forward) tags every signal with the
-step (prefill chunk or decode step), the phase, the rank and the session id.
+Positions are sequence positions, given as CPU int64 tensors so that a listener can decide what to
+keep without synchronising the device; expert ids are logical. The engine never imports the
+workbench, and this module imports neither torch nor the rest of the engine (trace readers cite
+the declarations without loading torch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
-import torch
+import numpy as np
 
-PROBE_NAMES = ("dsa.topk", "dsa.dense_mass", "kda.state", "moe.route")
+if TYPE_CHECKING:
+    import torch
 
-Sink = Callable[["ProbePoint", dict], None]
+OPEN_END = sys.maxsize  # end of a `Marks` span that is still growing (the answer being generated)
 
 
-class ProbePoint:
-    """One recordable signal of one layer. `sink` is None unless a recorder listens."""
+@dataclass(frozen=True)
+class Field:
+    """One tensor of a payload.
 
-    __slots__ = ("name", "layer", "sink", "options")
+    Attributes:
+        name: the keyword the layer emits it under.
+        dims: dimension names; `B` is the batch, `n` the payload's rows (one per position), the
+            others are sizes from the config (see `Signal.check`).
+        dtype: torch dtype name (`"int64"`, `"float32"`).
+        doc: what it holds.
+        optional: emitted only when the listener's `ProbeRequest` names it.
+        host: on the CPU whatever the model's device (positions), so a listener reads it freely.
+    """
 
-    def __init__(self, name: str, layer: int) -> None:
-        if name not in PROBE_NAMES:
-            raise ValueError(f"unknown probe {name!r}")
-        self.name = name
-        self.layer = layer
-        self.sink: Sink | None = None
-        self.options: dict = {}  # what the listener asks for (e.g. extras, sampled positions)
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    doc: str
+    optional: bool = False
+    host: bool = False
 
-    def emit(self, **payload) -> None:
-        if self.sink is not None:
-            self.sink(self, payload)
 
-    def __repr__(self) -> str:
-        return f"ProbePoint({self.name!r}, layer={self.layer}, listening={self.sink is not None})"
+def _positions(meaning: str) -> Field:
+    return Field("positions", ("n",), "int64", meaning, host=True)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """The declaration of one signal: its name, family and payload fields (positions first)."""
+
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+
+    @property
+    def family(self) -> str:
+        return self.name.split(".")[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    @property
+    def optional(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.fields if f.optional)
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"{self.name} has no field {name!r}; fields are {', '.join(self.names)}")
+
+    def check(self, data: dict[str, Any], sizes: dict[str, int], requested: frozenset[str] = frozenset()) -> list[str]:
+        """Where `data` (an emission's tensors) departs from this declaration; [] when it matches.
+
+        `sizes` gives every dimension other than `n` (e.g. `{"B": 1, "topk": 16}`); `n` is taken
+        from `positions`. Optional fields must be present exactly when `requested` names them.
+        """
+        problems = []
+        expected = {f.name for f in self.fields if not f.optional or f.name in requested}
+        if set(data) != expected:
+            problems.append(f"{self.name}: fields {sorted(data)}, declared {sorted(expected)}")
+        n = len(data["positions"]) if "positions" in data else -1
+        for name, t in data.items():
+            if name not in self.names:
+                continue
+            f = self.field(name)
+            want = tuple(n if d == "n" else sizes.get(d, -1) for d in f.dims)
+            if tuple(t.shape) != want:
+                problems.append(f"{self.name}.{name}: shape {tuple(t.shape)}, declared {f.dims} = {want}")
+            if str(t.dtype).removeprefix("torch.") != f.dtype:
+                problems.append(f"{self.name}.{name}: dtype {t.dtype}, declared {f.dtype}")
+            if f.host and t.device.type != "cpu":
+                problems.append(f"{self.name}.{name}: on {t.device}, declared on the host")
+        return problems
+
+
+DSA_TOPK = Signal("dsa.topk", "the key positions each DSA layer's indexer selected, per query of the call", (
+    _positions("query positions of this forward call"),
+    Field("indices", ("B", "n", "topk"), "int64", "selected key positions, ascending; -1 = empty slot"),
+    Field("scores", ("B", "n", "topk"), "float32", "indexer scores aligned with indices", optional=True),
+))
+DSA_DENSE_MASS = Signal("dsa.dense_mass", "how faithful sparse attention is, for the sampled queries", (
+    _positions("the sampled query positions (`ProbeRequest.queries` in prefill, `decode_every` in decode)"),
+    Field("mass", ("B", "n"), "float32", "share of the dense softmax attention mass inside the selected set, "
+          "averaged over all heads"),
+))
+KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state S", (
+    _positions("positions after which the state was measured (chunk boundaries and the call's last token "
+               "in prefill, every token in decode)"),
+    Field("norm", ("B", "n", "heads"), "float32", "Frobenius norm of S per head"),
+    Field("max_abs", ("B", "n", "heads"), "float32", "max |S| per head", optional=True),
+    Field("mean_decay", ("B", "n", "heads"), "float32", "mean exp(g) per head over the interval since the "
+          "previous measurement", optional=True),
+    Field("mean_beta", ("B", "n", "heads"), "float32", "mean beta per head over the same interval", optional=True),
+))
+MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
+    _positions("token positions of this forward call"),
+    Field("experts", ("B", "n", "experts_per_token"), "int64", "logical expert ids, router order"),
+    Field("weights", ("B", "n", "experts_per_token"), "float32", "combine weights aligned with experts"),
+    Field("entropy", ("B", "n"), "float32", "entropy (nats) of the router's normalised sigmoid scores over "
+          "all experts", optional=True),
+))
+
+SIGNALS: dict[str, Signal] = {s.name: s for s in (DSA_TOPK, DSA_DENSE_MASS, KDA_STATE, MOE_ROUTE)}
+PROBE_NAMES = tuple(SIGNALS)
+
+
+@dataclass(frozen=True)
+class Marks:
+    """Positions a listener always wants: single positions and [start, end) spans (segments)."""
+
+    positions: tuple[int, ...] = ()
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def mask(self, pos: np.ndarray) -> np.ndarray:
+        """pos [n] int64 -> bool [n]: marked."""
+        keep = np.zeros(len(pos), bool)
+        if self.positions:
+            keep |= np.isin(pos, np.asarray(self.positions))
+        for start, end in self.spans:
+            keep |= (pos >= start) & (pos < end)
+        return keep
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Which positions to keep: every `stride`-th ((p + 1) % stride == 0; 0 = none), a window of
+    `window_tokens` every `window_every` positions (0 = none), and the marks."""
+
+    stride: int = 0
+    window_every: int = 0
+    window_tokens: int = 0
+    marks: Marks = Marks()
+
+    def rows(self, pos: np.ndarray) -> np.ndarray:
+        """pos [n] int64 -> indices (into pos) of the kept positions, ascending."""
+        keep = (pos + 1) % self.stride == 0 if self.stride > 0 else np.zeros(len(pos), bool)
+        if self.window_every > 0:
+            keep |= (pos % self.window_every) < self.window_tokens
+        return np.flatnonzero(keep | self.marks.mask(pos))
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What a listener asks of a probe point; the layer reads it (nothing calls back).
+
+    Attributes:
+        optional: optional fields of the signal to emit (see `Signal.optional`).
+        queries: `dsa.dense_mass` in prefill (and any phase but decode): which query positions to
+            measure; None = every query.
+        decode_every: `dsa.dense_mass` in decode: measure the step when step % decode_every == 0
+            (0 = never).
+    """
+
+    optional: frozenset[str] = frozenset()
+    queries: Sample | None = None
+    decode_every: int = 1
+
+    def wants(self, name: str) -> bool:
+        return name in self.optional
+
+    def rows(self, start: int, count: int, step: int, phase: str) -> np.ndarray:
+        """Rows of a forward call over positions [start, start + count) to measure (int64, host)."""
+        if phase == "decode":
+            on = self.decode_every > 0 and step % self.decode_every == 0
+            return np.arange(count) if on else np.zeros(0, np.int64)
+        if self.queries is None:
+            return np.arange(count)
+        return self.queries.rows(np.arange(start, start + count))
 
 
 @dataclass
 class ProbeContext:
-    """Where the model is in its session: read by sinks when a probe fires."""
+    """Where the model is in its session; every emission is tagged with it.
+
+    Attributes:
+        step: session-wide forward counter (each prefill chunk and decode step is one).
+        phase: "prefill" | "decode" | "idle" (no session forward running, e.g. a plain `model(ids)`).
+        rank: this process's tensor/expert-parallel rank (set when the model is built).
+    """
 
     step: int = 0
-    phase: str = "idle"  # "prefill" | "decode" | "forward" | "idle"
-    start: int = 0  # first position of this forward call
-    count: int = 0  # tokens in this forward call
+    phase: str = "idle"
     rank: int = 0
-    session: str = ""
 
-    def begin(self, *, step: int, phase: str, start: int, count: int) -> None:
-        self.step, self.phase, self.start, self.count = step, phase, start, count
+    def begin(self, *, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
 
     def end(self) -> None:
         self.phase = "idle"
 
 
-def probe_points(model: torch.nn.Module) -> Iterator[ProbePoint]:
+class Emission(NamedTuple):
+    """What a sink receives: the point, the context's tags, and the tensors (`point.signal`'s fields)."""
+
+    point: "ProbePoint"
+    step: int
+    phase: str
+    rank: int
+    data: dict[str, "torch.Tensor"]
+
+
+Sink = Callable[[Emission], None]
+_UNBOUND = ProbeContext()  # tags of a layer used outside a model (never begun: always step 0, "idle")
+
+
+class ProbePoint:
+    """One recordable signal of one layer. `sink` is None unless a listener attached one.
+
+    Attributes:
+        name: the signal's name (`dsa.topk`); `signal` its declaration; `family` e.g. `dsa`.
+        layer: model layer index.
+        path: module path in the model (`model.layers.3.self_attn`), set by `bind_probes`.
+        request: what the listener asks for (a `ProbeRequest`).
+    """
+
+    __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context")
+
+    def __init__(self, name: str, layer: int) -> None:
+        if name not in SIGNALS:
+            raise ValueError(f"unknown probe {name!r}; probes are {', '.join(SIGNALS)}")
+        self.name = name
+        self.signal = SIGNALS[name]
+        self.layer = layer
+        self.path = ""
+        self.sink: Sink | None = None
+        self.request = ProbeRequest()
+        self.context = _UNBOUND
+
+    @property
+    def family(self) -> str:
+        return self.signal.family
+
+    @property
+    def full_name(self) -> str:
+        """`model.layers.3.self_attn:dsa.topk` (module path, then signal)."""
+        return f"{self.path}:{self.name}"
+
+    def attach(self, sink: Sink, request: ProbeRequest | None = None) -> None:
+        """Start listening; the request may name only optional fields the signal declares."""
+        if self.sink is not None:
+            raise RuntimeError(f"{self} already has a listener")
+        request = request or ProbeRequest()
+        unknown = request.optional - self.signal.optional
+        if unknown:
+            raise ValueError(f"{self.name} has no optional fields {sorted(unknown)}; "
+                             f"optional: {sorted(self.signal.optional)}")
+        self.request, self.sink = request, sink
+
+    def detach(self) -> None:
+        self.sink, self.request = None, ProbeRequest()
+
+    def rows(self, start: int, count: int) -> np.ndarray:
+        """Rows of this forward call the listener wants measured (`ProbeRequest.rows`)."""
+        ctx = self.context
+        return self.request.rows(start, count, ctx.step, ctx.phase)
+
+    def emit(self, **data: "torch.Tensor | None") -> None:
+        """Hand the tensors (fields of `signal`; None = not measured) to the sink with the tags."""
+        sink = self.sink
+        if sink is not None:
+            ctx = self.context
+            sink(Emission(self, ctx.step, ctx.phase, ctx.rank, {k: v for k, v in data.items() if v is not None}))
+
+    def __repr__(self) -> str:
+        where = self.full_name if self.path else f"{self.name}, layer={self.layer}"
+        return f"ProbePoint({where!r}, listening={self.sink is not None})"
+
+
+def bind_probes(model: "torch.nn.Module", context: ProbeContext) -> None:
+    """Give every probe point of `model` its module path and the model's context."""
+    for path, module in model.named_modules():
+        for value in vars(module).values():
+            if isinstance(value, ProbePoint):
+                value.path, value.context = path, context
+
+
+def probe_points(model: "torch.nn.Module") -> Iterator[ProbePoint]:
     """Every probe point declared by the modules of `model`, in module order."""
     for module in model.modules():
         for value in vars(module).values():

@@ -158,7 +158,7 @@ class Session:
         """Run `ids` at positions [length, length + n); returns logits [n or 1, V] fp32."""
         kda = [s for s in self.state.layers if isinstance(s, KDAState)]
         saved = [(s.recurrent, s.conv) for s in kda]  # layers rebind, never mutate: cheap rollback
-        self.model.probe_context.begin(step=self.step, phase=phase, start=self.state.length, count=len(ids))
+        self.model.probe_context.begin(step=self.step, phase=phase)
         try:
             with torch.inference_mode():
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)

@@ -12,14 +12,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.helpers import nan_poisoned_empty, relative_error  # noqa: E402,F401 (relative_error: older imports)
+
 torch.set_num_threads(1)
 torch.manual_seed(42)
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||a - e|| / ||e|| in float64 (the house metric for numerical oracles)."""
-    a, e = actual.double(), expected.double()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+@pytest.fixture
+def nan_poison():
+    """Fresh `empty` floating tensors are NaN during the test (kernel and op tests opt in)."""
+    with nan_poisoned_empty():
+        yield
 
 
 @pytest.fixture(scope="session")

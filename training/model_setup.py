@@ -14,7 +14,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import KimiForCausalLM
 from engine.presets import _k3_family
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 from engine.weights.load import fill
 from engine.weights.names import TensorSpec
 from engine.weights.random_init import RandomSource, storage_dtype

@@ -15,6 +15,7 @@ from engine.cache import KDAState
 from engine.config import ModelConfig
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.ops.kda import kda_chunked, kda_recurrent
+from engine.ops.kda.state_stats import interval_means, state_max_abs, state_norm
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
@@ -70,7 +71,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(hd, d, bias=False)
         self.o_norm = GatedRMSNorm(hd, config.rms_norm_eps)
         self.o_proj = nn.Linear(d, h, bias=False)
-        self.probe_state = ProbePoint("kda.state", layer_idx)  # positions [n], norm [B, n, H] (+ extras)
+        self.probe_state = ProbePoint("kda.state", layer_idx)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g [B, T, H, K] (fp32, <= 0)."""
@@ -82,30 +83,35 @@ class KimiDeltaAttention(nn.Module):
         return -a * F.softplus(z)  # Kimi-Linear
 
     def _observer(self, g: torch.Tensor, beta: torch.Tensor):
-        """A state observer for the `kda.state` probe, and a function that emits what it saw."""
-        seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        extras = bool(self.probe_state.options.get("extras"))
+        """A state observer for the `kda.state` probe, and a function that emits what it saw.
+
+        Norms always; max |S|, mean decay and mean beta only when the listener's request names them.
+        """
+        point = self.probe_state
+        max_abs, mean_decay, mean_beta = (point.request.wants(f) for f in ("max_abs", "mean_decay", "mean_beta"))
+        seen: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
 
         def observe(t: int, S: torch.Tensor) -> None:
-            amax = S.abs().amax(dim=(-2, -1)) if extras else S.new_empty(0)
-            seen.append((t, torch.linalg.vector_norm(S, dim=(-2, -1)), amax))  # [B, H] each
+            seen.append((t, state_norm(S), state_max_abs(S) if max_abs else None))  # [B, H] each
+
+        def gather(x: torch.Tensor) -> torch.Tensor:  # [B, n, local heads] -> [B, n, heads]
+            return comm.all_gather(x, self.parallel, -1, "probe.kda")
 
         def emit(start: int) -> None:
             if not seen:
                 return
             ends_cpu = torch.tensor([t for t, _, _ in seen])
             norms = seen[0][1].unsqueeze(1) if len(seen) == 1 else torch.stack([n for _, n, _ in seen], 1)
-            payload = {"positions": start + ends_cpu, "norm": comm.all_gather(norms, self.parallel, -1, "probe.kda")}
-            if extras:
-                payload["max_abs"] = comm.all_gather(torch.stack([a for _, _, a in seen], 1), self.parallel, -1)
-                # interval means since the previous measurement, from prefix sums over time
+            data = {"norm": gather(norms)}
+            if max_abs:
+                data["max_abs"] = gather(torch.stack([a for _, _, a in seen], 1))
+            if mean_decay or mean_beta:
                 ends = ends_cpu.to(g.device)
-                begins = torch.cat((ends.new_zeros(1), ends[:-1] + 1))
-                for name, series in (("mean_decay", g.exp().mean(-1)), ("mean_beta", beta)):  # [B, T, H]
-                    csum = torch.cat((series.new_zeros(series.shape[0], 1, series.shape[2]), series.cumsum(1)), 1)
-                    means = (csum[:, ends + 1] - csum[:, begins]) / (ends - begins + 1).view(1, -1, 1)
-                    payload[name] = comm.all_gather(means, self.parallel, -1)
-            self.probe_state.sink(self.probe_state, payload)
+                if mean_decay:
+                    data["mean_decay"] = gather(interval_means(g.exp().mean(-1), ends))  # channel mean [B, T, H]
+                if mean_beta:
+                    data["mean_beta"] = gather(interval_means(beta, ends))
+            point.emit(positions=start + ends_cpu, **data)
 
         return observe, emit
 

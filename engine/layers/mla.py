@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.layers.common import RMSNorm
 from engine.layers.indexer import Indexer
 from engine.ops.dsa import indexer_topk
+from engine.ops.mla.dense_mass import dense_mass
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
@@ -57,8 +58,8 @@ class GatedMLA(nn.Module):
             self.g_proj = nn.Linear(h, nh * c.v_head_dim, bias=False)
         self.indexer = Indexer(c.dsa, h, c.q_lora_rank) if c.is_dsa_layer(layer_idx) else None
         if self.indexer is not None:
-            self.probe_topk = ProbePoint("dsa.topk", layer_idx)  # positions [T], indices/scores [B, T, k]
-            self.probe_dense_mass = ProbePoint("dsa.dense_mass", layer_idx)  # positions [n], mass [B, n]
+            self.probe_topk = ProbePoint("dsa.topk", layer_idx)
+            self.probe_dense_mass = ProbePoint("dsa.dense_mass", layer_idx)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as per-head W_kb [H, Dk, R] and W_vb [H, Dv, R]."""
@@ -67,29 +68,20 @@ class GatedMLA(nn.Module):
 
     def _dense_mass(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                     start: int, idx: torch.Tensor, w_kb: torch.Tensor) -> None:
-        """Share of dense softmax mass inside the selected set, for the queries the listener asks for.
+        """Emit `dsa.dense_mass` for the queries the listener's request picks (decided on the host).
 
-        Computes full attention probabilities only for those few queries ([B, n, H, T] scores),
-        averages over all heads (a sum over this rank's heads, all-reduced under tensor parallelism).
+        Mass is averaged over all heads: a sum over this rank's heads, all-reduced under tensor
+        parallelism.
         """
         point = self.probe_dense_mass
-        positions = torch.arange(start, start + q_nope.shape[1])  # CPU: the listener decides without a sync
-        pick = point.options["select"](positions) if "select" in point.options else torch.ones_like(positions, dtype=torch.bool)
-        if not bool(pick.any()):
+        rows = point.rows(start, q_nope.shape[1])
+        if len(rows) == 0:
             return
-        picked = positions[pick]
-        pick = pick.to(q_nope.device)
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope[:, pick].float(), w_kb.float())  # [B, n, H, R]
-        scores = (torch.einsum("bthr,bkr->bthk", q_lat, latent.float())
-                  + torch.einsum("bthd,bkd->bthk", q_rope[:, pick].float(), k_rope.float())) * self.scale
-        keys = torch.arange(latent.shape[1], device=latent.device)
-        scores = scores.masked_fill(keys > picked.to(keys.device)[None, :, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [B, n, H, T]
-        sel = idx[:, pick]  # [B, n, k]
-        inside = probs.gather(-1, sel.clamp_min(0).unsqueeze(2).expand(-1, -1, probs.shape[2], -1))
-        mass = (inside * (sel >= 0).unsqueeze(2)).sum(-1).sum(-1)  # [B, n] summed over local heads
-        mass = comm.all_reduce(mass, self.parallel, "probe.dense_mass") / (self.num_heads * self.parallel.world)
-        point.sink(point, {"positions": picked, "mass": mass})
+        picked = torch.from_numpy(start + rows)  # [n] positions, CPU
+        at = torch.from_numpy(rows).to(q_nope.device)
+        mass = dense_mass(q_nope[:, at], q_rope[:, at], latent, k_rope, w_kb, picked, idx[:, at], self.scale)
+        mass = comm.all_reduce(mass.sum(-1), self.parallel, "probe.dense_mass") / (self.num_heads * self.parallel.world)
+        point.emit(positions=picked, mass=mass)
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,8 +123,8 @@ class GatedMLA(nn.Module):
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.sink is not None:
-                self.probe_topk.sink(self.probe_topk, {"positions": torch.arange(start, start + T), "indices": idx,
-                                                       "scores": scores})
+                self.probe_topk.emit(positions=torch.arange(start, start + T), indices=idx,
+                                     scores=scores if self.probe_topk.request.wants("scores") else None)
             if self.probe_dense_mass.sink is not None:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
         sparse = idx is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk

@@ -27,6 +27,7 @@ from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
 from engine.ops.moe.weights import dense_bytes, take_range
+from engine.ops.router import router_entropy
 
 
 class Router(nn.Module):
@@ -136,7 +137,7 @@ class LatentMoE(nn.Module):
         # (row-parallel), so both end in partial sums that share one all-reduce
         self.parallel = parallel
         self.gate = Router(c)
-        self.probe_route = ProbePoint("moe.route", layer_idx)  # positions [T], experts/weights [B, T, k], entropy [B, T]
+        self.probe_route = ProbePoint("moe.route", layer_idx)
         self.experts = RoutedExperts(c, runtime, expert_ids)
         act = activation(c)
         self.shared_experts = (GatedMLP(c.hidden_size, parallel.split(c.shared_intermediate_size), act)
@@ -153,16 +154,15 @@ class LatentMoE(nn.Module):
         """x [B, T, hidden] at positions [start, start + T) -> [B, T, hidden]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.probe_route.sink is None:
+        point = self.probe_route
+        if point.sink is None:
             weights, ids = self.gate(flat)
         else:
-            weights, ids, scores = self.gate(flat, return_scores=True)
-            p = scores / scores.sum(-1, keepdim=True)  # the router's distribution over all experts
-            entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
-            self.probe_route.sink(self.probe_route, {
-                "positions": torch.arange(start, start + shape[-2]),
-                "experts": ids.view(*shape[:-1], -1), "weights": weights.view(*shape[:-1], -1),
-                "entropy": entropy.view(shape[:-1])})
+            with_entropy = point.request.wants("entropy")
+            weights, ids, *scores = self.gate(flat, return_scores=with_entropy)
+            point.emit(positions=torch.arange(start, start + shape[-2]), experts=ids.view(*shape[:-1], -1),
+                       weights=weights.view(*shape[:-1], -1),
+                       entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None)
         if self.parallel.debug_checks:
             comm.assert_same(ids, self.parallel, "routed expert ids")
         h = self.routed_expert_down_proj(flat) if self.latent else flat

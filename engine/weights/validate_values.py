@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.config import ModelConfig
-from engine.weights.mxfp4 import E8M0_NAN
+from engine.ops.mxfp4.reference import E8M0_NAN
 from engine.weights.names import checkpoint_tensors
 from engine.weights.safetensors_io import FLOAT_DTYPES, CheckpointFiles
 

@@ -32,16 +32,11 @@ from engine.ops.dsa.reference import indexer_scores, indexer_topk
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
-from tests.conftest import relative_error
+from tests.helpers import assert_close
 
-TOLERANCE = 1e-5
+pytestmark = pytest.mark.usefixtures("nan_poison")  # unwritten outputs of ops and kernels fail loudly
 SEED = 42
 TIE_GAP = 1e-4  # relative gap between the k-th and (k+1)-th score below which a query counts as tied
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    err = relative_error(actual, expected)
-    assert err <= TOLERANCE, f"{what}: relative error {err:.3e} > {TOLERANCE}"
 
 
 def reference_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -23,17 +23,11 @@ from engine.layers.attn_res import attn_res
 from engine.layers.common import situ
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
-from tests.conftest import relative_error
+from tests.helpers import assert_close, relative_error
 
-TOLERANCE = 1e-5
 SEED = 42
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NEAR_TIE = 1e-6  # selections (experts, indexer keys) closer than this would make fp32 vs fp64 ambiguous
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    err = relative_error(actual, expected)
-    assert err <= TOLERANCE, f"{what}: relative error {err:.3e} > {TOLERANCE}"
 
 
 def min_topk_gap(scores: torch.Tensor, k: int) -> float:

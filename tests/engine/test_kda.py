@@ -21,9 +21,9 @@ from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from engine import load_model
 from engine.cache import KDAState
 from engine.ops.kda.reference import kda_chunked, kda_recurrent
-from tests.conftest import relative_error
+from tests.helpers import assert_close
 
-TOLERANCE = 1e-5
+pytestmark = pytest.mark.usefixtures("nan_poison")  # unwritten outputs of ops and kernels fail loudly
 SEED = 42
 
 
@@ -46,11 +46,6 @@ def make_inputs(T: int, gate: str, *, B: int = 2, H: int = 3, K: int = 16, V: in
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     state = torch.randn(B, H, K, V, generator=gen) * 0.5 if with_state else None
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": state}
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    err = relative_error(actual, expected)
-    assert err <= TOLERANCE, f"{what}: relative error {err:.3e} > {TOLERANCE}"
 
 
 # ---- recurrent form vs fla ------------------------------------------------------------------

@@ -24,6 +24,7 @@ from engine.ops.mxfp4 import reference as mxfp4
 from engine.weights.safetensors_io import INDEX_FILE
 from engine.weights.write import write_checkpoint
 
+pytestmark = pytest.mark.usefixtures("nan_poison")  # unwritten outputs of ops and kernels fail loudly
 SEED = 42
 
 

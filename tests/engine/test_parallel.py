@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from engine import load_model
 from engine.session import Session
-from tests.conftest import relative_error
+from tests.helpers import assert_close
 from tests.engine.parallel_worker import PROMPT
 from apps.cli import main
 
@@ -84,7 +84,7 @@ def _check_job(world: int, model: str | Path, expected: tuple[torch.Tensor, list
     codes, errors, _ = launch(world, "--model", str(model), "--out", str(out), *extra)
     assert codes == [0] * world, "\n".join(errors)
     got = load_file(str(out))
-    assert relative_error(got["logits"], expected[0]) <= 1e-5
+    assert_close(got["logits"], expected[0], "logits")
     assert got["tokens"].tolist() == expected[1]
 
 
@@ -140,7 +140,7 @@ def test_cli_logits_and_run_under_torchrun(k31_mxfp4, tmp_path, capsys):
     model = load_model(k31_mxfp4)
     with torch.inference_mode():
         for i, seq in enumerate([PROMPT, PROMPT[:5]]):
-            assert relative_error(got[f"logits.{i}"], model(torch.tensor([seq]))[0]) <= 1e-5
+            assert_close(got[f"logits.{i}"], model(torch.tensor([seq]))[0], f"logits of sequence {i}")
 
     run_args = ["run", "--model", str(k31_mxfp4), "--prompt", "hello parallel", "--temperature", "0",
                 "--max-new-tokens", "5"]

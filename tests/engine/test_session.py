@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import relative_error
+from tests.helpers import assert_close
 from engine import load_model
 from engine.errors import InputError
 from engine.sampling import SamplingParams, filter_logits, make_generator, sample
@@ -42,7 +42,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(models, variant, chunk, p
         logits.append(session.feed([t]))
     got = torch.cat(logits)
     assert got.shape == full.shape
-    assert relative_error(got, full) <= 1e-5
+    assert_close(got, full, "chunked prefill logits")
     # every position individually stays close too (fp32 reorderings only)
     per_pos = (got - full).norm(dim=-1) / full.norm(dim=-1)
     assert float(per_pos.max()) <= 5e-5
@@ -57,7 +57,7 @@ def test_prefill_longer_than_topk_crosses_chunks(models):
     for chunk in (3, 16, 17):
         s = Session(model, prefill_chunk=chunk)
         s.append(ids=ids)
-        assert relative_error(s.prefill(return_logits=True), full) <= 1e-5
+        assert_close(s.prefill(return_logits=True), full, "prefill logits")
 
 
 def test_same_seed_same_tokens_and_different_seed_differs(models):

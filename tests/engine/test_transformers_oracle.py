@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import load_model
-from tests.conftest import relative_error
+from tests.helpers import relative_error
 
 ORACLE = Path(__file__).resolve().parents[1] / "oracles" / "hf_kimi_linear.py"
 TOLERANCE = 1e-5

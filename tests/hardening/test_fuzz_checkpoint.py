@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.errors import CheckpointError
-from engine.weights.mxfp4 import BLOCK, E8M0_NAN, dequantize
+from engine.ops.mxfp4.reference import BLOCK, E8M0_NAN, dequantize
 from engine.weights.safetensors_io import INDEX_FILE, CheckpointFiles, read_header
 from tests.hardening.conftest import bounded
 

@@ -8,7 +8,7 @@ import json
 import torch
 
 from engine import load_model
-from engine.weights import mxfp4
+from engine.ops.mxfp4 import reference as mxfp4
 from training import state as state_io
 from training.model_setup import export, trainable_model, trained_demo_config
 

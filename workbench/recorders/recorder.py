@@ -25,15 +25,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine.probes import ProbePoint, probe_points
+from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, Sample, probe_points
 from engine.session import Segment, Session
 from workbench.recorders import reduce
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceWriter
+from workbench.trace.schema import TABLES
 
 MODALITIES = ("text", "image")
 DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are reduced in bulk at the flush
-FAMILIES = {"dsa": ("dsa.topk", "dsa.dense_mass"), "kda": ("kda.state",), "moe": ("moe.route",)}
+FAMILIES = {family: tuple(s.name for s in SIGNALS.values() if s.family == family) for family in ("dsa", "kda", "moe")}
 
 
 class Recorder:
@@ -46,14 +47,21 @@ class Recorder:
         self.writer = writer
         self.policy = policy
         self.families = families
-        self.rank = int(getattr(getattr(self.model, "parallel", None), "rank", 0))
         self.ep_world = int(getattr(getattr(self.model, "parallel", None), "world", 1))
         self._points: list[ProbePoint] = []
         self._segment_of = torch.zeros(0, dtype=torch.long)
         self._segment_dev: dict[torch.device, torch.Tensor] = {}
         self._segments_seen = -1
-        self._pending: list[tuple[str, int | None, dict, str | None]] = []
-        self._deferred: dict[tuple[str, int], list] = defaultdict(list)
+        self._marks = Marks(tuple(policy.mark_positions))
+        self._marks_seen = -1  # segment count the marks (and the requests that carry them) were built for
+        self._pending: list[tuple[str, int | None, int, dict, str | None]] = []
+        self._deferred: dict[ProbePoint, list[Emission]] = defaultdict(list)
+        # per signal: what the recorder asks the layer for, and how it turns emissions into rows
+        # (adding a signal: declare it in engine.probes, emit it in its layer, add its two entries here)
+        self._requests = {"dsa.topk": self._request_dsa_topk, "dsa.dense_mass": self._request_dsa_dense_mass,
+                          "kda.state": self._request_kda_state, "moe.route": self._request_moe_route}
+        self._reducers = {"dsa.topk": self._reduce_dsa_topk, "dsa.dense_mass": self._reduce_dsa_dense_mass,
+                          "kda.state": self._reduce_kda_state, "moe.route": self._reduce_moe_route}
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
@@ -63,13 +71,13 @@ class Recorder:
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self) -> None:
         wanted = {name for fam in self.families for name in FAMILIES[fam]}
+        self._update_marks()
         for point in probe_points(self.model):
             if point.name not in wanted:
                 continue
             if point.sink is not None:
                 raise RuntimeError(f"{point} is already being recorded (nested record() on one model?)")
-            point.options = self._options(point)
-            point.sink = self._on_probe
+            point.attach(self._on_probe, self._requests[point.name]())
             self._points.append(point)
         self.session.observers.append(self._on_event)
         for seg in self.session.segments:  # context appended before recording started (already in session.json)
@@ -77,27 +85,51 @@ class Recorder:
 
     def detach(self) -> None:
         for point in self._points:
-            point.sink = None
-            point.options = {}
+            point.detach()
         self._points.clear()
         if self._on_event in self.session.observers:
             self.session.observers.remove(self._on_event)
 
-    def _options(self, point: ProbePoint) -> dict:
+    # ---- requests: what each probe point is asked for (data the layer reads) ------------------------
+    def _request_dsa_topk(self) -> ProbeRequest:
+        return ProbeRequest(optional=frozenset({"scores"} if self.policy.dsa_scores else ()))
+
+    def _request_dsa_dense_mass(self) -> ProbeRequest:
         p = self.policy
-        if point.name == "kda.state":
-            return {"extras": p.kda_extras}
-        if point.name == "dsa.dense_mass":
-            return {"select": self._dense_mass_queries}
-        if point.name == "dsa.topk":
-            return {"scores": p.dsa_scores}
-        return {}
+        return ProbeRequest(queries=Sample(stride=p.dense_mass_stride, marks=self._marks),
+                            decode_every=p.dense_mass_decode_every)
+
+    def _request_kda_state(self) -> ProbeRequest:
+        extras = ("max_abs", "mean_decay", "mean_beta") if self.policy.kda_extras else ()
+        return ProbeRequest(optional=frozenset(extras))
+
+    def _request_moe_route(self) -> ProbeRequest:
+        return ProbeRequest(optional=frozenset({"entropy"}))
+
+    def _update_marks(self) -> None:
+        """Rebuild the marked spans when segments were added, and hand layers the new requests.
+
+        Runs on every session event (on every rank: all ranks must pick the same dense-mass queries,
+        which enter a collective), so the requests are current before the next forward: each
+        forward follows an append ("segment") or a sampled token ("token").
+        """
+        segments = self.session.segments
+        if self._marks_seen == len(segments):
+            return
+        self._marks_seen = len(segments)
+        names = self.policy.mark_segments
+        if not names:
+            return
+        last = segments[-1] if segments else None
+        # the answer grows past its recorded end while decoding: its span stays open while it is last
+        spans = tuple((s.start, OPEN_END if s is last and s.kind == "generated" else s.end)
+                      for s in segments if s.name in names)
+        self._marks = Marks(tuple(self.policy.mark_positions), spans)
+        for point in self._points:
+            if point.name == "dsa.dense_mass":
+                point.request = self._requests[point.name]()
 
     # ---- helpers -------------------------------------------------------------------------------------
-    @property
-    def _ctx(self):
-        return self.model.probe_context
-
     def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
         """position -> segment id for positions [0, n), on `device` (cached until segments change)."""
         if n > len(self._segment_of) or self._segments_seen != len(self.session.segments):
@@ -121,49 +153,40 @@ class Recorder:
         pos = positions.numpy()
         if every:
             return np.arange(len(pos))
-        keep = (pos + 1) % stride == 0 if stride > 0 else np.zeros(len(pos), bool)
-        if window is not None and window[0] > 0:
-            keep |= (pos % window[0]) < window[1]
-        p = self.policy
-        if p.mark_positions:
-            keep |= np.isin(pos, np.asarray(p.mark_positions))
-        if p.mark_segments:
-            ids = [s.id for s in self.session.segments if s.name in p.mark_segments]
-            if ids and len(pos):
-                seg = self._segment_map(int(pos.max()) + 1, torch.device("cpu")).numpy()[pos]
-                keep |= np.isin(seg, ids)
-        return np.flatnonzero(keep)
+        self._update_marks()  # segments as they are now (a flush may follow a change no event announced)
+        every_n, tokens = window if window is not None else (0, 0)
+        return Sample(stride=stride, window_every=every_n, window_tokens=tokens, marks=self._marks).rows(pos)
 
-    def _dense_mass_queries(self, positions: torch.Tensor) -> torch.Tensor:
-        """Which queries of this forward call get a dense-attention mass measurement (CPU bool mask)."""
-        p = self.policy
-        if self._ctx.phase == "decode":
-            every = p.dense_mass_decode_every
-            return torch.full_like(positions, every > 0 and self._ctx.step % every == 0, dtype=torch.bool)
-        mask = torch.zeros_like(positions, dtype=torch.bool)
-        mask[torch.as_tensor(self._keep(positions, p.dense_mass_stride))] = True
-        return mask
-
-    def _pend(self, table: str, layer: int | None, cols: dict | None, drop_zero: str | None = None) -> None:
+    def _pend(self, table: str, layer: int | None, rank: int, cols: dict | None, drop_zero: str | None = None) -> None:
         """Queue device tensors for `table` (with a `step` column or scalar); written at the next flush."""
         if cols is not None:
-            self._pending.append((table, layer, cols, drop_zero))
+            self._pending.append((table, layer, rank, cols, drop_zero))
+
+    def _rows(self, table: str, layer: int, rank: int, keep: np.ndarray | None, steps: torch.Tensor,
+              fields: dict[str, torch.Tensor]) -> None:
+        """Queue raw rows of a signal table (all, or rows `keep`): the columns the schema ties to a
+        payload field (`Column.field`)."""
+        columns = {c.name: fields.get(c.field) for c in TABLES[table].columns if c.field is not None}
+        if keep is None:
+            self._pend(table, layer, rank, {"step": steps, **{k: v for k, v in columns.items() if v is not None}})
+        else:
+            self._pend(table, layer, rank, reduce.select_rows(keep, step=steps, **columns))
 
     def _drain(self) -> None:
         """Reduce deferred decode payloads, copy every pending result to the host (one device
         synchronisation), and hand each table's rows to the writer in a single append."""
-        for (name, layer), items in self._deferred.items():
-            self._reduce(name, layer, items)
+        for point, items in self._deferred.items():
+            self._reduce(point, items)
         self._deferred.clear()
         pending, self._pending = self._pending, []
         by_table: dict[str, list[dict]] = defaultdict(list)
-        for table, layer, cols, drop_zero in pending:
+        for table, layer, rank, cols, drop_zero in pending:
             columns = reduce.to_columns(cols, drop_zero)
             n = len(next(c for c in columns.values() if isinstance(c, np.ndarray) and c.ndim > 0))
             if n == 0:
                 continue
             if layer is not None:
-                columns["layer"], columns["rank"] = np.full(n, layer), np.full(n, self.rank)
+                columns["layer"], columns["rank"] = np.full(n, layer), np.full(n, rank)
             columns = {k: (np.full(n, v) if np.ndim(v) == 0 else v) for k, v in columns.items()}
             by_table[table].append(columns)
         for table, parts in by_table.items():
@@ -173,83 +196,88 @@ class Recorder:
             self.rows_written += self.writer.append(table, **merged)
 
     # ---- probe payloads -----------------------------------------------------------------------------
-    def _on_probe(self, point: ProbePoint, payload: dict) -> None:
+    def _on_probe(self, emission: Emission) -> None:
         if self.writer is None:
             return  # other ranks run the same collectives but do not write
-        item = (self._ctx.step, self._ctx.phase == "decode", payload)
-        if len(payload["positions"]) <= DEFER_MAX_TOKENS:
+        if len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
             # decode-sized payloads are reduced in bulk at the flush: per-token Python work stays tiny
-            self._deferred[(point.name, point.layer)].append(item)
+            self._deferred[emission.point].append(emission)
         else:
-            self._reduce(point.name, point.layer, [item])
+            self._reduce(emission.point, [emission])
 
-    def _reduce(self, name: str, layer: int, items: list) -> None:
-        """Turn probe payloads of one layer (one prefill call, or many decode steps) into rows."""
-        steps = torch.cat([torch.full((len(p["positions"]),), step) for step, _, p in items])
-        pos = torch.cat([p["positions"] for _, _, p in items])
-        if name == "dsa.dense_mass":
-            self._pend("dsa_dense_mass", layer, {"step": steps, "position": pos,
-                                                 "mass": torch.cat([p["mass"][0] for _, _, p in items])})
-            return
-        family = {"dsa.topk": self._dsa, "kda.state": self._kda, "moe.route": self._moe}[name]
-        family(layer, items, steps, pos)
+    def _reduce(self, point: ProbePoint, items: list[Emission]) -> None:
+        """Turn emissions of one probe point (one prefill call, or many decode steps) into rows.
 
-    def _keep_items(self, items: list, stride: int, *, decode_all: bool, last: bool = False,
+        The signal's declaration says how to line the emissions up: each field's rows (the `n` axis)
+        are concatenated, and the batch row (one sequence per trace) is dropped.
+        """
+        steps = torch.cat([torch.full((len(e.data["positions"]),), e.step) for e in items])
+        fields = {}
+        for f in point.signal.fields:
+            if f.name in items[0].data:
+                parts = [e.data[f.name] for e in items]
+                fields[f.name] = torch.cat([t[0] for t in parts] if f.dims[0] == "B" else parts)
+        self._reducers[point.name](point.layer, items[0].rank, items, steps, fields)
+
+    def _keep_items(self, items: list[Emission], stride: int, *, decode_all: bool, last: bool = False,
                     window: tuple[int, int] | None = None) -> np.ndarray:
         """Row indices (over the concatenated items) to keep in full."""
         keep, offset = [], 0
-        for _, decode, payload in items:
-            n = len(payload["positions"])
-            rows = self._keep(payload["positions"], stride, every=decode and decode_all,
-                              window=None if decode else window)
+        for e in items:
+            decode, positions = e.phase == "decode", e.data["positions"]
+            n = len(positions)
+            rows = self._keep(positions, stride, every=decode and decode_all, window=None if decode else window)
             if last and not decode:
                 rows = np.union1d(rows, [n - 1])  # the state at the end of every forward call
             keep.append(rows + offset)
             offset += n
         return np.concatenate(keep)
 
-    def _dsa(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
+    def _reduce_dsa_dense_mass(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
+                               fields: dict[str, torch.Tensor]) -> None:
+        self._rows("dsa_dense_mass", layer, rank, None, steps, fields)
+
+    def _reduce_dsa_topk(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
+                         fields: dict[str, torch.Tensor]) -> None:
         p = self.policy
-        idx = torch.cat([payload["indices"][0] for _, _, payload in items])  # one sequence per trace
+        idx, pos = fields["indices"], fields["positions"]
         step, last = int(steps.max()), int(pos.max())
         n_bins = last // p.dsa_bin_tokens + 1
-        self._pend("dsa_key_counts", layer, {"step": step, **reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins)},
-                   "count")
-        self._pend("dsa_distance_hist", layer, {"step": step, **reduce.dsa_distance_hist(pos.to(idx.device), idx)},
-                   "count")
+        self._pend("dsa_key_counts", layer, rank,
+                   {"step": step, **reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins)}, "count")
+        self._pend("dsa_distance_hist", layer, rank,
+                   {"step": step, **reduce.dsa_distance_hist(pos.to(idx.device), idx)}, "count")
         seg = self._segment_map(last + 1, idx.device)
-        self._pend("dsa_segment_totals", layer,
+        self._pend("dsa_segment_totals", layer, rank,
                    {"step": step, **reduce.dsa_segment_totals(idx, seg, len(self.session.segments) or 1)}, "count")
-        self._pend("dsa_sink", layer, {"step": step, **reduce.dsa_sink(last, idx, p.sink_tokens)})
+        self._pend("dsa_sink", layer, rank, {"step": step, **reduce.dsa_sink(last, idx, p.sink_tokens)})
         keep = self._keep_items(items, p.dsa_prefill_stride, decode_all=p.dsa_decode_lists)
-        scores = torch.cat([payload["scores"][0] for _, _, payload in items]) if p.dsa_scores else None
-        self._pend("dsa_topk", layer, reduce.select_rows(keep, step=steps, position=pos, selected=idx, scores=scores))
+        self._rows("dsa_topk", layer, rank, keep, steps, fields)
 
-    def _kda(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
+    def _reduce_kda_state(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
+                          fields: dict[str, torch.Tensor]) -> None:
         keep = self._keep_items(items, self.policy.kda_every_tokens, decode_all=True, last=True)
-        stats = {k: torch.cat([payload[k][0] for _, _, payload in items]) for k in items[0][2] if k != "positions"}
-        self._pend("kda_norms", layer, reduce.select_rows(keep, step=steps, position=pos, **stats))
+        self._rows("kda_norms", layer, rank, keep, steps, fields)
 
-    def _moe(self, layer: int, items: list, steps: torch.Tensor, pos: torch.Tensor) -> None:
+    def _reduce_moe_route(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
+                          fields: dict[str, torch.Tensor]) -> None:
         p = self.policy
-        experts = torch.cat([payload["experts"][0] for _, _, payload in items])
-        weights = torch.cat([payload["weights"][0] for _, _, payload in items])
-        entropy = torch.cat([payload["entropy"][0] for _, _, payload in items]) if "entropy" in items[0][2] else None
+        experts, pos = fields["experts"], fields["positions"]
         step = int(steps.max())
         seg = self._segment_map(int(pos.max()) + 1, experts.device)[pos.to(experts.device)]
         modality = torch.zeros_like(seg)  # image tokens arrive with the vision tower
         n_seg = len(self.session.segments) or 1
-        self._pend("moe_counts", layer, {"step": step, **reduce.moe_counts(
+        self._pend("moe_counts", layer, rank, {"step": step, **reduce.moe_counts(
             experts, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))}, "count")
-        self._pend("moe_rank_load", layer,
+        self._pend("moe_rank_load", layer, rank,
                    {"step": step, **reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world)}, "tokens")
         keep = self._keep_items(items, 0, decode_all=p.moe_decode_routes,
                                 window=(p.moe_window_every, p.moe_window_tokens))
-        self._pend("moe_routes", layer, reduce.select_rows(keep, step=steps, position=pos,
-                                                           experts=experts, weights=weights, entropy=entropy))
+        self._rows("moe_routes", layer, rank, keep, steps, fields)
 
     # ---- session events --------------------------------------------------------------------------------
     def _on_event(self, event: str, payload: dict) -> None:
+        self._update_marks()
         if self.writer is None:
             return
         if event == "segment":

@@ -21,6 +21,10 @@ Rules that make the store crash-safe and followable:
   project code (`SELECT layer, sum(count) FROM read_parquet('TRACE/dsa_key_counts/part-*.parquet') GROUP
   BY layer`).
 
+Signal tables say which probe signal they are reduced from (`TableSpec.signal`, declared with its
+payload fields in `engine.probes.SIGNALS`); a column that holds a payload field names it
+(`Column.field`), and the recorder fills exactly those columns from the emitted tensors.
+
 Signal tables tag every row with `layer` (model layer index), `step` (a session-wide forward counter:
 each prefill chunk and each decode token is one step, so it only grows) and `rank` (the process that
 recorded the row). Positions are sequence positions, never KV-cache slots; experts are logical ids.
@@ -48,6 +52,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from engine.probes import SIGNALS
 from workbench.trace.errors import TraceError
 
 SCHEMA_NAME = "k3-workbench-trace"
@@ -74,7 +79,8 @@ MODALITY_TYPE = pa.dictionary(pa.int8(), pa.string())
 
 
 class Column(NamedTuple):
-    """One column: name, Arrow type, what it holds; whether it may be null; its Parquet encoding."""
+    """One column: name, Arrow type, what it holds; whether it may be null; its Parquet encoding; the
+    probe payload field it holds, if any (a field of the table's `signal`, batch row dropped)."""
 
     name: str
     type: pa.DataType
@@ -83,6 +89,7 @@ class Column(NamedTuple):
     # dict: few distinct values (RLE'd dictionary); delta: sorted or slowly changing integers;
     # bss: floats (byte-stream-split groups exponent bytes so zstd finds them); plain: everything else
     encoding: Encoding = "plain"
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class TableSpec:
             are dropped from every list column of the row.
         ascending: the writer stores each `ragged_key` list in ascending order (aligned lists follow).
         cache: whether a reader keeps the table in memory (small tables) or reads it on demand.
+        signal: the probe signal (`engine.probes.SIGNALS`) the table is recorded from, if any.
     """
 
     name: str
@@ -111,11 +119,16 @@ class TableSpec:
     ragged_key: str | None = None
     ascending: bool = False
     cache: bool = True
+    signal: str | None = None
     arrow_schema: pa.Schema = field(init=False, repr=False, compare=False)
     # column name -> (kind: "int" | "float" | "string" | "list", numpy dtype of the values), for the writer
     meta: dict[str, tuple[str, np.dtype]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        cited = [c.field for c in self.columns if c.field is not None]
+        if cited and (self.signal not in SIGNALS or not set(cited) <= set(SIGNALS[self.signal].names)):
+            raise ValueError(f"table {self.name}: columns cite fields {cited} that signal {self.signal!r} "
+                             "does not declare")
         fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in self.columns]
         tags = {b"k3wb.table": self.name.encode(), b"k3wb.schema_version": str(SCHEMA_VERSION).encode()}
         object.__setattr__(self, "arrow_schema", pa.schema(fields, metadata=tags))
@@ -179,26 +192,26 @@ TABLES: dict[str, TableSpec] = {t.name: t for t in (
     )),
     TableSpec("dsa_topk", "full index list of one query on one DSA layer (decode steps, sampled prefill queries)", (
         *_tags(),
-        Column("position", pa.int32(), "query position", encoding="delta"),
-        Column("selected", _LIST_I32, "selected key positions, ascending", encoding="delta"),
-        Column("scores", pa.list_(pa.float32()), "indexer scores aligned with selected", True, "bss"),
-    ), ragged_key="selected", ascending=True, cache=False),
+        Column("position", pa.int32(), "query position", encoding="delta", field="positions"),
+        Column("selected", _LIST_I32, "selected key positions, ascending", encoding="delta", field="indices"),
+        Column("scores", pa.list_(pa.float32()), "indexer scores aligned with selected", True, "bss", "scores"),
+    ), ragged_key="selected", ascending=True, cache=False, signal="dsa.topk"),
     TableSpec("dsa_key_counts", "how often keys in a position bin were selected (delta); bin width is "
               "policy.dsa_bin_tokens", (
         *_tags(),
         Column("key_bin", pa.int32(), "key position // policy.dsa_bin_tokens", encoding="delta"),
         Column("count", pa.int64(), "selections of keys in the bin (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), cache=False),
+    ), kind="delta", sums=("count",), maxes=("step",), cache=False, signal="dsa.topk"),
     TableSpec("dsa_distance_hist", "read distances d = query - key, log2 bins (delta)", (
         *_tags(),
         Column("log2_bin", pa.int8(), "b such that floor(log2(d + 1)) == b", encoding="dict"),
         Column("count", pa.int64(), "selections at that distance (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",)),
+    ), kind="delta", sums=("count",), maxes=("step",), signal="dsa.topk"),
     TableSpec("dsa_segment_totals", "selections of keys inside each segment (delta)", (
         *_tags(),
         Column("segment", pa.int32(), "segment id of the selected keys", encoding="dict"),
         Column("count", pa.int64(), "selections (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",)),
+    ), kind="delta", sums=("count",), maxes=("step",), signal="dsa.topk"),
     TableSpec("dsa_sink", "attention-sink hits: queries that selected one of the first policy.sink_tokens "
               "positions (delta)", (
         *_tags(),
@@ -206,40 +219,42 @@ TABLES: dict[str, TableSpec] = {t.name: t for t in (
         Column("queries", pa.int32(), "queries (delta)", encoding="delta"),
         Column("sink_hits", pa.int32(), "queries that selected at least one sink position (delta)",
                encoding="delta"),
-    ), kind="delta", sums=("queries", "sink_hits"), maxes=("step", "position")),
+    ), kind="delta", sums=("queries", "sink_hits"), maxes=("step", "position"), signal="dsa.topk"),
     TableSpec("dsa_dense_mass", "fraction of the dense softmax mass inside the selected set (sampled queries)", (
         *_tags(),
-        Column("position", pa.int32(), "query position", encoding="delta"),
-        Column("mass", pa.float32(), "sum of dense attention probabilities over the selected keys", encoding="bss"),
-    )),
+        Column("position", pa.int32(), "query position", encoding="delta", field="positions"),
+        Column("mass", pa.float32(), "sum of dense attention probabilities over the selected keys", encoding="bss",
+               field="mass"),
+    ), signal="dsa.dense_mass"),
     TableSpec("kda_norms", "per-head KDA state statistics after a position (chunk boundaries, decode tokens)", (
         *_tags(),
-        Column("position", pa.int32(), "position after which the state was measured", encoding="delta"),
-        Column("norm", _LIST_F16, "Frobenius norm of S, one per head", encoding="bss"),
-        Column("max_abs", _LIST_F16, "max |S| per head", True, "bss"),
-        Column("mean_decay", _LIST_F16, "mean exp(g) per head over the interval", True, "bss"),
-        Column("mean_beta", _LIST_F16, "mean beta per head over the interval", True, "bss"),
-    )),
+        Column("position", pa.int32(), "position after which the state was measured", encoding="delta",
+               field="positions"),
+        Column("norm", _LIST_F16, "Frobenius norm of S, one per head", encoding="bss", field="norm"),
+        Column("max_abs", _LIST_F16, "max |S| per head", True, "bss", "max_abs"),
+        Column("mean_decay", _LIST_F16, "mean exp(g) per head over the interval", True, "bss", "mean_decay"),
+        Column("mean_beta", _LIST_F16, "mean beta per head over the interval", True, "bss", "mean_beta"),
+    ), signal="kda.state"),
     TableSpec("moe_routes", "routing of one token on one MoE layer (decode steps, sampled windows)", (
         *_tags(),
-        Column("position", pa.int32(), "token position", encoding="delta"),
-        Column("experts", pa.list_(pa.int16()), "logical expert ids, router order"),
-        Column("weights", _LIST_F16, "combine weights aligned with experts", encoding="bss"),
+        Column("position", pa.int32(), "token position", encoding="delta", field="positions"),
+        Column("experts", pa.list_(pa.int16()), "logical expert ids, router order", field="experts"),
+        Column("weights", _LIST_F16, "combine weights aligned with experts", encoding="bss", field="weights"),
         Column("entropy", pa.float32(), "entropy (nats) of the router distribution over all experts",
-               encoding="bss"),
-    ), ragged_key="experts", cache=False),
+               encoding="bss", field="entropy"),
+    ), ragged_key="experts", cache=False, signal="moe.route"),
     TableSpec("moe_counts", "token slots routed to each expert, by segment and modality (delta)", (
         *_tags(),
         Column("segment", pa.int32(), "segment id of the routed tokens", encoding="dict"),
         Column("modality", MODALITY_TYPE, "text or image", encoding="dict"),
         Column("expert", pa.int16(), "logical expert id", encoding="delta"),
         Column("count", pa.int64(), "token slots (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), cache=False),
+    ), kind="delta", sums=("count",), maxes=("step",), cache=False, signal="moe.route"),
     TableSpec("moe_rank_load", "routed token slots handled by each expert-parallel rank (delta)", (
         *_tags(),
         Column("ep_rank", pa.int16(), "expert-parallel rank that owns the experts", encoding="dict"),
         Column("tokens", pa.int64(), "token slots (delta)", encoding="delta"),
-    ), kind="delta", sums=("tokens",), maxes=("step",)),
+    ), kind="delta", sums=("tokens",), maxes=("step",), signal="moe.route"),
 )}
 
 SIGNAL_TABLES = tuple(name for name in TABLES if name != "tokens")
@@ -271,7 +286,8 @@ def describe() -> str:
     """The schema as Markdown (for docs and notebooks)."""
     lines = [f"# {SCHEMA_NAME} version {SCHEMA_VERSION}", ""]
     for spec in TABLES.values():
-        lines += [f"## {spec.name} ({spec.kind})", "", spec.doc, ""]
+        source = f" (recorded from probe `{spec.signal}`)" if spec.signal else ""
+        lines += [f"## {spec.name} ({spec.kind})", "", spec.doc + source, ""]
         lines += [f"- `{c.name}` {c.type}{' (nullable)' if c.nullable else ''}: {c.doc}" for c in spec.columns]
         lines.append("")
     return "\n".join(lines)

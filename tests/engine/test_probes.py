@@ -1,0 +1,142 @@
+"""Probe points emit what `engine.probes` declares, on the real layers of the tiny preset.
+
+- Every probe of every variant (K3.1, K3, Kimi-Linear), through chunked prefill and decode, with
+  every optional field requested and with none: field names, dims and dtypes match the
+  declaration (`Signal.check`), positions are on the host, tags carry step, phase and rank.
+- Points are named by module path and by family + layer; a model declares exactly the points its
+  config implies.
+- `ProbeRequest` is data the layer reads: dense-mass queries are the rows the request picks
+  (stride, marks, spans; decode steps by `decode_every`), decided from host positions.
+- `ProbePoint.attach` refuses optional fields the signal does not declare and a second listener.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import load_model
+from engine.probes import SIGNALS, Marks, ProbeRequest, Sample, probe_points
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+
+PREFILL, CHUNK, NEW = 45, 20, 4
+
+
+def run_session(model, request_for) -> list:
+    """Attach a collecting sink (request from `request_for(point)`) to every point; prefill + decode."""
+    seen = []
+    points = list(probe_points(model))
+    for point in points:
+        point.attach(seen.append, request_for(point))
+    try:
+        session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK, progress=False)
+        session.append(ids=torch.randint(0, 256, (PREFILL,), generator=torch.Generator().manual_seed(1)).tolist())
+        list(session.generate(NEW, temperature=0, stop_ids=()))
+    finally:
+        for point in points:
+            point.detach()
+    return seen
+
+
+def sizes(config) -> dict[str, int]:
+    return {"B": 1, "topk": config.dsa.topk if config.dsa is not None else -1, "heads": config.kda_num_heads,
+            "experts_per_token": config.num_experts_per_token}
+
+
+@pytest.mark.parametrize("variant", ["k3.1", "k3", "kimi-linear"])
+@pytest.mark.parametrize("optional", ["all", "none"])
+def test_every_emission_matches_its_declaration(variant: str, optional: str) -> None:
+    model = load_model(f"preset:tiny:{variant}", seed=3)
+    cfg = model.config
+
+    def request(point):
+        return ProbeRequest(optional=point.signal.optional if optional == "all" else frozenset())
+
+    seen = run_session(model, request)
+    for e in seen:
+        requested = e.point.signal.optional if optional == "all" else frozenset()
+        problems = e.point.signal.check(e.data, sizes(cfg), requested)
+        assert not problems, problems
+        assert e.rank == 0 and e.phase in ("prefill", "decode")
+    steps = PREFILL // CHUNK + 1 + NEW - 1  # prefill chunks, then one forward per decoded token but the last
+    emitted = {(e.point.name, e.point.layer, e.phase) for e in seen}
+    for point in probe_points(model):
+        for phase in ("prefill", "decode"):
+            assert (point.name, point.layer, phase) in emitted, f"{point} never emitted in {phase}"
+    assert sorted({e.step for e in seen}) == list(range(steps))
+
+
+@pytest.mark.parametrize("variant", ["k3.1", "k3", "kimi-linear"])
+def test_points_are_named_by_module_path_and_follow_the_config(variant: str) -> None:
+    model = load_model(f"preset:tiny:{variant}", seed=3)
+    cfg = model.config
+    points = list(probe_points(model))
+    expected = set()
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_kda_layer(i):
+            expected.add(("kda.state", i, f"model.layers.{i}.self_attn"))
+        elif cfg.is_dsa_layer(i):
+            expected |= {(name, i, f"model.layers.{i}.self_attn") for name in ("dsa.topk", "dsa.dense_mass")}
+        if cfg.is_moe_layer(i):
+            expected.add(("moe.route", i, f"model.layers.{i}.block_sparse_moe"))
+    assert {(p.name, p.layer, p.path) for p in points} == expected
+    modules = dict(model.named_modules())
+    for p in points:
+        assert p.full_name == f"{p.path}:{p.name}" and p.family == p.name.split(".")[0]
+        assert p in vars(modules[p.path]).values() and p.context is model.probe_context
+    if variant == "k3":
+        assert not any(p.family == "dsa" for p in points)  # K3 has no indexer
+
+
+def test_dense_mass_measures_exactly_the_requested_queries() -> None:
+    model = load_model("preset:tiny:k3.1", seed=3)
+    sample = Sample(stride=7, marks=Marks(positions=(2,), spans=((30, 33),)))
+
+    def request(point):
+        return ProbeRequest(queries=sample, decode_every=2) if point.name == "dsa.dense_mass" else ProbeRequest()
+
+    seen = [e for e in run_session(model, request) if e.point.name == "dsa.dense_mass"]
+    layers = {p.layer for p in probe_points(model) if p.name == "dsa.dense_mass"}
+    prefill = np.arange(PREFILL)
+    wanted = prefill[((prefill + 1) % 7 == 0) | (prefill == 2) | ((prefill >= 30) & (prefill < 33))]
+    for layer in layers:
+        mine = [e for e in seen if e.point.layer == layer]
+        got = np.concatenate([e.data["positions"].numpy() for e in mine if e.phase == "prefill"])
+        assert got.tolist() == wanted.tolist()
+        decoded = [e.step for e in mine if e.phase == "decode"]
+        assert decoded and all(step % 2 == 0 for step in decoded)
+        assert all(((e.data["mass"] > 0) & (e.data["mass"] <= 1 + 1e-6)).all() for e in mine)
+
+
+def test_request_rows_are_host_decisions() -> None:
+    r = ProbeRequest(queries=Sample(stride=4, window_every=10, window_tokens=2, marks=Marks((13,), ((17, 19),))),
+                     decode_every=3)
+    # positions 8..19: stride 11 15 19, window 10 11, marks 13 and 17 18 -> rows (position - 8)
+    assert r.rows(8, 12, step=5, phase="prefill").tolist() == [2, 3, 5, 7, 9, 10, 11]
+    assert r.rows(40, 1, step=6, phase="decode").tolist() == [0]
+    assert r.rows(41, 1, step=7, phase="decode").tolist() == []
+    assert ProbeRequest().rows(0, 3, step=0, phase="idle").tolist() == [0, 1, 2]
+
+
+def test_attach_validates_the_request() -> None:
+    model = load_model("preset:tiny:k3.1", seed=3)
+    point = next(p for p in probe_points(model) if p.name == "kda.state")
+    with pytest.raises(ValueError, match="no optional fields"):
+        point.attach(lambda e: None, ProbeRequest(optional=frozenset({"scores"})))
+    point.attach(lambda e: None)
+    with pytest.raises(RuntimeError, match="already has a listener"):
+        point.attach(lambda e: None)
+    point.detach()
+    assert point.sink is None and point.request == ProbeRequest()
+
+
+def test_check_reports_departures() -> None:
+    signal = SIGNALS["moe.route"]
+    data = {"positions": torch.arange(3), "experts": torch.zeros(1, 3, 2, dtype=torch.int32),
+            "weights": torch.zeros(1, 3, 5)}
+    problems = signal.check(data, {"B": 1, "experts_per_token": 2})
+    assert any("dtype torch.int32" in p for p in problems) and any("weights: shape" in p for p in problems)
+    assert signal.check({**data, "entropy": torch.zeros(1, 3)}, {"B": 1, "experts_per_token": 2},
+                        frozenset({"entropy"}))[0].startswith("moe.route.experts")

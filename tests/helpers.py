@@ -1,0 +1,67 @@
+"""Test helpers shared by every suite: the numerical comparison and NaN poisoning of fresh buffers.
+
+- `relative_error(actual, expected)`: ||a - e|| / ||e|| in float64, which is the relative RMS error
+  (both norms are over the same number of elements).
+- `assert_close(actual, expected, what, ratio)`: shapes equal, no NaN where the expected value has
+  none, relative RMS error <= ratio; the message names what was compared and by how much it missed.
+- `nan_poisoned_empty()`: while active, `torch.empty`, `torch.empty_like` and `Tensor.new_empty`
+  return floating tensors filled with NaN, so an output element a kernel or op forgot to write
+  fails `assert_close` loudly instead of passing on whatever memory held (the `nan_poison` fixture
+  in `tests/conftest.py` applies it to a test module: `pytestmark = pytest.mark.usefixtures("nan_poison")`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+import torch
+
+TOLERANCE = 1e-5  # the house default for fp32 against a float64 oracle
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - e|| / ||e|| in float64 (the house metric for numerical oracles)."""
+    a, e = actual.double(), expected.double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, ratio: float = TOLERANCE) -> None:
+    """Fail unless `actual` matches `expected` within relative RMS error `ratio` over the finite
+    reference values, with NaN exactly where the reference has NaN and the same infinities."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan_a, nan_e = actual.isnan(), expected.isnan()
+    stray, missing = int((nan_a & ~nan_e).sum()), int((nan_e & ~nan_a).sum())
+    assert not stray, f"{what}: {stray} NaN element(s) where the reference has a value (unwritten output?)"
+    assert not missing, f"{what}: {missing} element(s) with a value where the reference is NaN"
+    inf_e = expected.isinf()
+    assert torch.equal(actual[inf_e], expected[inf_e].to(actual.dtype)), f"{what}: infinities differ from the reference"
+    finite = expected.isfinite()
+    assert not bool(actual[finite].isinf().any()), f"{what}: infinite element(s) where the reference is finite"
+    err = relative_error(actual[finite], expected[finite])
+    assert err <= ratio, f"{what}: relative error {err:.3e} > {ratio:.0e}"
+
+
+def _poisoned(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(make)
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        out = make(*args, **kwargs)
+        if out.is_floating_point() or out.is_complex():
+            with torch.no_grad():
+                out.fill_(float("nan"))
+        return out
+
+    return poisoned
+
+
+@contextlib.contextmanager
+def nan_poisoned_empty() -> Iterator[None]:
+    """Fill every new `empty` floating tensor with NaN while the block runs (then restore torch)."""
+    saved = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    torch.empty, torch.empty_like = _poisoned(saved[0]), _poisoned(saved[1])
+    torch.Tensor.new_empty = _poisoned(saved[2])
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = saved
