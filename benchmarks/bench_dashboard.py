@@ -3,6 +3,9 @@
     python benchmarks/bench_dashboard.py                       # all three, default sizes
     python benchmarks/bench_dashboard.py --skip-1m --live-seconds 60
 
+0. An empty Panel page (the same template, one text pane, no trace) served by the same server code:
+   seconds from navigation to its text being visible. Part of every figure below, so it is measured
+   in the same run as they are (the ratio view time / empty page is what the dashboard adds).
 1. First paint of a 128K-token trace (demo dims, synthetic): seconds from navigation to (a) the first
    view drawn, (b) the session map showing the trace's data, (c) all four views drawn. Fresh browser
    profile each time (no cache), median of --repeats.
@@ -39,6 +42,31 @@ def _trace(path: Path | None, work: Path, name: str, tokens: int, dims: Dims) ->
     print(f"wrote {name} ({tokens:,} tokens, {trace_bytes(out)['total'] / 2**20:.0f} MiB) in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     return out
+
+
+def empty_page(repeats: int) -> dict:
+    """Seconds from navigation to a text pane drawn on an otherwise empty page (same template, server, browser)."""
+    import panel as pn
+
+    from apps.dashboard.browser import free_port
+
+    port = free_port()
+
+    def app() -> pn.viewable.Viewable:
+        return pn.template.BootstrapTemplate(title="empty", main=[pn.pane.HTML("<p>empty page</p>",
+                                                                              css_classes=["k3-empty"])])
+
+    server = pn.serve({"/": app}, port=port, address="127.0.0.1", show=False, threaded=True,
+                      websocket_origin=[f"127.0.0.1:{port}"])
+    runs = []
+    try:
+        time.sleep(1.0)
+        for _ in range(repeats):
+            with Browser() as browser:
+                runs.append(browser.open(f"http://127.0.0.1:{port}/", wait_for=".k3-empty", timeout_ms=120_000))
+    finally:
+        server.stop()
+    return {"runs": [round(r, 2) for r in runs], "median_s": round(statistics.median(runs), 2)}
 
 
 def first_paint(trace: Path, repeats: int) -> dict:
@@ -136,7 +164,8 @@ def main() -> None:
         raise SystemExit("needs /usr/bin/chromium (apt-get install chromium)")
     with tempfile.TemporaryDirectory(prefix="k3wb-bench-") as tmp:
         work = Path(tmp)
-        results: dict = {}
+        results: dict = {"empty_page": empty_page(args.repeats)}
+        print(json.dumps({"empty_page_s": results["empty_page"]["median_s"]}), flush=True)
         t128 = _trace(args.trace_128k, work, "demo-128k", 131072, Dims.demo())
         results["first_paint_128k"] = first_paint(t128, args.repeats)
         print(json.dumps(results["first_paint_128k"]["median"]), flush=True)
