@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import param
+from panel.io.document import hold
 
 from apps.dashboard.reducers import (VIEW_REDUCERS, DSAMapData, ExpertsData, KDAStateData, Reducer, SessionMapData,
                                      SessionMapReducer, ViewOptions)
@@ -270,7 +271,9 @@ class DashboardState(param.Parameterized):
                 break
         if latest is None:
             return False
-        self.frame = latest
+        # every view redraws in one Bokeh message per frame instead of one per changed property
+        with hold():
+            self.frame = latest
         return True
 
     def sync(self) -> DashboardFrame:

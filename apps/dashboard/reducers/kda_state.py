@@ -104,7 +104,8 @@ class KDANormFolder:
             span = trace.layer_range("kda_norms")
             if span is not None:
                 self._reset_heads(span[0])
-        workers = min(4, os.cpu_count() or 1, len(new))
+        # the other views are reduced beside this one: leave them two cores
+        workers = min(4, max(1, (os.cpu_count() or 1) - 2), len(new))
         if workers > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="kda-fold") as pool:
                 results = list(pool.map(lambda p: self._fold_part(trace, p), new))
