@@ -8,6 +8,8 @@ Public API:
 - `open_trace(DIR)`: read a finished or live trace (`Trace.refresh()` follows a live one).
 - `RecordPolicy`, `load_policy`: what is kept raw and what is only counted.
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
+- `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
+  filler documents, optionally with a planted needle (`workbench.text`).
 
 Names are imported lazily: reading a trace does not import torch.
 """
@@ -20,7 +22,7 @@ from typing import Any
 _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
-    "TraceWriter": "workbench.trace",
+    "TraceWriter": "workbench.trace", "haystack": "workbench.text", "plant": "workbench.text",
 }
 
 __all__ = sorted(_EXPORTS)
