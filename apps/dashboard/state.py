@@ -8,8 +8,9 @@ small, screen-sized frames through a bounded queue.
 
 Why this shape:
 - the trace is read only while the follower polls: first `refresh()` and the session map's reducer,
-  then the other views' reducers in parallel (each reads its own tables, and Parquet decoding releases
-  the GIL); the next refresh waits for all of them, so nothing reads a trace while it is refreshed.
+  then the other views' reducers, in parallel threads where there are cores to spare (each reads its
+  own tables, and Parquet decoding releases the GIL), else one after another, cheapest first; the next
+  refresh waits for all of them, so nothing reads a trace while it is refreshed.
   Slow reads never block the Bokeh event loop; Bokeh models are only touched on the event loop;
 - a frame is complete (not a delta), so dropping an old one when the queue is full loses nothing:
   memory stays bounded when a browser or the event loop falls behind. A frame is published as soon as
@@ -27,6 +28,7 @@ same code: drive mode only starts a recording thread and then follows its direct
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -86,7 +88,11 @@ class TraceFollower:
         self._trace: Trace | None = None
         self._session = SessionMapReducer()
         self._views: dict[str, Reducer] = {name: cls() for name, cls in VIEW_REDUCERS.items()}
-        self._pool = ThreadPoolExecutor(len(self._views), thread_name_prefix=f"view-reducer:{self.path.name}")
+        # on two cores, reducer threads would only take the GIL from the server's event loop while it sends
+        # the page: there the views are reduced one after another (each still published as it is ready)
+        workers = min(len(self._views), max(1, (os.cpu_count() or 1) - 1))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"view-reducer:{self.path.name}") \
+            if workers > 1 else None
         self._last = DashboardFrame(path=str(self.path))
         self._computed_options: ViewOptions | None = None
         self.dropped = 0  # frames dropped because the queue was full
@@ -115,7 +121,8 @@ class TraceFollower:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -188,6 +195,15 @@ class TraceFollower:
 
     def _reduce_views(self, trace: Trace, opts: ViewOptions, session: SessionMapData,
                       partial: Callable[[DashboardFrame], None] | None) -> None:
+        if self._pool is None:
+            names = list(self._views)
+            for i, name in enumerate(names):
+                data = self._views[name].reduce(trace, opts, session)
+                if data is not getattr(self._last, name):
+                    frame = self._next(**{name: data})
+                    if partial is not None and i < len(names) - 1:
+                        partial(frame)
+            return
         futures: dict[Future, str] = {self._pool.submit(r.reduce, trace, opts, session): name
                                       for name, r in self._views.items()}
         failure: BaseException | None = None

@@ -112,7 +112,7 @@ def test_experts_usage_load_and_routes(recorded) -> None:
     assert all(len(r["experts"]) == config.num_experts_per_token for r in data.routes)
 
 
-def test_follower_builds_the_same_views_in_parallel(recorded) -> None:
+def test_follower_builds_the_same_views_view_by_view(recorded) -> None:
     path, generated, _ = recorded
     options = ViewOptions(bins=BINS, position=generated[0])
     follower = TraceFollower(path)

@@ -5,6 +5,10 @@ where `changed` holds the names of the fields (of its own data and of the sessio
 context) that differ from what it last drew. The base watches `state.frame`, diffs with
 `reducers.base.same` (identity for arrays, value for plain data) and calls `draw` only when something
 changed; `redraw()` forgets what was shown (e.g. after a display option changed).
+
+`drawn_marker` is an empty pane each view puts in its card; once the view has drawn data from the
+trace (`has_data`), it holds a `k3-has-data` element, so a browser test or benchmark can wait for
+"drawn with data" rather than "drawn".
 """
 
 from __future__ import annotations
@@ -38,9 +42,14 @@ class ViewComponent(pn.viewable.Viewer):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._shown: tuple[Any, Any] = (None, None)
+        self.drawn_marker = pn.pane.HTML("", width=0, height=0, margin=0, css_classes=["k3-drawn-marker"])
 
     def draw(self, data: Any, session: Any, changed: set[str]) -> None:
         raise NotImplementedError
+
+    def has_data(self, data: Any, session: Any) -> bool:
+        """Whether this frame gives the view something from the trace to show (default: a heat map)."""
+        return getattr(data, "heat", None) is not None
 
     def redraw(self) -> None:
         """Draw the current frame from scratch."""
@@ -59,3 +68,5 @@ class ViewComponent(pn.viewable.Viewer):
         self._shown = (session, data)
         if changed:
             self.draw(data, session, changed)
+            if not self.drawn_marker.object and self.has_data(data, session):
+                self.drawn_marker.object = "<span class='k3-has-data'></span>"

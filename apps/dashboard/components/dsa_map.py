@@ -110,7 +110,7 @@ class DSAMemoryMap(ViewComponent):
             pn.pane.Markdown("**Generated text** — click a token to see what each layer read for it", margin=(0, 10)),
             self.strip,
             pn.Row(self.position_input, self.title, sizing_mode="stretch_width"),
-            self.detail,
+            self.detail, self.drawn_marker,
             title="DSA memory map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-dsa"])
 
 

@@ -137,5 +137,5 @@ class ExpertsView(ViewComponent):
         return pn.Card(
             self.controls, self.heat.figure, self.bars,
             pn.Row(pn.Column(self.routes, self.routes_note, sizing_mode="stretch_width"),
-                   pn.Column(self.load, self.load_note)),
+                   pn.Column(self.load, self.load_note)), self.drawn_marker,
             title="Experts", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-experts"])

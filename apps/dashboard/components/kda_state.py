@@ -81,5 +81,5 @@ class KDAStateView(ViewComponent):
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Card(
             pn.Row(self.layer_select, pn.Column(pn.pane.HTML("heads:", margin=(0, 5)), self.reduce_select)),
-            self.heat.figure, self.lines,
+            self.heat.figure, self.lines, self.drawn_marker,
             title="KDA state", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-kda"])

@@ -85,6 +85,9 @@ class SessionMap(ViewComponent):
         if "generated" in changed:
             self.strip.tokens = [list(t) for t in snap.generated]
 
+    def has_data(self, data: None, session: SessionMapData) -> bool:
+        return bool(session.segments)
+
     def _segment_table(self, segs: tuple[dict, ...]) -> str:
         rows = "".join(
             f"<tr><td><span style='color:{SEGMENT_COLOURS.get(s['kind'], '#999')}'>&#9632;</span> "
@@ -100,4 +103,4 @@ class SessionMap(ViewComponent):
         return pn.Card(
             self.stats, self.progress, self.figure, self.table,
             pn.pane.Markdown("**Generated text** (click a token to inspect it)", margin=(0, 10)), self.strip,
-            title="Session map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-session"])
+            self.drawn_marker, title="Session map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-session"])

@@ -8,7 +8,7 @@
 Every reducer reads through the public trace API (`workbench.open_trace`), does its maths with
 `workbench.analysis`, and returns screen-sized, immutable data; nothing here knows Panel or Bokeh.
 The three views after the session map depend only on the trace and the session map's data, so the
-follower builds them in parallel threads. Adding a view = a reducer here + a component in
+follower builds them in parallel threads (one after another on a two-core machine). Adding a view = a reducer here + a component in
 `components/` (subclass `ViewComponent`), registered in `VIEW_REDUCERS`.
 """
 
@@ -19,7 +19,8 @@ from apps.dashboard.reducers.kda_state import KDAStateData, KDAStateReducer
 from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReducer
 
 # the views built from the session map's data (the frame field each one fills -> its reducer)
-VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "kda": KDAStateReducer, "experts": ExpertsReducer}
+# (in this order when they run one after another: cheapest first, so the slowest never delays the others)
+VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "experts": ExpertsReducer, "kda": KDAStateReducer}
 
 __all__ = ["DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap", "KDAStateData",
            "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]
