@@ -135,7 +135,8 @@ class TraceFollower:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._halt.is_set():
-            self.compute(self.publish)
+            # intermediate frames as each view is ready, then the complete one
+            self.publish(self.compute(self.publish))
             if self._last.session.status in ("complete", "failed") and self._settled():
                 # a finished trace changes no more: sleep until a view asks for something new
                 self._wake.wait()
@@ -179,7 +180,9 @@ class TraceFollower:
             # missing or corrupt trace: report it and keep polling (it may appear or be repaired)
             self._trace = None
             status = "waiting" if "does not exist" in str(exc) else "failed"
-            return self._next(error=str(exc), session=dataclasses.replace(self._last.session, status=status))
+            frame = self._next(error=str(exc), session=dataclasses.replace(self._last.session, status=status))
+            self.completed = frame.seq
+            return frame
         trace = self._trace
         try:
             session = self._session.reduce(trace, opts, None)
