@@ -3,6 +3,9 @@
     python benchmarks/bench_dashboard.py                       # all three, default sizes
     python benchmarks/bench_dashboard.py --skip-1m --live-seconds 60
 
+0. An empty Panel page (the same template, one text pane, no trace) served by the same server code:
+   seconds from navigation to its text being visible. Part of every figure below, so it is measured
+   in the same run as they are (the ratio view time / empty page is what the dashboard adds).
 1. First paint of a 128K-token trace (demo dims, synthetic): seconds from navigation to (a) the first
    view drawn, (b) the session map showing the trace's data, (c) all four views drawn. Fresh browser
    profile each time (no cache), median of --repeats.
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 from apps.dashboard.app import DashboardConfig, url
-from apps.dashboard.browser import Browser, chromium_available, start_server
+from apps.dashboard.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
 from apps.dashboard.replay import TraceReplay
 from workbench.trace.synthetic import Dims, trace_bytes, write_synthetic_trace
 
@@ -39,6 +42,43 @@ def _trace(path: Path | None, work: Path, name: str, tokens: int, dims: Dims) ->
     print(f"wrote {name} ({tokens:,} tokens, {trace_bytes(out)['total'] / 2**20:.0f} MiB) in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     return out
+
+
+def empty_page(repeats: int) -> dict:
+    """Seconds from navigation to a text pane drawn on an otherwise empty page (same template, server, browser)."""
+    import panel as pn
+
+    from apps.dashboard.browser import free_port
+
+    port = free_port()
+
+    def app() -> pn.viewable.Viewable:
+        return pn.template.BootstrapTemplate(title="empty", main=[pn.pane.HTML("<p>empty page</p>",
+                                                                              css_classes=["k3-empty"])])
+
+    server = pn.serve({"/": app}, port=port, address="127.0.0.1", show=False, threaded=True,
+                      websocket_origin=[f"127.0.0.1:{port}"])
+    runs = []
+    try:
+        time.sleep(1.0)
+        for _ in range(repeats):
+            with Browser() as browser:
+                runs.append(browser.open(f"http://127.0.0.1:{port}/", wait_for=".k3-empty", timeout_ms=120_000))
+    finally:
+        server.stop()
+    return {"runs": [round(r, 2) for r in runs], "median_s": round(statistics.median(runs), 2)}
+
+
+def _wait_data(browser: Browser, timeout_ms: int) -> float | None:
+    """perf_counter() once every view shows data from the trace (its `k3-has-data` marker); None for a
+    dashboard without the markers (the code before views had them), so old and new can be compared."""
+    try:
+        import apps.dashboard.components.base  # noqa: F401  (the markers came with ViewComponent)
+    except ImportError:
+        return None
+    for selector in VIEW_SELECTORS.values():
+        browser.page.locator(f"{selector} .k3-has-data").first.wait_for(state="attached", timeout=timeout_ms)
+    return time.perf_counter()
 
 
 def first_paint(trace: Path, repeats: int) -> dict:
@@ -56,12 +96,16 @@ def first_paint(trace: Path, repeats: int) -> dict:
                 with_data = time.perf_counter() - start
                 browser.wait_views(120_000)
                 all_views = time.perf_counter() - start
+                with_data_all = _wait_data(browser, 120_000)
                 runs.append({"first_view_s": first_view, "session_data_s": with_data, "all_views_s": all_views,
+                             "all_views_with_data_s": with_data_all and with_data_all - start,
                              "console_errors": len(browser.counters.errors)})
     finally:
         server.stop()
     summary = {k: round(statistics.median(r[k] for r in runs), 2) for k in ("first_view_s", "session_data_s",
                                                                             "all_views_s")}
+    if all(r["all_views_with_data_s"] is not None for r in runs):
+        summary["all_views_with_data_s"] = round(statistics.median(r["all_views_with_data_s"] for r in runs), 2)
     return {"trace": str(trace), "runs": runs, "median": summary}
 
 
@@ -75,6 +119,7 @@ def bytes_to_browser(trace: Path) -> dict:
             browser.page.get_by_text("complete").first.wait_for(timeout=600_000)
             browser.wait_views(600_000)
             loaded = time.perf_counter() - start
+            with_data = _wait_data(browser, 600_000)
             time.sleep(2)  # a deferred view's first update may still be in flight
             at_open = (browser.counters.http_bytes, browser.counters.ws_bytes)
             browser.page.locator(".k3-dsa-tokens .k3-token").nth(5).click()
@@ -82,6 +127,7 @@ def bytes_to_browser(trace: Path) -> dict:
             time.sleep(1)
             return {"trace": str(trace), "trace_bytes_on_disk": trace_bytes(trace)["total"],
                     "seconds_to_all_views_with_data": round(loaded, 1),
+                    "seconds_to_every_view_showing_trace_data": with_data and round(with_data - start, 1),
                     "http_bytes_static": at_open[0], "ws_bytes_at_open": at_open[1],
                     "ws_bytes_after_token_click": browser.counters.ws_bytes,
                     "ws_frames": browser.counters.ws_frames, "js_heap_bytes": browser.js_heap(),
@@ -136,7 +182,8 @@ def main() -> None:
         raise SystemExit("needs /usr/bin/chromium (apt-get install chromium)")
     with tempfile.TemporaryDirectory(prefix="k3wb-bench-") as tmp:
         work = Path(tmp)
-        results: dict = {}
+        results: dict = {"empty_page": empty_page(args.repeats)}
+        print(json.dumps({"empty_page_s": results["empty_page"]["median_s"]}), flush=True)
         t128 = _trace(args.trace_128k, work, "demo-128k", 131072, Dims.demo())
         results["first_paint_128k"] = first_paint(t128, args.repeats)
         print(json.dumps(results["first_paint_128k"]["median"]), flush=True)

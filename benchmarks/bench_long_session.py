@@ -20,9 +20,6 @@ from engine.session import Session
 from engine.tokenizer import Tokenizer
 from measure import filler_ids
 
-LOREM = ("The indexer keeps the keys that matter; the recurrent state keeps the gist. Section {i}: a record "
-         "of measurements, names and dates, written so that nothing repeats exactly. ")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -37,7 +34,7 @@ def main() -> None:
     model = load_model(args.model)
     tokenizer = Tokenizer.byte_level()
     session = Session(model, tokenizer, prefill_chunk=args.chunk, progress=True, model_name=args.model)
-    session.append(ids=filler_ids(args.tokens, tokenizer.encode, LOREM), name="long document")
+    session.append(ids=filler_ids(args.tokens, tokenizer.encode), name="long document")
     start = time.perf_counter()
     session.prefill()
     prefill_s = time.perf_counter() - start

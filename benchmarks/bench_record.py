@@ -29,9 +29,6 @@ from measure import filler_ids
 from workbench.recorders.policy import RecordPolicy
 from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes
 
-TEXT = ("Sparse attention reads a few thousand keys; the recurrent memory keeps the rest. Entry {i}: "
-        "values, names and dates that do not repeat. ")
-
 
 def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trace: Path) -> dict:
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=chunk, progress=False)
@@ -62,7 +59,7 @@ def main() -> None:
     ap.add_argument("--skip-projection", action="store_true")
     args = ap.parse_args()
     model = load_model("preset:demo")
-    ids = filler_ids(args.tokens, Tokenizer.byte_level().encode, TEXT)
+    ids = filler_ids(args.tokens, Tokenizer.byte_level().encode)
     tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
     modes = {"off": None, "default": "default", "all": "all"}
     best: dict[str, dict] = {}

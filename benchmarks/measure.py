@@ -1,11 +1,14 @@
 """Helpers shared by the benchmark scripts (run as `python benchmarks/NAME.py`, so this directory is
-on sys.path): peak-memory measurement on Linux and a non-repeating filler document."""
+on sys.path): peak-memory measurement on Linux and a non-repeating filler document (the workbench's
+`haystack` text, so benchmarks and notebooks feed the model the same kind of prose)."""
 
 from __future__ import annotations
 
 import resource
 from pathlib import Path
 from typing import Callable
+
+from workbench.text import filler_ids as _haystack_ids
 
 
 def status_kb(field: str) -> int | None:
@@ -34,11 +37,6 @@ def peak_kb(reset: bool) -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def filler_ids(n_tokens: int, encode: Callable[[str], list[int]], template: str) -> list[int]:
-    """`n_tokens` ids of `template.format(i=0), template.format(i=1), ...` (never exactly repeating)."""
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n_tokens:
-        ids.extend(encode(template.format(i=i)))
-        i += 1
-    return ids[:n_tokens]
+def filler_ids(n_tokens: int, encode: Callable[[str], list[int]], seed: int = 0) -> list[int]:
+    """Exactly `n_tokens` ids of `workbench.haystack` text (deterministic by `seed`, never exactly repeating)."""
+    return _haystack_ids(n_tokens, encode, seed=seed)

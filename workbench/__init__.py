@@ -11,6 +11,8 @@ Public API:
   record it, in one context manager (what `workbench run`, `workbench demo` and the dashboard's
   drive mode share).
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
+- `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
+  filler documents, optionally with a planted needle (`workbench.text`).
 
 Names are imported lazily: reading a trace does not import torch.
 """
@@ -23,7 +25,7 @@ from typing import Any
 _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
-    "TraceWriter": "workbench.trace",
+    "TraceWriter": "workbench.trace", "haystack": "workbench.text", "plant": "workbench.text",
     "recorded_session": "workbench.sessions",
 }
 

@@ -26,7 +26,7 @@ from apps.dashboard.components.text import alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
-from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardState, Snapshot
+from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
 FIGURE_CHROME_PX = 140
@@ -45,7 +45,7 @@ class DashboardConfig:
         token: access token required as `?token=...` (generated when serving on a non-local host).
         drive: show the drive-mode controls (model, prompt, upload, generate/stop).
         interval: seconds between the follower's polls of the trace.
-        refresh_ms: period of the periodic callback that applies snapshots (<= 1000 for >= 1 Hz).
+        refresh_ms: period of the periodic callback that applies frames (<= 1000 for >= 1 Hz).
         max_upload_bytes: largest document accepted by the upload box.
         new_tokens: tokens a driven session generates unless changed in the browser.
         model_search: directories searched for checkpoints (`*/config.json`) for the model picker.
@@ -112,21 +112,21 @@ class Dashboard(pn.viewable.Viewer):
     def _width(self, event: param.parameterized.Event) -> None:
         self.state.bins = int(min(max(event.new - FIGURE_CHROME_PX, MIN_BINS), MAX_BINS))
 
-    @param.depends("message", "state.snapshot", "state.trace_path", watch=True)
+    @param.depends("message", "state.frame", "state.trace_path", watch=True)
     def _show_status(self) -> None:
-        snap: Snapshot = self.state.snapshot
-        errors = [m for m in (self.message, snap.error) if m]
-        warnings = list(snap.problems[:3])
+        frame: DashboardFrame = self.state.frame
+        errors = [m for m in (self.message, frame.error) if m]
+        warnings = list(frame.problems[:3])
         self.alert.object = alert_text("\n\n".join(errors + warnings))
         self.alert.alert_type = "danger" if errors else "warning"
         self.alert.visible = bool(errors or warnings)
         path = self.state.trace_path or "(none yet: drive a session or open ?trace=NAME)"
-        set_text(self.source, f"trace: {path}\nstatus: {snap.status}, {snap.tokens:,} tokens")
+        set_text(self.source, f"trace: {path}\nstatus: {frame.session.status}, {frame.session.tokens:,} tokens")
 
     def start(self, sync: bool = False) -> None:
-        """Start following live: the follower thread and the periodic callback that applies its snapshots.
+        """Start following live: the follower thread and the periodic callback that applies its frames.
 
-        With `sync`, the first snapshot is computed here before returning (notebooks: the first
+        With `sync`, the first frame is computed here before returning (notebooks: the first
         display has data). The server does not wait: the follower computes while the page loads.
         """
         if self._callback is not None:

@@ -14,7 +14,8 @@ from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap, progress_text
-from apps.dashboard.state import DashboardState, Snapshot
+from apps.dashboard.reducers import SessionMapData
+from apps.dashboard.state import DashboardState
 
 from tests.apps.conftest import HOSTILE
 
@@ -40,7 +41,7 @@ def test_session_map_shows_segments_progress_and_text(state: DashboardState) -> 
 
 
 def test_progress_text_during_prefill() -> None:
-    snap = Snapshot(status="recording", progress={"phase": "prefill", "done": 4096, "total": 32768,
+    snap = SessionMapData(status="recording", progress={"phase": "prefill", "done": 4096, "total": 32768,
                                                   "tokens_per_s": 512.0, "eta_s": 56.0})
     assert progress_text(snap) == "recording · prefill: 4,096 / 32,768 tokens · 512.0 tokens/s · ETA 56 s"
 
@@ -50,7 +51,7 @@ def test_dsa_map_heat_and_readout(state: DashboardState) -> None:
     image = view.heat.source.data["image"][0]
     assert image.shape == (3, state.bins) and np.isfinite(image).all() and image.max() > 0
     assert view.heat.figure.x_range.end == 8192
-    starts = [s["start"] for s in state.snapshot.segments][1:]
+    starts = [s["start"] for s in state.frame.session.segments][1:]
     assert list(view.heat.bounds.data["x"]) == starts and len(starts) == 5
     position = view.strip.tokens[20][0]
     view.position_input.value = position  # the widget is bound to the shared selection
@@ -61,7 +62,7 @@ def test_dsa_map_heat_and_readout(state: DashboardState) -> None:
     reads = view.reads.source.data["image"][0]
     assert reads.shape == (3, state.bins) and np.nansum(reads) > 0
     assert len(view.detail.objects) == 2  # the read-out figures joined the page with the first selection
-    needle = state.snapshot.marks[0]
+    needle = state.frame.session.marks[0]
     assert needle[2] == "needle" and list(view.heat.marks.data["x0"]) == [needle[0]]  # the planted fact, shaded
     assert "keys in needle" in view.readout.object
     view.show_segments = False
@@ -97,7 +98,7 @@ def test_experts_view_filters(state: DashboardState) -> None:
     state.sync()
     assert len(view.bars_source.data["expert"]) == 64
     assert "busiest rank" in view.load_note.object
-    state.position = state.snapshot.generated[0][0]
+    state.position = state.frame.session.generated[0][0]
     state.sync()
     assert len(view.routes_source.data["expert"]) == 11 * 4  # 11 MoE layers x 4 experts per token
     assert "11 MoE layers" in view.routes_note.object
@@ -106,10 +107,10 @@ def test_experts_view_filters(state: DashboardState) -> None:
 def test_token_text_is_escaped(hostile_trace: Path) -> None:
     state = DashboardState(hostile_trace)
     snap = state.sync()
-    pieces = [p for _, p in snap.generated]
+    pieces = [p for _, p in snap.session.generated]
     assert HOSTILE[0] in pieces  # kept verbatim as data: the browser inserts it as text (textContent)
     dsa = DSAMemoryMap(state=state)
-    hostile_pos = next(pos for pos, p in snap.generated if p == HOSTILE[0])
+    hostile_pos = next(pos for pos, p in snap.session.generated if p == HOSTILE[0])
     state.position = hostile_pos
     state.sync()
     # Panel's Str/Markdown panes render HTML in the browser: our text panes escape on the server
@@ -118,7 +119,7 @@ def test_token_text_is_escaped(hostile_trace: Path) -> None:
     for text in HOSTILE:
         assert text not in dsa.readout.object or text == "&amp;"
     assert "<script>" not in dsa.readout.object
-    from apps.dashboard.aggregate import escape_piece
+    from apps.dashboard.readout import escape_piece
     assert escape_piece(HOSTILE[0]) == html.escape(HOSTILE[0])
 
 
@@ -144,6 +145,6 @@ def test_create_app_builds_a_template(small_trace: Path) -> None:
 
 
 def test_progress_text_during_decode() -> None:
-    snap = Snapshot(status="recording", progress={"phase": "decode", "done": 119, "total": 119, "generated": 7,
+    snap = SessionMapData(status="recording", progress={"phase": "decode", "done": 119, "total": 119, "generated": 7,
                                                   "tokens_per_s": 4.0, "eta_s": 0.0})
     assert progress_text(snap).startswith("recording · decode: 7 tokens generated after a 119-token prefill")

@@ -66,11 +66,11 @@ def test_recorded_session_on_tiny_preset(tmp_path: Path) -> None:
     _wait(runner)
     assert not runner.message.startswith("error:"), runner.message
     snap = runner.state.sync()
-    assert snap.status == "complete" and snap.error is None
-    assert [s["name"] for s in snap.segments][:2] == ["doc <b>1</b>.txt", "prompt"]
-    assert 1 <= len(snap.generated) <= 6
-    assert snap.dsa is not None and len(snap.dsa.rows) == 2  # tiny: DSA on layers 2 and 5
-    runner.state.position = snap.generated[0][0]  # the last token is sampled but never run, so has no reads
+    assert snap.session.status == "complete" and snap.error is None
+    assert [s["name"] for s in snap.session.segments][:2] == ["doc <b>1</b>.txt", "prompt"]
+    assert 1 <= len(snap.session.generated) <= 6
+    assert snap.dsa.heat is not None and len(snap.dsa.heat.rows) == 2  # tiny: DSA on layers 2 and 5
+    runner.state.position = snap.session.generated[0][0]  # the last token is sampled but never run, so has no reads
     snap = runner.state.sync()
-    assert snap.reads["rows"] and snap.routes
+    assert snap.dsa.reads["rows"] and snap.experts.routes
     runner.state.close()

@@ -51,7 +51,7 @@ def test_bad_trace_parameter_shows_an_error(small_trace: Path) -> None:
     app = create_app(config, session_args={"trace": [small_trace.name.encode()]})
     assert app.dashboard.state.trace_path == str(small_trace.resolve())
     app.dashboard.state.sync()
-    assert app.dashboard.state.snapshot.status == "complete"
+    assert app.dashboard.state.frame.session.status == "complete"
     app.dashboard.close()
     app = create_app(config, session_args={"trace": [b"no-such-trace"]})
     app.dashboard.state.sync()

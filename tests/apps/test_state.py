@@ -1,4 +1,4 @@
-"""The follower thread, the bounded queue and the snapshots (no Panel server, no browser)."""
+"""The follower thread, the bounded queue and the frames (no Panel server, no browser)."""
 
 from __future__ import annotations
 
@@ -8,56 +8,56 @@ import time
 from pathlib import Path
 
 import numpy as np
-from apps.dashboard.aggregate import bin_counts, bin_mean, carry_forward
 from apps.dashboard.replay import TraceReplay
-from apps.dashboard.state import MAX_GENERATED, DashboardState, Snapshot, TraceFollower
+from apps.dashboard.state import MAX_GENERATED, DashboardFrame, DashboardState, TraceFollower
+from workbench.analysis import bin_counts, bin_mean, carry_forward
 
 
-def test_snapshot_is_screen_sized(small_trace: Path) -> None:
+def test_frame_is_screen_sized(small_trace: Path) -> None:
     state = DashboardState(small_trace)
     state.bins = 300
     snap = state.sync()
-    assert snap.status == "complete" and snap.error is None
-    assert snap.tokens == 8192 and snap.extent == 8192
+    assert snap.session.status == "complete" and snap.error is None
+    assert snap.session.tokens == 8192 and snap.session.extent == 8192
     # every array is reduced: rows x bins, never one entry per token
-    assert snap.dsa.values.shape == (3, 300)
-    assert snap.kda.values.shape == (9, 300)
-    assert snap.kda_heads.values.shape == (4, 300)
-    assert snap.moe.values.shape == (11, 64)
-    np.testing.assert_allclose(snap.moe.values.sum(axis=1), 1.0, rtol=1e-5)
-    assert len(snap.generated) == 256 <= MAX_GENERATED
-    assert [s["kind"] for s in snap.segments] == ["turn", "document", "image", "document", "turn", "generated"]
-    assert snap.rank_load.shape == (2,) and snap.rank_worst is not None
+    assert snap.dsa.heat.values.shape == (3, 300)
+    assert snap.kda.heat.values.shape == (9, 300)
+    assert snap.kda.heads.values.shape == (4, 300)
+    assert snap.experts.heat.values.shape == (11, 64)
+    np.testing.assert_allclose(snap.experts.heat.values.sum(axis=1), 1.0, rtol=1e-5)
+    assert len(snap.session.generated) == 256 <= MAX_GENERATED
+    assert [s["kind"] for s in snap.session.segments] == ["turn", "document", "image", "document", "turn", "generated"]
+    assert snap.experts.rank_load.shape == (2,) and snap.experts.rank_worst is not None
 
 
 def test_selection_reads_and_routes(small_trace: Path) -> None:
     state = DashboardState(small_trace)
     first = state.sync()
-    position = first.generated[10][0]
+    position = first.session.generated[10][0]
     state.position = position
     snap = state.sync()
-    assert snap.reads["position"] == position
-    assert snap.reads["layers"] == [3, 7, 11]
-    assert snap.reads["heat"].shape == (3, state.bins)
-    assert all(r["keys"] > 0 for r in snap.reads["rows"])
-    assert "<table class='k3-reads'>" in snap.reads_html
-    assert [r["layer"] for r in snap.routes] == list(range(1, 12))
-    assert snap.patches is not None and snap.patches["grid"].ndim == 2
+    assert snap.dsa.reads["position"] == position
+    assert snap.dsa.reads["layers"] == [3, 7, 11]
+    assert snap.dsa.reads["heat"].shape == (3, state.bins)
+    assert all(r["keys"] > 0 for r in snap.dsa.reads["rows"])
+    assert "<table class='k3-reads'>" in snap.dsa.reads_html
+    assert [r["layer"] for r in snap.experts.routes] == list(range(1, 12))
+    assert snap.dsa.patches is not None and snap.dsa.patches["grid"].ndim == 2
     state.position = None
-    assert state.sync().reads is None
+    assert state.sync().dsa.reads is None
 
 
 def test_unchanged_fields_keep_identity(small_trace: Path) -> None:
     state = DashboardState(small_trace)
     a = state.sync()
     b = state.sync()  # nothing changed on disk or in the options
-    assert b.seq > a.seq and b.dsa is a.dsa and b.kda is a.kda and b.moe is a.moe and b.generated is a.generated
+    assert b.seq > a.seq and b.dsa is a.dsa and b.kda is a.kda and b.experts is a.experts and b.session.generated is a.session.generated
 
 
 def test_queue_is_bounded(tmp_path: Path) -> None:
     follower = TraceFollower(tmp_path / "none", maxsize=2)
     for i in range(50):
-        follower.publish(Snapshot(seq=i))
+        follower.publish(DashboardFrame(seq=i))
     assert follower.queue.qsize() == 2 and follower.dropped == 48
     assert [follower.queue.get_nowait().seq for _ in range(2)] == [48, 49]
 
@@ -66,10 +66,10 @@ def test_missing_then_appearing_trace(tmp_path: Path, small_trace: Path) -> None
     target = tmp_path / "later"
     state = DashboardState(target)
     snap = state.sync()
-    assert snap.status == "waiting" and "does not exist" in snap.error
+    assert snap.session.status == "waiting" and "does not exist" in snap.error
     shutil.copytree(small_trace, target)
     snap = state.sync()
-    assert snap.error is None and snap.status == "complete"
+    assert snap.error is None and snap.session.status == "complete"
 
 
 def test_corrupt_session_json_is_reported(tmp_path: Path, small_trace: Path) -> None:
@@ -77,7 +77,7 @@ def test_corrupt_session_json_is_reported(tmp_path: Path, small_trace: Path) -> 
     shutil.copytree(small_trace, target)
     (target / "session.json").write_text("{ not json")
     snap = DashboardState(target).sync()
-    assert snap.status == "failed" and "JSON" in snap.error
+    assert snap.session.status == "failed" and "JSON" in snap.error
 
 
 def test_newer_schema_is_reported(tmp_path: Path, small_trace: Path) -> None:
@@ -98,19 +98,19 @@ def test_follower_sees_a_live_trace_grow(tmp_path: Path, small_trace: Path) -> N
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if state.poll():
-            seen.append((state.snapshot.tokens, state.snapshot.progress.get("phase"), len(state.snapshot.generated)))
-            if state.snapshot.status == "complete":
+            seen.append((state.frame.session.tokens, state.frame.session.progress.get("phase"), len(state.frame.session.generated)))
+            if state.frame.session.status == "complete":
                 break
         time.sleep(0.05)
     replay.join(5)
     state.close()
     assert replay.error is None
-    assert state.snapshot.status == "complete" and state.snapshot.tokens == 8192
+    assert state.frame.session.status == "complete" and state.frame.session.tokens == 8192
     tokens = [t for t, _, _ in seen]
     assert tokens == sorted(tokens) and len(set(tokens)) >= 3, seen
     assert "prefill" in {p for _, p, _ in seen}
-    assert len(state.snapshot.generated) == 256
-    assert state.snapshot.marks and state.snapshot.marks[0][2] == "needle"
+    assert len(state.frame.session.generated) == 256
+    assert state.frame.session.marks and state.frame.session.marks[0][2] == "needle"
 
 
 def test_unreached_context_is_not_drawn_as_unread(tmp_path: Path, small_trace: Path) -> None:
@@ -118,12 +118,12 @@ def test_unreached_context_is_not_drawn_as_unread(tmp_path: Path, small_trace: P
     state = DashboardState(tmp_path / "live")
     deadline = time.monotonic() + 30
     snap = state.sync()
-    while (snap.dsa is None or not snap.dsa.rows or not 0 < snap.progress.get("done", 0)) and time.monotonic() < deadline:
+    while (snap.dsa.heat is None or not snap.dsa.heat.rows or not 0 < snap.session.progress.get("done", 0)) and time.monotonic() < deadline:
         time.sleep(0.3)
         snap = state.sync()
     replay.stop()
     replay.join(5)
-    values = snap.dsa.values
+    values = snap.dsa.heat.values
     # during prefill the axis spans the whole prompt; bins past the frontier are NaN, the rest finite
     assert np.isnan(values[:, -1]).all() and np.isfinite(values[:, 0]).all()
 

@@ -1,17 +1,21 @@
 """Pure analysis functions over trace tables (numpy arrays, pandas DataFrames, Arrow tables): no I/O.
 
 Shared by notebooks, the CLI and the dashboard; each function's docstring names the question of
-spec section 6 it answers.
+spec section 6 it answers. `binning` and `reads` hold what the dashboard draws (screen bins, the
+read-out of one token), so a notebook can draw the same.
 """
 
+from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     rebin_counts, segment_reads, sink_eviction)
 from workbench.analysis.kda import half_decay_tokens, head_dynamics, rank_heads
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_divergence, modality_divergence,
                                     rank_load_balance)
+from workbench.analysis.reads import TokenText, segment_name, token_reads
 
 __all__ = [
-    "dense_mass_summary", "distance_summary", "expert_imbalance", "expert_shares", "half_decay_tokens",
-    "head_dynamics", "image_patch_reads", "js_divergence", "layers_reading", "modality_divergence",
-    "rank_heads", "rank_load_balance", "rebin_counts", "segment_reads", "sink_eviction",
+    "TokenText", "bin_counts", "bin_mean", "carry_forward", "dense_mass_summary", "distance_summary",
+    "expert_imbalance", "expert_shares", "half_decay_tokens", "head_dynamics", "image_patch_reads",
+    "js_divergence", "layers_reading", "modality_divergence", "rank_heads", "rank_load_balance", "rebin_counts",
+    "segment_name", "segment_reads", "sink_eviction", "token_reads",
 ]

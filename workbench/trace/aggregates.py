@@ -24,6 +24,17 @@ def _codes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(values, return_inverse=True)`, in O(n) for small non-negative integers (layers,
+    segments, modalities, group ids: the common case, where sorting each part dominated a refresh)."""
+    if len(values) and values.min() >= 0 and values.max() < (1 << 20):
+        present = np.bincount(values) > 0
+        distinct = np.flatnonzero(present)
+        lookup = np.cumsum(present) - 1
+        return distinct.astype(values.dtype), lookup[values]
+    return np.unique(values, return_inverse=True)
+
+
 class DenseSums:
     """Sum of `value` over rows, as a dense vector over `index` for each distinct tuple of `groups`.
 
@@ -56,10 +67,10 @@ class DenseSums:
         # that grouping is a 1-D unique instead of a slow row-wise unique over a 2-D array
         values, gid = [], np.zeros(len(idx), np.int64)
         for g in self.groups:
-            distinct, code = np.unique(_codes(table[g]), return_inverse=True)
+            distinct, code = _distinct(_codes(table[g]))
             values.append(distinct)
             gid = gid * len(distinct) + code
-        used, inv = np.unique(gid, return_inverse=True)
+        used, inv = _distinct(gid)
         keys = []
         for g in used.tolist():
             key = []

@@ -232,9 +232,13 @@ class Trace:
         """Readable part files of a table, in order (tokens: tokens.parquet once compacted)."""
         return [p.path for p in self._parts[table_spec(name).name] if p.path not in self._bad]
 
-    def _read(self, part: Part, spec: TableSpec, columns: list[str] | None) -> pa.Table | None:
+    def _read(self, part: Part, spec: TableSpec, columns: list[str] | None,
+              layers: Sequence[int] | None = None) -> pa.Table | None:
         try:
-            table = pq.ParquetFile(part.path, page_checksum_verification=True).read(columns=columns)
+            if layers is None:
+                table = pq.ParquetFile(part.path, page_checksum_verification=True).read(columns=columns)
+            else:
+                table = pq.read_table(part.path, columns=columns, filters=[("layer", "in", list(layers))])
         except FileNotFoundError:
             if spec.name == "tokens":
                 raise
@@ -342,6 +346,32 @@ class Trace:
             table = table.filter(pc.is_in(table["layer"], value_set=pa.array(list(layers), pa.int16())))
         return table
 
+    def read_part(self, name: str, path: Path, columns: Sequence[str], layers: Sequence[int] | None = None) -> pa.Table:
+        """Some columns of one part file (a path from `parts(name)`), read now and never cached.
+
+        For consumers that fold a large table part by part and keep only a reduction of it (the
+        dashboard's KDA view keeps head means of `kda_norms`, not every head of every layer). A part
+        that cannot be read is listed in `problems` (or raises when strict) and yields no rows.
+
+        Args:
+            name (str): table name.
+            path (Path): one of `parts(name)`.
+            columns (Sequence[str]): columns to read.
+            layers (Sequence[int], Optional): keep rows of these layers only (row groups whose
+                statistics miss them are skipped).
+        """
+        spec = table_spec(name)
+        unknown = [c for c in columns if c not in spec.names]
+        if unknown:
+            raise TraceError(f"table {name} has no column(s) {', '.join(unknown)}")
+        part = next((p for p in self._parts[spec.name] if p.path == Path(path)), None)
+        if part is None:
+            raise TraceError(f"{path} is not a part of table {name} of {self.path}")
+        if part.path in self._bad:
+            return spec.arrow_schema.empty_table().select(list(columns))
+        table = self._read(part, spec, list(columns), layers)
+        return table if table is not None else spec.arrow_schema.empty_table().select(list(columns))
+
     def _tokens_part(self, part: Part) -> pa.Table | None:
         try:
             return self._load(part, TABLES["tokens"], None)
@@ -381,6 +411,13 @@ class Trace:
             return sorted({key[pos] for key in self._sums[name].sums})
         layer = self.table(name, columns=["layer"])["layer"]
         return sorted(pc.unique(layer).to_pylist())
+
+    def layer_range(self, name: str) -> tuple[int, int] | None:
+        """(lowest, highest) layer with rows in a table, from the part footers alone (no data read);
+        None when no part has rows or statistics."""
+        ranges = [p.ranges["layer"] for p in self._parts[table_spec(name).name]
+                  if p.path not in self._bad and p.rows and "layer" in p.ranges]
+        return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
 
     def _fold(self, name: str) -> DenseSums:
         sums = self._sums[name]

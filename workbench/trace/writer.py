@@ -256,7 +256,7 @@ class TraceWriter:
             raise TraceError(f"trace writer for {self.path} is closed")
 
     def _flush(self, names: list[str], wait: bool) -> dict[str, int]:
-        self._drain()
+        self._await_background_write()
         jobs = []
         for name in names:
             if self._buffers[name]:
@@ -274,7 +274,7 @@ class TraceWriter:
         self._pending = self._pool.submit(self._write, jobs)
         return {}
 
-    def _drain(self) -> None:
+    def _await_background_write(self) -> None:
         """Wait for the background flush, if any; its failure surfaces here, in the caller's thread."""
         if self._pending is not None:
             pending, self._pending = self._pending, None

@@ -16,16 +16,17 @@ import param
 from bokeh.models import ColumnDataSource, Span
 from bokeh.plotting import figure
 
+from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.text import set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from apps.dashboard.state import DashboardState, HeatMap, Snapshot
+from apps.dashboard.reducers import DSAMapData, HeatMap, SessionMapData
 
 
-class DSAMemoryMap(pn.viewable.Viewer):
+class DSAMemoryMap(ViewComponent):
     """DSA selection heat map plus the per-token read-out of the selected generated token."""
 
-    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    view = "dsa"
     show_segments = param.Boolean(default=True, doc="mark segment boundaries on the position axes")
 
     def __init__(self, **params) -> None:
@@ -52,34 +53,29 @@ class DSAMemoryMap(pn.viewable.Viewer):
         self.title = text_pane("", sizing_mode="stretch_width", css_classes=["k3-dsa-title"])
         # the read-out's figures join the page with the first selection (a lighter first paint)
         self.detail = pn.Column(self.readout, sizing_mode="stretch_width")
-        self._shown = Snapshot()
-        self._apply()
+        self.redraw()
 
     @param.depends("show_segments", watch=True)
     def _toggle_segments(self) -> None:
-        self._shown = Snapshot()
-        self._apply()
+        self.redraw()
 
-    @param.depends("state.snapshot", watch=True)
-    def _apply(self) -> None:
-        snap, shown = self.state.snapshot, self._shown
-        self._shown = snap
-        if snap.dsa is not shown.dsa:
-            self.heat.update(snap.dsa)
-        if snap.segments != shown.segments or snap.dsa is not shown.dsa:
-            starts = segment_starts(snap.segments) if self.show_segments else []
+    def draw(self, data: DSAMapData, session: SessionMapData, changed: set[str]) -> None:
+        if "heat" in changed:
+            self.heat.update(data.heat)
+        if {"segments", "heat"} & changed:
+            starts = segment_starts(session.segments) if self.show_segments else []
             self.heat.set_boundaries(starts)
             self.reads.set_boundaries(starts)
-        if snap.marks != shown.marks:
-            self.heat.set_marks(snap.marks)
-            self.reads.set_marks(snap.marks)
-        if snap.generated is not shown.generated:
-            self.strip.tokens = [list(t) for t in snap.generated]
-        if snap.reads is not shown.reads:
-            self._show_reads(snap)
+        if "marks" in changed:
+            self.heat.set_marks(session.marks)
+            self.reads.set_marks(session.marks)
+        if "generated" in changed:
+            self.strip.tokens = [list(t) for t in session.generated]
+        if "reads" in changed:
+            self._show_reads(data, session)
 
-    def _show_reads(self, snap: Snapshot) -> None:
-        reads = snap.reads
+    def _show_reads(self, data: DSAMapData, session: SessionMapData) -> None:
+        reads = data.reads
         if reads is None:
             self.reads.update(None)
             self.query_line.visible = False
@@ -91,7 +87,7 @@ class DSAMemoryMap(pn.viewable.Viewer):
             self.detail.objects = [pn.Row(self.reads.figure, self.patches, sizing_mode="stretch_width"), self.readout]
         # bins no key was read from are transparent, so the few read bins stand out
         counts = np.where(reads["heat"] > 0, reads["heat"], np.nan).astype(np.float32)
-        heat = HeatMap(tuple(reads["layers"]), counts, 0.0, float(snap.extent))
+        heat = HeatMap(tuple(reads["layers"]), counts, 0.0, float(session.extent))
         self.reads.update(heat)
         self.query_line.location = reads["position"]
         self.query_line.visible = True
@@ -99,11 +95,11 @@ class DSAMemoryMap(pn.viewable.Viewer):
         # escaped on the server: a piece like "<script>" stays text
         set_text(self.title, f"token at position {reads['position']}: {piece!r}" if piece is not None else
                  f"position {reads['position']}")
-        self.readout.object = snap.reads_html
-        if snap.patches is not None:
-            grid = np.asarray(snap.patches["grid"], dtype=np.float32)[::-1]  # row 0 at the top
+        self.readout.object = data.reads_html
+        if data.patches is not None:
+            grid = np.asarray(data.patches["grid"], dtype=np.float32)[::-1]  # row 0 at the top
             self.patch_source.data = {"image": [grid], "dw": [grid.shape[1]], "dh": [grid.shape[0]]}
-            self.patches.title.text = f"Patches of {snap.patches['image']} read"
+            self.patches.title.text = f"Patches of {data.patches['image']} read"
             self.patches.visible = True
         else:
             self.patches.visible = False
@@ -114,7 +110,7 @@ class DSAMemoryMap(pn.viewable.Viewer):
             pn.pane.Markdown("**Generated text** — click a token to see what each layer read for it", margin=(0, 10)),
             self.strip,
             pn.Row(self.position_input, self.title, sizing_mode="stretch_width"),
-            self.detail,
+            self.detail, self.drawn_marker,
             title="DSA memory map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-dsa"])
 
 

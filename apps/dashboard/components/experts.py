@@ -15,17 +15,18 @@ import param
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
 from bokeh.plotting import figure
 
+from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure
 from apps.dashboard.components.text import set_text, text_pane
-from apps.dashboard.state import DashboardState, Snapshot
+from apps.dashboard.reducers import ExpertsData, SessionMapData
 
 ALL = "all"
 
 
-class ExpertsView(pn.viewable.Viewer):
+class ExpertsView(ViewComponent):
     """Expert usage heat map, text-vs-image shares, per-token routes and expert-parallel rank load."""
 
-    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    view = "experts"
     modality = param.Selector(default=ALL, objects=[ALL, "text", "image"], doc="tokens counted in the heat map")
     segment = param.Selector(default=ALL, objects=[ALL], doc="segment whose tokens are counted ('all' or 'id: name')")
     layer = param.Selector(default=ALL, objects=[ALL], doc="MoE layer of the text-vs-image bars ('all' sums layers)")
@@ -59,8 +60,7 @@ class ExpertsView(pn.viewable.Viewer):
                                pn.widgets.Select.from_param(self.param.segment, label="Segment", width=220),
                                pn.widgets.Select.from_param(self.param.layer, label="Layer (bars)", width=140))
         self._segment_ids: dict[str, int] = {}
-        self._shown = Snapshot()
-        self._apply()
+        self.redraw()
 
     @param.depends("modality", "segment", "layer", watch=True)
     def _options(self) -> None:
@@ -68,40 +68,37 @@ class ExpertsView(pn.viewable.Viewer):
                                moe_segment=self._segment_ids.get(self.segment),
                                moe_layer=None if self.layer == ALL else int(self.layer))
 
-    @param.depends("state.snapshot", watch=True)
-    def _apply(self) -> None:
-        snap, shown = self.state.snapshot, self._shown
-        self._shown = snap
-        if snap.segments != shown.segments:
+    def draw(self, data: ExpertsData, session: SessionMapData, changed: set[str]) -> None:
+        if "segments" in changed:
             # labels are shown by a Select widget, which renders option text as text (no HTML)
-            self._segment_ids = {f"{s['id']}: {s.get('name') or s['kind']}": int(s["id"]) for s in snap.segments}
+            self._segment_ids = {f"{s['id']}: {s.get('name') or s['kind']}": int(s["id"]) for s in session.segments}
             self.param.segment.objects = [ALL, *self._segment_ids]
-        if snap.moe is not shown.moe:
-            self.heat.update(snap.moe)
-            layers = [ALL, *map(str, snap.moe.rows)] if snap.moe is not None else [ALL]
+        if "heat" in changed:
+            self.heat.update(data.heat)
+            layers = [ALL, *map(str, data.heat.rows)] if data.heat is not None else [ALL]
             if layers != self.param.layer.objects:
                 self.param.layer.objects = layers
-        if snap.moe_text is not shown.moe_text or snap.moe_image is not shown.moe_image:
-            self._bars(snap)
-        if snap.routes is not shown.routes:
-            self._routes(snap)
-        if snap.rank_load is not shown.rank_load:
-            self._load(snap)
+        if {"text", "image"} & changed:
+            self._bars(data)
+        if "routes" in changed:
+            self._routes(data)
+        if "rank_load" in changed:
+            self._load(data)
 
-    def _bars(self, snap: Snapshot) -> None:
-        if snap.moe_text is None:
+    def _bars(self, data: ExpertsData) -> None:
+        if data.text is None:
             self.bars_source.data = {"expert": [], "text": [], "image": []}
             return
-        text = np.asarray(snap.moe_text, np.float64)
+        text = np.asarray(data.text, np.float64)
         image = np.zeros_like(text)
-        got = np.asarray(snap.moe_image if snap.moe_image is not None else [], np.float64)[: len(text)]
+        got = np.asarray(data.image if data.image is not None else [], np.float64)[: len(text)]
         image[: len(got)] = got  # a trace without image tokens has an empty image vector
         self.bars_source.data = {"expert": np.arange(len(text)), "text": text / max(text.sum(), 1),
                                  "image": image / max(image.sum(), 1)}
         self.bars.x_range.update(start=-0.5, end=len(text) - 0.5)
 
-    def _routes(self, snap: Snapshot) -> None:
-        routes = snap.routes or []
+    def _routes(self, data: ExpertsData) -> None:
+        routes = data.routes or []
         experts, layers, weights = [], [], []
         for r in routes:
             experts += r["experts"]
@@ -111,7 +108,7 @@ class ExpertsView(pn.viewable.Viewer):
         self.routes.y_range.factors = [str(r["layer"]) for r in routes] if routes else ["-"]
         self.routes_source.data = {"expert": experts, "layer": layers, "weight": w,
                                    "size": 6 + 24 * np.sqrt(w) if len(w) else w}
-        if snap.reads is None and not routes:
+        if data.routes is None:
             set_text(self.routes_note, "Select a token to see its routes.")
         elif not routes:
             set_text(self.routes_note, f"No routes recorded for position {self.state.position} (the default "
@@ -120,17 +117,17 @@ class ExpertsView(pn.viewable.Viewer):
             mean_h = np.mean([r["entropy"] for r in routes])
             set_text(self.routes_note, f"{len(routes)} MoE layers routed this token; mean router entropy {mean_h:.2f} nats")
 
-    def _load(self, snap: Snapshot) -> None:
-        if snap.rank_load is None:
+    def _load(self, data: ExpertsData) -> None:
+        if data.rank_load is None:
             self.load_source.data = {"rank": [], "tokens": [], "colour": []}
             set_text(self.load_note, "no expert-parallel load recorded")
             return
-        load = np.asarray(snap.rank_load, np.float64)
+        load = np.asarray(data.rank_load, np.float64)
         hot = int(load.argmax())
         self.load_source.data = {"rank": np.arange(len(load)), "tokens": load,
                                  "colour": ["#e45756" if i == hot else "#4c78a8" for i in range(len(load))]}
         mean = load.mean() if len(load) else 0
-        worst = snap.rank_worst
+        worst = data.rank_worst
         note = f"busiest rank {hot}: {load[hot] / mean:.2f} x mean" if mean else ""
         if worst is not None:
             note += f"; most imbalanced layer {worst[0]}: {worst[1]:.2f} x mean"
@@ -140,5 +137,5 @@ class ExpertsView(pn.viewable.Viewer):
         return pn.Card(
             self.controls, self.heat.figure, self.bars,
             pn.Row(pn.Column(self.routes, self.routes_note, sizing_mode="stretch_width"),
-                   pn.Column(self.load, self.load_note)),
+                   pn.Column(self.load, self.load_note)), self.drawn_marker,
             title="Experts", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-experts"])

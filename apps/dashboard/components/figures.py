@@ -13,7 +13,7 @@ from bokeh.models import (ColorBar, ColumnDataSource, FixedTicker, HoverTool, Li
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
-from apps.dashboard.state import HeatMap
+from apps.dashboard.reducers import HeatMap
 
 SEGMENT_COLOURS = {"document": "#4c78a8", "turn": "#f58518", "image": "#54a24b", "generated": "#e45756"}
 

@@ -15,14 +15,15 @@ from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.palettes import Category20_20
 from bokeh.plotting import figure
 
+from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, position_format, segment_starts
-from apps.dashboard.state import DashboardState, Snapshot
+from apps.dashboard.reducers import KDAStateData, SessionMapData
 
 
-class KDAStateView(pn.viewable.Viewer):
+class KDAStateView(ViewComponent):
     """KDA state norms: layer x position heat map and per-head lines of one layer."""
 
-    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
+    view = "kda"
     layer = param.Selector(default=None, objects=[], allow_None=True,
                            doc="KDA layer of the per-head lines (filled in as layers appear in the trace)")
     reduce = param.Selector(default="mean", objects=["mean", "max"], doc="how heads are combined in the heat map")
@@ -41,34 +42,30 @@ class KDAStateView(pn.viewable.Viewer):
         self.lines.vspan(x="x", source=self.bounds, line_color="#888", line_dash="dashed")
         self.layer_select = pn.widgets.Select.from_param(self.param.layer, label="Layer (per-head lines)", width=180)
         self.reduce_select = pn.widgets.RadioButtonGroup.from_param(self.param.reduce, width=140)
-        self._shown = Snapshot()
-        self._apply()
+        self.redraw()
 
     @param.depends("layer", "reduce", watch=True)
     def _options(self) -> None:
         self.state.set_options(kda_layer=self.layer, kda_reduce=self.reduce)
 
-    @param.depends("state.snapshot", watch=True)
-    def _apply(self) -> None:
-        snap, shown = self.state.snapshot, self._shown
-        self._shown = snap
-        if snap.kda is not shown.kda:
-            self.heat.update(snap.kda)
-            layers = list(snap.kda.rows) if snap.kda is not None else []
+    def draw(self, data: KDAStateData, session: SessionMapData, changed: set[str]) -> None:
+        if "heat" in changed:
+            self.heat.update(data.heat)
+            layers = list(data.heat.rows) if data.heat is not None else []
             if layers != self.param.layer.objects:
                 self.param.layer.objects = layers
-        if snap.segments != shown.segments:
-            starts = segment_starts(snap.segments)
+        if "segments" in changed:
+            starts = segment_starts(session.segments)
             self.heat.set_boundaries(starts)
             self.bounds.data = {"x": starts}
-        if snap.kda_heads is not shown.kda_heads and snap.kda_heads is not None:
-            self._lines(snap)
-        if self.layer is None and snap.kda_head_layer is not None and snap.kda_head_layer in self.param.layer.objects:
+        if "heads" in changed and data.heads is not None:
+            self._lines(data)
+        if self.layer is None and data.head_layer is not None and data.head_layer in self.param.layer.objects:
             # show which layer the follower picked (it already computes that one)
-            self.layer = snap.kda_head_layer
+            self.layer = data.head_layer
 
-    def _lines(self, snap: Snapshot) -> None:
-        heads = snap.kda_heads
+    def _lines(self, data: KDAStateData) -> None:
+        heads = data.heads
         n_bins = heads.values.shape[1] if heads.values.ndim == 2 else 0
         x = (np.arange(n_bins) + 0.5) * (heads.x1 - heads.x0) / max(n_bins, 1) + heads.x0
         xs, ys = [], []
@@ -79,10 +76,10 @@ class KDAStateView(pn.viewable.Viewer):
         self.lines_source.data = {"xs": xs, "ys": ys, "head": list(range(len(xs))),
                                   "colour": [Category20_20[i % 20] for i in range(len(xs))]}
         self.lines.x_range.update(start=heads.x0, end=heads.x1)
-        self.lines.title.text = f"Per-head state norm, layer {snap.kda_head_layer} ({len(xs)} heads)"
+        self.lines.title.text = f"Per-head state norm, layer {data.head_layer} ({len(xs)} heads)"
 
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Card(
             pn.Row(self.layer_select, pn.Column(pn.pane.HTML("heads:", margin=(0, 5)), self.reduce_select)),
-            self.heat.figure, self.lines,
+            self.heat.figure, self.lines, self.drawn_marker,
             title="KDA state", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-kda"])

@@ -17,11 +17,12 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
 from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from apps.dashboard.state import DashboardState, Snapshot
+from apps.dashboard.reducers import SessionMapData
 
 
-def progress_text(snap: Snapshot) -> str:
+def progress_text(snap: SessionMapData) -> str:
     """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only)."""
     p = snap.progress
     if not p:
@@ -40,10 +41,9 @@ def progress_text(snap: Snapshot) -> str:
     return " · ".join(parts)
 
 
-class SessionMap(pn.viewable.Viewer):
+class SessionMap(ViewComponent):
     """Segments strip, progress bar and streaming generated text of the followed session."""
 
-    state = param.ClassSelector(class_=DashboardState, doc="shared dashboard state (snapshot, selection)")
     max_segments_listed = param.Integer(default=12, bounds=(1, None), doc="segments listed in the table")
 
     def __init__(self, **params) -> None:
@@ -64,13 +64,9 @@ class SessionMap(pn.viewable.Viewer):
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-session-text"])
         link_selection(self.strip, self.state)
-        self._shown = Snapshot()
-        self._apply()
+        self.redraw()
 
-    @param.depends("state.snapshot", watch=True)
-    def _apply(self) -> None:
-        snap, shown = self.state.snapshot, self._shown
-        self._shown = snap
+    def draw(self, data: None, snap: SessionMapData, changed: set[str]) -> None:
         p = snap.progress
         if p and p.get("total"):
             self.progress.max = max(int(p["total"]), 1)
@@ -78,7 +74,7 @@ class SessionMap(pn.viewable.Viewer):
         elif snap.status == "complete":
             self.progress.max, self.progress.value = 1, 1
         set_text(self.stats, progress_text(snap))
-        if snap.segments != shown.segments or snap.extent != shown.extent:
+        if {"segments", "extent"} & changed:
             segs = snap.segments
             self.source.data = {"left": [int(s["start"]) for s in segs], "right": [int(s["end"]) for s in segs],
                                 "name": [str(s.get("name") or "") for s in segs], "kind": [s["kind"] for s in segs],
@@ -86,8 +82,11 @@ class SessionMap(pn.viewable.Viewer):
                                 "colour": [SEGMENT_COLOURS.get(s["kind"], "#999") for s in segs]}
             self.figure.x_range.update(start=0, end=snap.extent)
             self.table.object = self._segment_table(segs)
-        if snap.generated is not shown.generated:
+        if "generated" in changed:
             self.strip.tokens = [list(t) for t in snap.generated]
+
+    def has_data(self, data: None, session: SessionMapData) -> bool:
+        return bool(session.segments)
 
     def _segment_table(self, segs: tuple[dict, ...]) -> str:
         rows = "".join(
@@ -104,4 +103,4 @@ class SessionMap(pn.viewable.Viewer):
         return pn.Card(
             self.stats, self.progress, self.figure, self.table,
             pn.pane.Markdown("**Generated text** (click a token to inspect it)", margin=(0, 10)), self.strip,
-            title="Session map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-session"])
+            self.drawn_marker, title="Session map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-session"])

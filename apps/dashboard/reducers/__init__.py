@@ -1,0 +1,26 @@
+"""One reducer per dashboard view: `(trace, view options, session map data) -> that view's data`.
+
+    session_map.SessionMapReducer -> SessionMapData   segments, progress, generated tokens (every view's context)
+    dsa_map.DSAMapReducer         -> DSAMapData       selection heat map, read-out of the selected token
+    kda_state.KDAStateReducer     -> KDAStateData     state norms per layer and per head of one layer
+    experts.ExpertsReducer        -> ExpertsData      expert usage, text vs image, routes, EP rank load
+
+Every reducer reads through the public trace API (`workbench.open_trace`), does its maths with
+`workbench.analysis`, and returns screen-sized, immutable data; nothing here knows Panel or Bokeh.
+The three views after the session map depend only on the trace and the session map's data, so the
+follower builds them in parallel threads (one after another on a two-core machine). Adding a view = a reducer here + a component in
+`components/` (subclass `ViewComponent`), registered in `VIEW_REDUCERS`.
+"""
+
+from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.dsa_map import DSAMapData, DSAMapReducer
+from apps.dashboard.reducers.experts import ExpertsData, ExpertsReducer
+from apps.dashboard.reducers.kda_state import KDAStateData, KDAStateReducer
+from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReducer
+
+# the views built from the session map's data (the frame field each one fills -> its reducer)
+# (in this order when they run one after another: cheapest first, so the slowest never delays the others)
+VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "experts": ExpertsReducer, "kda": KDAStateReducer}
+
+__all__ = ["DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap", "KDAStateData",
+           "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]

@@ -1,0 +1,70 @@
+"""Reducer of view 2, the DSA memory map: the selection heat map and the read-out of the selected token.
+
+- heat: log(1 + selections) per DSA layer and screen bin, from the trace's running sums of
+  `dsa_key_counts` (costs only the parts added since the last poll); bins past the furthest one
+  ever read are NaN ("not reached yet", not "never read");
+- read-out of the selected position: `workbench.analysis.token_reads` on `trace.topk_for(position)`,
+  as HTML, and the image patches it read (`image_patch_reads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.analysis import image_patch_reads, token_reads
+from workbench.trace import Trace
+
+from apps.dashboard.readout import reads_html
+from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.session_map import SessionMapData
+
+
+@dataclass(frozen=True, eq=False)
+class DSAMapData:
+    heat: HeatMap | None = None
+    reads: dict | None = None  # `token_reads` of the selected position (None: nothing selected)
+    reads_html: str = ""
+    patches: dict | None = None  # {"image": name, "grid": int [rows, cols]} read for the selected token
+
+
+def dsa_heat(trace: Trace, extent: int, bins: int) -> HeatMap:
+    """log(1 + selections) per DSA layer over [0, extent) in `bins` bins; unreached bins NaN."""
+    layers = trace.layers("dsa_key_counts")
+    heat = trace.dsa_heatmap(layers, bins=bins, end=extent) if layers else np.zeros((0, bins))
+    values = np.log1p(heat).astype(np.float32)
+    read = np.flatnonzero(heat.sum(axis=0) > 0)
+    values[:, (read[-1] + 1 if len(read) else 0):] = np.nan
+    return HeatMap(tuple(layers), values, 0.0, float(extent))
+
+
+def read_out(trace: Trace, position: int, session: SessionMapData, bins: int) -> tuple[dict, str, dict | None]:
+    """(token_reads, its HTML, image patches read) of the query at `position`."""
+    rows = trace.topk_for(position)
+    segments = list(session.segments)
+    reads = token_reads(position, rows, session.token_text, segments, bins, session.extent, marks=session.marks)
+    patches = None
+    image = next((g for g in segments if g["kind"] == "image" and g.get("image")), None)
+    if image is not None and rows.num_rows:
+        grid = (int(image["image"]["grid_rows"]), int(image["image"]["grid_cols"]))
+        tok = trace.tokens(["position", "image_id", "patch_row", "patch_col"])
+        tok = tok[tok["image_id"] == image["id"]]
+        if len(tok):
+            patches = {"image": str(image.get("name") or "image"),
+                       "grid": image_patch_reads(rows, tok, int(image["id"]), grid)}
+    return reads, reads_html(reads, session.token_text), patches
+
+
+class DSAMapReducer(Reducer[DSAMapData]):
+    data_type = DSAMapData
+
+    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> DSAMapData:
+        heat = self.memo("heat", (len(trace.parts("dsa_key_counts")), session.extent, options.bins),
+                         lambda: dsa_heat(trace, session.extent, options.bins))
+        if options.position is None:
+            return self.result(heat=heat, reads=None, reads_html="", patches=None)
+        deps = (options.position, len(trace.parts("dsa_topk")), session.extent, options.bins, len(session.token_text))
+        reads, html, patches = self.memo("reads", deps, lambda: read_out(trace, options.position, session,
+                                                                          options.bins))
+        return self.result(heat=heat, reads=reads, reads_html=html, patches=patches)

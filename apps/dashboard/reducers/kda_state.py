@@ -1,0 +1,188 @@
+"""Reducer of view 3, KDA state: norm over position per layer (heat map) and per head of one layer (lines).
+
+`kda_norms` holds every head of every KDA layer at every measured position (hundreds of MB at 1M
+tokens on K3.1 Pro), so it is never held whole: `KDANormFolder` reads each new part once through
+`Trace.read_part` (three columns, uncached, parts in parallel threads: decoding releases the GIL)
+and keeps per layer only the head mean and head max at each position, plus every head of the one
+layer whose lines are shown, taken from the same read. Changing that layer re-reads only its rows.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from workbench.analysis import bin_mean, carry_forward
+from workbench.trace import Trace
+
+from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.session_map import SessionMapData
+
+_COLUMNS = ["layer", "position", "norm"]
+
+
+@dataclass(frozen=True, eq=False)
+class KDAStateData:
+    heat: HeatMap | None = None  # rows are KDA layers
+    heads: HeatMap | None = None  # rows are heads of `head_layer`
+    head_layer: int | None = None
+
+
+@dataclass
+class _Series:
+    """Pieces of arrays appended part by part, folded into one on read."""
+
+    pieces: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+
+    def arrays(self, empty: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        if len(self.pieces) > 1:
+            self.pieces = [tuple(np.concatenate(col) for col in zip(*self.pieces))]
+        return self.pieces[0] if self.pieces else empty
+
+
+def _flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
+    """A fixed-length list column as (flat float32 values, list length); (empty, 0) if ragged or empty."""
+    lists = column.combine_chunks()
+    if len(lists) == 0:
+        return np.zeros(0, np.float32), 0
+    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
+    if (lengths != lengths[0]).any():
+        return np.zeros(0, np.float32), 0
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32)
+    return values, int(lengths[0])
+
+
+class KDANormFolder:
+    """KDA state norms of a live trace, folded in one part file at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, _Series] = {}  # layer -> (positions, head mean, head max)
+        self._seen: set[Path] = set()
+        self.head_layer: int | None = None
+        self._heads = _Series()  # (positions, [P, H] norms) of head_layer
+        self._head_seen: set[Path] = set()
+
+    def _fold_part(self, trace: Trace, path: Path) -> tuple[dict[int, tuple], tuple | None]:
+        """(layer -> (positions, mean, max), rows of head_layer) of one part (runs in a worker thread)."""
+        table = trace.read_part("kda_norms", path, _COLUMNS)
+        if table.num_rows == 0:
+            return {}, None
+        layer = table["layer"].to_numpy()
+        pos = table["position"].to_numpy().astype(np.int64)
+        flat, heads = _flat_lists(table["norm"])
+        if heads == 0:
+            return {}, None
+        norms = flat.reshape(len(pos), heads)
+        mean, peak = norms.mean(axis=1).astype(np.float32), norms.max(axis=1).astype(np.float32)
+        out = {}
+        for l in np.unique(layer):
+            sel = layer == l
+            out[int(l)] = (pos[sel], mean[sel], peak[sel])
+        head_rows = None
+        if self.head_layer is not None:
+            sel = layer == self.head_layer
+            head_rows = (pos[sel], norms[sel])
+        return out, head_rows
+
+    def update(self, trace: Trace, head_layer: int | None) -> bool:
+        """Fold in parts not seen yet (keeping every head of `head_layer`, or of the first KDA layer when
+        None and none is chosen yet); returns whether anything new arrived."""
+        new = [p for p in trace.parts("kda_norms") if p not in self._seen]
+        if head_layer is not None and head_layer != self.head_layer:
+            self._reset_heads(head_layer)
+        if not new:
+            return False
+        if self.head_layer is None and not self.layers:
+            # the first read: the lines show the first KDA layer unless told otherwise, so keep its heads
+            # from this same pass instead of reading every part again (the footers name the layers)
+            span = trace.layer_range("kda_norms")
+            if span is not None:
+                self._reset_heads(span[0])
+        # the other views are reduced beside this one: leave them two cores
+        workers = min(4, max(1, (os.cpu_count() or 1) - 2), len(new))
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="kda-fold") as pool:
+                results = list(pool.map(lambda p: self._fold_part(trace, p), new))
+        else:
+            results = [self._fold_part(trace, p) for p in new]
+        for path, (per_layer, head_rows) in zip(new, results):
+            self._seen.add(path)
+            for l, arrays in per_layer.items():
+                self.layers.setdefault(l, _Series()).pieces.append(arrays)
+            if head_rows is not None and path not in self._head_seen:
+                self._head_seen.add(path)
+                if len(head_rows[0]):
+                    self._heads.pieces.append(head_rows)
+        return any(per_layer for per_layer, _ in results)
+
+    def _reset_heads(self, layer: int) -> None:
+        self.head_layer, self._heads, self._head_seen = layer, _Series(), set()
+
+    def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions int64 [P], head mean float32 [P], head max float32 [P]) of one layer."""
+        empty = np.zeros(0, np.float32)
+        return self.layers[layer].arrays((np.zeros(0, np.int64), empty, empty))
+
+    def heads(self, trace: Trace, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-head norms of one layer: (positions int64 [P], values float32 [P, H]), reading only parts
+        whose heads of `layer` are not held yet."""
+        if layer != self.head_layer:
+            self._reset_heads(layer)
+        for path in trace.parts("kda_norms"):
+            if path in self._head_seen:
+                continue
+            self._head_seen.add(path)
+            table = trace.read_part("kda_norms", path, _COLUMNS, layers=[layer])
+            table = table.filter(pc.equal(table["layer"], layer)) if table.num_rows else table
+            flat, n = _flat_lists(table["norm"]) if table.num_rows else (None, 0)
+            if n:
+                self._heads.pieces.append((table["position"].to_numpy().astype(np.int64),
+                                           flat.reshape(table.num_rows, n)))
+        return self._heads.arrays((np.zeros(0, np.int64), np.zeros((0, 0), np.float32)))
+
+
+def layer_heat(folder: KDANormFolder, extent: int, bins: int, reduce: str) -> HeatMap:
+    """Head mean (or max) of the state norm per KDA layer, binned and carried forward between measurements."""
+    rows, values = [], []
+    for layer in sorted(folder.layers):
+        pos, mean, peak = folder.arrays(layer)
+        rows.append(layer)
+        values.append(carry_forward(bin_mean(pos, peak if reduce == "max" else mean, bins, extent)))
+    matrix = np.stack(values) if values else np.zeros((0, bins), np.float32)
+    return HeatMap(tuple(rows), matrix, 0.0, float(extent))
+
+
+class KDAStateReducer(Reducer[KDAStateData]):
+    data_type = KDAStateData
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = KDANormFolder()
+
+    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
+        folder = self.folder
+        wanted = options.kda_layer if options.kda_layer in folder.layers else None
+        folder.update(trace, wanted)
+        parts = len(trace.parts("kda_norms"))
+        heat = self.memo("heat", (parts, session.extent, options.bins, options.kda_reduce),
+                         lambda: layer_heat(folder, session.extent, options.bins, options.kda_reduce))
+        layers = sorted(folder.layers)
+        head_layer = options.kda_layer if options.kda_layer in folder.layers else (layers[0] if layers else None)
+        heads = None
+        if head_layer is not None:
+            def lines() -> HeatMap:
+                pos, vals = folder.heads(trace, head_layer)
+                binned = bin_mean(pos, vals, options.bins, session.extent) if len(pos) else \
+                    np.zeros((0, options.bins), np.float32)
+                return HeatMap(tuple(range(len(binned))), binned, 0.0, float(session.extent))
+            heads = self.memo("heads", (parts, head_layer, session.extent, options.bins), lines)
+        else:
+            previous = self._last
+            heads = previous.heads if previous is not None else None
+        return self.result(heat=heat, heads=heads, head_layer=head_layer if heads is not None else None)
