@@ -22,3 +22,7 @@ class CheckpointError(EngineError, ValueError):
 
 class InputError(EngineError, ValueError):
     """A prompt, token list or runtime argument that the engine refuses."""
+
+
+class ImageError(InputError):
+    """An image the engine cannot use (not an image, truncated, too large, ...): names the file."""
