@@ -130,6 +130,32 @@ def _to_rgb8(im: Image.Image, name: str) -> Image.Image:
     return im
 
 
+_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF",
+               b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
+
+
+def _why_unreadable(opener: object) -> str:
+    """Pillow found no format: say whether the bytes at least start like a known image."""
+    try:
+        if isinstance(opener, io.BytesIO):
+            head = opener.getvalue()[:32]
+        else:
+            with open(str(opener), "rb") as f:
+                head = f.read(32)
+    except OSError:
+        head = b""
+    kind = next((k for sig, k in _SIGNATURES.items() if head.startswith(sig)), None)
+    if kind is None and head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        kind = "WebP"
+    if kind is None:
+        return "not an image (Pillow recognises no image format in it)"
+    if kind == "PNG" and head[12:16] == b"IHDR":
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        if width == 0 or height == 0:
+            return f"zero-sized image ({width}x{height} in the PNG header)"
+    return f"corrupt {kind} header (the file starts like a {kind} but Pillow cannot read it)"
+
+
 def open_image(source: ImageSource, *, name: str | None = None,
                max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[Image.Image, int]:
     """Decode `source` to an oriented 8-bit RGB image; returns it and the source's frame count.
@@ -158,7 +184,7 @@ def open_image(source: ImageSource, *, name: str | None = None,
         except Image.DecompressionBombError as exc:
             raise ImageError(f"{label}: too large ({exc}); decompression-bomb guard, nothing was decoded") from None
         except Image.UnidentifiedImageError:
-            raise ImageError(f"{label}: not an image (Pillow recognises no image format in it)") from None
+            raise ImageError(f"{label}: {_why_unreadable(opener)}") from None
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise ImageError(f"{label}: corrupt image header ({exc})") from None
     _check_size(im.width, im.height, label, max_pixels)
