@@ -260,7 +260,7 @@ def test_sdpa_query_blocks_bound_the_score_buffer(monkeypatch):
     real = attn.F.scaled_dot_product_attention
 
     def spy(q, k, v, **kw):
-        seen.append(q.shape[-2] * k.shape[-2] * q.shape[0])
+        seen.append(q.shape[-2] * k.shape[-2] * q.shape[-3])
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(attn.F, "scaled_dot_product_attention", spy)
