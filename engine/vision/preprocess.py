@@ -165,28 +165,32 @@ def open_image(source: ImageSource, *, name: str | None = None,
     """
     label = _name_of(source, name)
     if isinstance(source, Image.Image):
-        im = source
+        return _decode(source, label, max_pixels)
+    if isinstance(source, (str, Path)):
+        _check_path(Path(source), label)
+        opener: object = str(source)
+    elif isinstance(source, bytes):
+        if not source:
+            raise ImageError(f"{label}: empty data, not an image")
+        opener = io.BytesIO(source)
     else:
-        if isinstance(source, (str, Path)):
-            _check_path(Path(source), label)
-            opener: object = str(source)
-        elif isinstance(source, bytes):
-            if not source:
-                raise ImageError(f"{label}: empty data, not an image")
-            opener = io.BytesIO(source)
-        else:
-            raise ImageError(f"{label}: expected a path, bytes or a PIL image, got {type(source).__name__}")
-        try:
-            with warnings.catch_warnings():
-                # our own limit below is stricter than Pillow's warning threshold
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im = Image.open(opener)  # reads the header only
-        except Image.DecompressionBombError as exc:
-            raise ImageError(f"{label}: too large ({exc}); decompression-bomb guard, nothing was decoded") from None
-        except Image.UnidentifiedImageError:
-            raise ImageError(f"{label}: {_why_unreadable(opener)}") from None
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise ImageError(f"{label}: corrupt image header ({exc})") from None
+        raise ImageError(f"{label}: expected a path, bytes or a PIL image, got {type(source).__name__}")
+    try:
+        with warnings.catch_warnings():
+            # our own limit below is stricter than Pillow's warning threshold
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(opener)  # reads the header only
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"{label}: too large ({exc}); decompression-bomb guard, nothing was decoded") from None
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{label}: {_why_unreadable(opener)}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageError(f"{label}: corrupt image header ({exc})") from None
+    with im:  # the decoded copy outlives the file handle Pillow keeps for lazy (and animated) images
+        return _decode(im, label, max_pixels)
+
+
+def _decode(im: Image.Image, label: str, max_pixels: int) -> tuple[Image.Image, int]:
     _check_size(im.width, im.height, label, max_pixels)
     frames = int(getattr(im, "n_frames", 1) or 1)
     try:
