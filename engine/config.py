@@ -2,7 +2,7 @@
 
 - `ModelConfig` holds the text model (K3.1, K3 or plain Kimi-Linear) with 0-indexed layer lists.
 - `DSAConfig` holds the lightning indexer of K3.1's sparse-attention layers.
-- `VisionConfig` holds the MoonViT-V2 tower sizes (parsed and counted; the engine runs text).
+- `VisionConfig` holds the MoonViT-V2 tower and projector sizes (run by `engine.vision`).
 - Layer kinds and derived sizes are properties, checked once in `__post_init__`.
 
 Reading and writing `config.json` lives in `engine.config_io`; named presets in `engine.presets`.
@@ -41,20 +41,70 @@ class DSAConfig:
     k_norm_eps: float = 1e-6
 
 
+# torch's default RMSNorm eps (`eps=None`): the three tower norms use it, not rms_norm_eps
+FLOAT32_EPS = 1.1920928955078125e-07
+
+
 @dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT-V2 tower and patch-merger projector sizes (spec section 8)."""
+    """MoonViT-V2 tower and patch-merger projector sizes (spec section 8).
+
+    Attributes:
+        patch_size: side of one square patch in pixels (14).
+        hidden_size: tower width (1024).
+        num_layers / num_heads: tower blocks (27) and attention heads (12).
+        qkv_hidden_size: width of each of q, k, v (12 heads x 128); `head_dim` = this / num_heads.
+        intermediate_size: tower MLP width (4096).
+        pos_emb_height / pos_emb_width: the learned position table (64 x 64), resized bilinearly
+            to each image's patch grid.
+        merge_kernel: patches merged into one language-model token (2 x 2).
+        text_hidden_size: projector output width = the language model's hidden size.
+        rope_theta: base of the 2-D rotary frequencies.
+        tower_norm_eps: eps of norm0 / norm1 / final_layernorm (float32 machine epsilon).
+        projector_norm_eps: eps of the projector's post-norm (the text model's rms_norm_eps).
+    """
 
     patch_size: int = 14
     hidden_size: int = 1024
     num_layers: int = 27
     num_heads: int = 12
-    qkv_hidden_size: int = 1536  # width of each of q, k, v (12 heads x 128)
+    qkv_hidden_size: int = 1536
     intermediate_size: int = 4096
     pos_emb_height: int = 64
     pos_emb_width: int = 64
     merge_kernel: tuple[int, int] = (2, 2)
     text_hidden_size: int = 7168
+    rope_theta: float = 10000.0
+    tower_norm_eps: float = FLOAT32_EPS
+    projector_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, fld: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config field `vision_config.{fld}`: {msg}")
+
+        for name in ("patch_size", "hidden_size", "num_layers", "num_heads", "qkv_hidden_size",
+                     "intermediate_size", "pos_emb_height", "pos_emb_width", "text_hidden_size"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+                 f"must be a positive integer, got {value!r}")
+        need(self.qkv_hidden_size % self.num_heads == 0, "qkv_hidden_size",
+             f"{self.qkv_hidden_size} is not divisible by num_heads={self.num_heads}")
+        need(self.head_dim % 4 == 0, "qkv_hidden_size",
+             f"head dim {self.head_dim} must be divisible by 4 (2-D RoPE rotates pairs for rows and columns)")
+        need(len(self.merge_kernel) == 2 and all(isinstance(k, int) and k > 0 for k in self.merge_kernel),
+             "merge_kernel_size", f"must be two positive integers, got {self.merge_kernel!r}")
+        need(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta}")
+        need(self.tower_norm_eps > 0 and self.projector_norm_eps > 0, "eps", "norm eps must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged token (the projector's input): hidden x kernel area."""
+        return self.hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
 
 
 @dataclass(frozen=True)
@@ -272,3 +322,6 @@ class ModelConfig:
             need(self.q_lora_rank is not None, "q_lora_rank",
                  "the DSA indexer reads the low-rank query latent; q_lora_rank must be set")
         need(self.max_position_embeddings > 0, "max_position_embeddings", "must be positive")
+        if self.vision is not None:
+            need(self.vision.text_hidden_size == self.hidden_size, "vision_config.text_hidden_size",
+                 f"the projector writes {self.vision.text_hidden_size}-wide tokens but hidden_size is {self.hidden_size}")

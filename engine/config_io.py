@@ -129,19 +129,36 @@ def _parse_dsa(raw: dict, mla_layers: tuple[int, ...], n_layers: int) -> DSAConf
     )
 
 
-def _parse_vision(raw: dict, text_hidden: int) -> VisionConfig:
+def _parse_vision(raw: dict, text_hidden: int, text_eps: float) -> VisionConfig:
+    """`vision_config` -> VisionConfig; K3 spells most fields with a `vt_` prefix."""
+    def num(fld: str, *names: str, default: int) -> int:
+        return _as_int(_get(raw, *names, default=default), f"vision_config.{fld}")
+
     merge = _get(raw, "merge_kernel_size", default=[2, 2])
+    if (not isinstance(merge, (list, tuple)) or len(merge) != 2
+            or not all(isinstance(k, int) and not isinstance(k, bool) for k in merge)):
+        raise ConfigError(f"config field `vision_config.merge_kernel_size`: expected two integers, got {merge!r}")
+    projector = raw.get("mm_projector_type", "patchmergerv2")
+    if projector != "patchmergerv2":
+        raise ConfigError(f"config field `vision_config.mm_projector_type`: only 'patchmergerv2' is supported, "
+                          f"got {projector!r}")
+    rope = raw.get("rope_parameters") or {}
+    theta = _get(raw, "rope_theta", default=rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"config field `vision_config.rope_theta`: expected a number, got {theta!r}")
     return VisionConfig(
-        patch_size=int(_get(raw, "patch_size", default=14)),
-        hidden_size=int(_get(raw, "vt_hidden_size", "hidden_size", default=1024)),
-        num_layers=int(_get(raw, "vt_num_hidden_layers", "num_hidden_layers", default=27)),
-        num_heads=int(_get(raw, "vt_num_attention_heads", "num_attention_heads", default=12)),
-        qkv_hidden_size=int(_get(raw, "qkv_hidden_size", default=1536)),
-        intermediate_size=int(_get(raw, "vt_intermediate_size", "intermediate_size", default=4096)),
-        pos_emb_height=int(_get(raw, "init_pos_emb_height", default=64)),
-        pos_emb_width=int(_get(raw, "init_pos_emb_width", default=64)),
-        merge_kernel=(int(merge[0]), int(merge[1])),
-        text_hidden_size=int(_get(raw, "text_hidden_size", default=text_hidden)),
+        patch_size=num("patch_size", "patch_size", default=14),
+        hidden_size=num("vt_hidden_size", "vt_hidden_size", "hidden_size", default=1024),
+        num_layers=num("vt_num_hidden_layers", "vt_num_hidden_layers", "num_hidden_layers", default=27),
+        num_heads=num("vt_num_attention_heads", "vt_num_attention_heads", "num_attention_heads", default=12),
+        qkv_hidden_size=num("qkv_hidden_size", "qkv_hidden_size", default=1536),
+        intermediate_size=num("vt_intermediate_size", "vt_intermediate_size", "intermediate_size", default=4096),
+        pos_emb_height=num("init_pos_emb_height", "init_pos_emb_height", default=64),
+        pos_emb_width=num("init_pos_emb_width", "init_pos_emb_width", default=64),
+        merge_kernel=(merge[0], merge[1]),
+        text_hidden_size=num("text_hidden_size", "text_hidden_size", default=text_hidden),
+        rope_theta=float(theta),
+        projector_norm_eps=text_eps,
     )
 
 
@@ -172,6 +189,8 @@ def parse_config(raw: dict) -> ModelConfig:
             raise ConfigError("config field `text_config`: a kimi_k3 config needs a nested text_config object")
         dsa_raw = raw.get("dsa_config", text.get("dsa_config"))
         vision_raw = raw.get("vision_config")
+        if vision_raw is not None and not isinstance(vision_raw, dict):
+            raise ConfigError("config field `vision_config`: expected an object")
         prefix = "language_model."
         quant = text.get("quantization_config", raw.get("quantization_config"))
         media = raw.get("media_placeholder_token_id", text.get("media_placeholder_token_id"))
@@ -280,7 +299,8 @@ def parse_config(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         expert_format=_expert_format(quant),
         weight_prefix=prefix,
-        vision=None if not isinstance(vision_raw, dict) else _parse_vision(vision_raw, text["hidden_size"]),
+        vision=None if not isinstance(vision_raw, dict) else _parse_vision(
+            vision_raw, text["hidden_size"], float(_get(text, "rms_norm_eps", default=1e-5))),
     )
     router = str(text.get("moe_router_activation_func", "sigmoid")).lower()
     if router != "sigmoid":
@@ -387,6 +407,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
             "vt_intermediate_size": v.intermediate_size, "init_pos_emb_height": v.pos_emb_height,
             "init_pos_emb_width": v.pos_emb_width, "merge_kernel_size": list(v.merge_kernel),
             "mm_projector_type": "patchmergerv2", "text_hidden_size": v.text_hidden_size,
+            "rope_theta": v.rope_theta,
         }
     return out
 

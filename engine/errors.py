@@ -26,3 +26,7 @@ class InputError(EngineError, ValueError):
 
 class NumericsError(EngineError, ArithmeticError):
     """A forward produced NaN or infinite values (usually from bad weights): names where it first happened."""
+
+
+class ImageError(InputError):
+    """An image the engine cannot use (not an image, truncated, too large, ...): names the file."""

@@ -5,6 +5,9 @@
 - `demo`: the same architecture sized so a 128K-token session runs on 2 CPU cores; DSA top-k is
   256 so sparsity shows at demo lengths.
 - `tiny`: the smallest config that still exercises every layer kind (tests, notebooks).
+- The K3.1 presets carry a vision tower: true size for `k3.1-pro` (0.45 B), two small blocks for
+  `demo` (width 128, 64 x 64 position table) and `tiny` (width 32, 16 x 16 table, so ordinary test
+  images exercise the table resize). `tiny-tp` and the kimi-linear variant have none.
 - `tiny-tp`: `tiny` with 8 KDA and 8 MLA heads, 16 experts and a 512-token vocabulary, so it
   splits over 1, 2, 4 or 8 ranks (tensor/expert-parallel tests).
 
@@ -71,14 +74,19 @@ def demo() -> ModelConfig:
     return _k3_family(vocab_base=256, hidden=256, n_layers=12, full_attn_every=4, heads=4, q_lora=96,
                       kv_lora=64, nope=32, rope=16, v_dim=32, kda_heads=4, kda_dim=64, idx_heads=2, idx_dim=32,
                       topk=256, experts=64, top_k=4, shared=2, moe_inter=64, latent=128, dense_inter=512,
-                      attn_res=4, max_pos=1048576, expert_format="mxfp4", vision=None)
+                      attn_res=4, max_pos=1048576, expert_format="mxfp4",
+                      vision=VisionConfig(hidden_size=128, num_layers=2, num_heads=2, qkv_hidden_size=128,
+                                          intermediate_size=256, text_hidden_size=256))
 
 
 def tiny() -> ModelConfig:
     return _k3_family(vocab_base=256, hidden=64, n_layers=6, full_attn_every=3, heads=2, q_lora=32,
                       kv_lora=32, nope=16, rope=8, v_dim=16, kda_heads=2, kda_dim=16, idx_heads=2, idx_dim=16,
                       topk=16, experts=8, top_k=2, shared=1, moe_inter=32, latent=32, dense_inter=96,
-                      attn_res=2, max_pos=65536, expert_format="mxfp4", vision=None)
+                      attn_res=2, max_pos=65536, expert_format="mxfp4",
+                      vision=VisionConfig(hidden_size=32, num_layers=2, num_heads=2, qkv_hidden_size=32,
+                                          intermediate_size=64, pos_emb_height=16, pos_emb_width=16,
+                                          text_hidden_size=64))
 
 
 def tiny_tp() -> ModelConfig:
