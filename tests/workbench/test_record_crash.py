@@ -33,6 +33,13 @@ def _record_until_killed(model, trace) -> None:
             pass
 
 
+def _wait_for_a_part(table_dir, timeout: float) -> None:
+    """Poll until the child published its first part of `table_dir` (or the timeout passes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(table_dir.glob("part-*.parquet")):
+        time.sleep(0.01)
+
+
 def _sink_counts_are_a_prefix(df) -> bool:
     """Delta rows (coalesced per flush) must count every query up to the last covered position once."""
     for _, rows in df.groupby("layer"):
@@ -54,7 +61,12 @@ def test_sigkill_during_recording_leaves_readable_prefix(tmp_path):
                 _record_until_killed(model, trace)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0.05, 1.2))
+        if i % 2:
+            # half the kills land after the first flush is visible, wherever the load puts it
+            _wait_for_a_part(trace / "dsa_sink", timeout=120)
+            time.sleep(rng.uniform(0.0, 0.3))
+        else:
+            time.sleep(rng.uniform(0.05, 1.2))  # blind: anywhere from before create() on
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         if not (trace / "session.json").exists():

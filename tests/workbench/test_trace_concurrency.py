@@ -113,7 +113,14 @@ def test_sigkill_at_random_moments_leaves_a_readable_prefix(tmp_path, zygote):
     for run in range(runs):
         path = tmp_path / f"run{run}"
         pid, progress = start(path, seed=run)
-        time.sleep(float(rng.uniform(0.05, 0.5)))
+        if run % 2:
+            # half the kills land after the first flush is visible, wherever the machine's load puts it
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(path.glob("*/part-*.parquet")):
+                time.sleep(0.005)
+            time.sleep(float(rng.uniform(0.0, 0.2)))
+        else:
+            time.sleep(float(rng.uniform(0.05, 0.5)))  # blind: anywhere from before create() on
         os.kill(pid, signal.SIGKILL)
         assert "exit" in wait()
         reported = _reported(progress)
@@ -129,7 +136,7 @@ def test_sigkill_at_random_moments_leaves_a_readable_prefix(tmp_path, zygote):
         # every other table is a prefix too, and the reader never reads a temporary
         assert len(np.unique(trace.table("dsa_topk", columns=["step"])["step"].to_numpy())) <= present + 1
         assert trace.check() == []
-    assert flushed_runs >= runs * 3 // 4
+    assert flushed_runs >= runs // 2  # every waited-for kill, whatever the load
     print(f"\n{runs} SIGKILLs: {flushed_runs} traces with data, {mid_flush} killed inside a flush")
 
 
