@@ -118,3 +118,12 @@ def test_recorded_demo_run_answers_and_reads_the_needle_above_chance(tmp_path) -
     assert found["correct"], found["answer"]
     best = found["readers"].sort_values("ratio", ascending=False).iloc[0]
     assert best["read_share"] >= 0.95 and best["ratio"] > 1, found["readers"]
+
+
+def test_cli_commands_take_builtin_demo(capsys) -> None:
+    from apps.cli import main
+
+    assert main(["inspect", "builtin:demo"]) == 0
+    assert "mxfp4" in capsys.readouterr().out.lower()
+    assert main(["run", "--model", "builtin:demo", "--prompt", "What is the code?", "--chat",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
