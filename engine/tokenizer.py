@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 import tiktoken
 
+from engine.builtin import model_dir
 from engine.errors import CheckpointError, InputError
 from engine.fileio import read_limited
 
@@ -99,8 +100,9 @@ class Tokenizer:
     @classmethod
     def for_model(cls, path: str | Path, vocab_size: int) -> "Tokenizer | None":
         """The tokenizer that goes with a model: its directory's files, or byte-level for a preset
-        whose vocabulary is 256 bytes + 256 specials; None when there is none."""
-        d = Path(path)
+        whose vocabulary is 256 bytes + 256 specials; None when there is none. `builtin:NAME` means
+        its shipped directory."""
+        d = Path(model_dir(path))
         if d.is_dir() and (d / "tiktoken.model").exists():
             return cls.load(d)
         if d.is_dir() and (d / "tokenizer_config.json").exists():
@@ -230,3 +232,15 @@ def write_byte_level_tokenizer(directory: str | Path, *, base_vocab: int = 256) 
         "tokenizer_class": "TikTokenTokenizer",
     }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def parse_answer(text: str) -> str | None:
+    """The response text of a generated assistant turn in the K3 format (what follows
+    `<|open|>response<|sep|>` up to the next `<|close|>`); None when the turn has no response section."""
+    head = "<|open|>response<|sep|>"
+    at = text.find(head)
+    if at < 0:
+        return None
+    rest = text[at + len(head):]
+    end = rest.find("<|close|>")
+    return rest if end < 0 else rest[:end]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.tokenizer import Message, Tokenizer
+from engine.tokenizer import Message, Tokenizer, parse_answer
 from training.text import HELD_OUT, TRAIN, World, filler, value_string
 
 # loss weight of the answer value, the fixed assistant scaffold and everything else (the filler)
@@ -61,17 +61,6 @@ def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[
     before = _tags(tok, False, "think") + _tags(tok, True, "response")
     after = _tags(tok, False, "response") + _tags(tok, False, "message") + [tok.end_of_msg_id]
     return before, tok.encode(answer), after
-
-
-def parse_answer(text: str) -> str | None:
-    """The response text of a generated assistant turn (None when the scaffold is broken)."""
-    head = "<|open|>response<|sep|>"
-    at = text.find(head)
-    if at < 0:
-        return None
-    rest = text[at + len(head):]
-    end = rest.find("<|close|>")
-    return rest if end < 0 else rest[:end]
 
 
 def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:

@@ -26,6 +26,8 @@ from engine.tokenizer import Tokenizer
 from workbench.recorders import RecordPolicy, Recorder, record
 
 FAMILIES = ("dsa", "kda", "moe")
+# the default model of every entry point: the trained demo model shipped in the package
+DEFAULT_MODEL = "builtin:demo"
 Loader = Callable[..., tuple[Any, Tokenizer]]
 
 
@@ -43,8 +45,15 @@ class RecordedSession:
     recorder: Recorder | None
 
 
+def builtin_models() -> list[str]:
+    """The shipped checkpoints that are installed (`builtin:NAME`), the default model first."""
+    from engine.builtin import NAMES, ROOT
+
+    return [f"builtin:{n}" for n in NAMES if (ROOT / n / "config.json").is_file()]
+
+
 def load_with_tokenizer(model_ref: str | Path, **load_options: Any) -> tuple[Any, Tokenizer]:
-    """(model, tokenizer) of a checkpoint directory or `preset:NAME[:VARIANT]`; raises InputError when the
+    """(model, tokenizer) of a checkpoint directory, `builtin:NAME` or `preset:NAME[:VARIANT]`; raises InputError when the
     model has no tokenizer files. `load_options` go to `engine.load_model` (dtype, seed, device, parallel, ...)."""
     model = load_model(model_ref, **load_options)
     tokenizer = Tokenizer.for_model(model_ref, model.config.vocab_size)
@@ -62,7 +71,7 @@ def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapsho
     """Load `model_ref`, open a session on it and record it into `trace` for the duration of the block.
 
     Args:
-        model_ref: checkpoint directory or `preset:NAME[:VARIANT]` (also the session's model name).
+        model_ref: checkpoint directory, `builtin:demo` or `preset:NAME[:VARIANT]` (also the session's model name).
         trace: trace directory to record into; None records nothing.
         snapshot: continue this saved session (`Session.load`) instead of starting empty.
         prefill_chunk / progress: passed to the `Session`.

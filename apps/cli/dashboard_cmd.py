@@ -19,7 +19,7 @@ from engine.errors import InputError
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dashboard", help="serve the live memory-inspector dashboard")
-    p.add_argument("--model", help="checkpoint directory or preset:NAME offered first in drive mode")
+    p.add_argument("--model", help="checkpoint directory, builtin:demo or preset:NAME offered first in drive mode (default builtin:demo)")
     p.add_argument("--trace", type=Path, help="trace directory to follow (it may still be being written)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, default=5006)

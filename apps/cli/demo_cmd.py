@@ -1,13 +1,15 @@
 """`workbench demo`: the README's main job, end to end on a fresh machine.
 
-1. Create (or reuse) the demo checkpoint: K3.1 architecture at demo size, random weights (the real
-   weights cannot be downloaded here, so the model's answer is noise; the point is the inspector).
-2. Build a long multi-document chat context (default 32K tokens) with a planted fact (the needle)
-   and a question about it at the end.
+1. Load the trained demo model (`builtin:demo`: the K3.1 architecture at demo size, trained on
+   generated retrieval tasks; `--model preset:demo` writes and runs random weights instead).
+2. Build a long multi-document chat context (default 32K tokens) with a planted passcode (the
+   needle) and a question about it, in the trained model's own task wording
+   (`workbench.retrieval_text`; `--wording held-out` uses wording it never saw).
 3. Serve the dashboard on the trace directory, print its URL (and open a browser unless
    --no-browser), then run the session under `workbench.record(...)`: prefill progress, the memory
    maps and the generated answer appear live.
-4. Print which DSA layers read the needle while the model answered, and keep serving until Ctrl-C.
+4. Print the answer, whether it is right, and which DSA layers read the needle for the answer
+   tokens beside their chance baselines; keep serving until Ctrl-C.
 
 `--headless` records and exports only (Parquet, next to the trace), without a server: for CI.
 """
@@ -19,35 +21,57 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputError
 from engine.presets import get_preset
+from engine.tokenizer import parse_answer
 from engine.weights.write import write_checkpoint
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler
 
+DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
 DEFAULT_TRACE = Path("traces/demo")
-NEEDLE = "The code that opens the archive vault is 4-7-1-9, and only the night curator knows it."
-QUESTION = "What is the code that opens the archive vault? Answer with the digits only."
 MIN_TOKENS = 256
-
+# the passcode the demo plants; 4 dash-separated digits is one of the trained value formats
+PASSCODE = "4-7-1-9"
 _TOPICS = ["harbour logistics", "glacier survey", "orchard irrigation", "tram maintenance", "library archive",
            "radio observatory", "textile mill", "ferry timetable"]
-_SUBJECTS = ["The inspector", "A technician", "The night shift", "The committee", "Our survey team", "The archivist",
-             "A visiting engineer", "The ledger"]
-_VERBS = ["recorded", "measured", "noted", "replaced", "catalogued", "compared", "reviewed", "estimated"]
-_OBJECTS = ["the pressure in valve {n}", "{n} crates of spare parts", "the drift of sensor {n}",
-            "the temperature at gate {n}", "shelf {n} of the east wing", "the delay on line {n}",
-            "the load on crane {n}", "the reading of meter {n}"]
-_TAILS = ["before noon.", "after the storm.", "during the audit.", "on the second day.", "without incident.",
-          "as scheduled.", "for the quarterly report.", "twice, to be sure."]
+
+
+@dataclass(frozen=True)
+class Wording:
+    """The demo's system turn, needle and question, in one world of the trained model's tasks."""
+
+    world: World
+    key: str
+    system: str
+    needle: str
+    question: str
+
+
+def wording(name: str = "train") -> Wording:
+    """`train`: the trained model's own templates (workbench.retrieval_text.TRAIN); `held-out`: wording,
+    key and filler it never saw (HELD_OUT), which shows whether retrieval generalises."""
+    world = {"train": TRAIN, "held-out": HELD_OUT}[name]
+    key = "hidden cellar" if name == "train" else "polar vault"
+    t = 4 if name == "train" else 0     # TRAIN: "The code that opens the {k} is {v}." / its question
+    return Wording(world, key, world.systems[0], world.needles[t].format(k=key, v=PASSCODE),
+                   world.needle_questions[t].format(k=key))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: recorded long-context session on the demo checkpoint + dashboard")
-    p.add_argument("--checkpoint", type=Path, default=DEFAULT_DIR, help="where the demo checkpoint lives")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model to run (default builtin:demo, the trained demo "
+                   "model; preset:demo writes a random-weight checkpoint to --checkpoint; or a checkpoint directory)")
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_DIR,
+                   help="where --model preset:demo's random-weight checkpoint is written (first run only)")
+    p.add_argument("--wording", choices=("train", "held-out"), default="train", help="needle and question in the "
+                   "trained model's own wording (train) or in wording it never saw (held-out)")
     p.add_argument("--tokens", type=int, default=32768, help="context size in tokens (default 32768)")
-    p.add_argument("--new-tokens", type=int, default=24, help="tokens the model generates for its answer")
+    p.add_argument("--new-tokens", type=int, default=40, help="most tokens the model generates for its answer "
+                   "(the response scaffold takes ~17 byte tokens; generation stops at the end of the message)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace directory (replaced if it holds a trace)")
     p.add_argument("--port", type=int, default=5006)
     p.add_argument("--no-browser", action="store_true", help="print the URL but do not open a browser")
@@ -59,90 +83,139 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def ensure_demo_checkpoint(path: Path) -> Path:
-    """Create the demo checkpoint on first use; reuse it afterwards."""
+    """Create the random-weight demo checkpoint (preset:demo) on first use; reuse it afterwards."""
     if not (path / "config.json").exists():
-        print(f"writing the demo checkpoint to {path} (first run only) ...", flush=True)
+        print(f"writing the random-weight demo checkpoint to {path} (first run only) ...", flush=True)
         write_checkpoint(get_preset("demo"), path, seed=0, shards=2, overwrite=True)
     return path
 
 
-def _sentence(rng: random.Random, topic: str) -> str:
-    obj = rng.choice(_OBJECTS).format(n=rng.randint(2, 999))
-    return f"{rng.choice(_SUBJECTS)} of the {topic} {rng.choice(_VERBS)} {obj} {rng.choice(_TAILS)} "
+def demo_model(model: str, checkpoint: Path) -> str | Path:
+    """The model reference the session loads: `preset:demo` becomes its written checkpoint directory
+    (so the dashboard and the trace name a real checkpoint); anything else is passed on."""
+    return ensure_demo_checkpoint(checkpoint) if model == "preset:demo" else model
 
 
-def build_documents(tokens: int, count_tokens, seed: int = 0) -> tuple[list[tuple[str, str]], int, int]:
-    """Documents filling about `tokens` tokens, the needle planted at ~40% of the second one.
+def build_documents(tokens: int, count_tokens, seed: int = 0, words: Wording | None = None,
+                    ) -> tuple[list[tuple[str, str]], int, int]:
+    """Documents of the wording's filler filling about `tokens` tokens, the needle planted at ~40% of
+    the second one (sentence-aligned, as in training).
 
     Returns (documents as (name, text), index of the needle's document, character offset of the needle).
     `count_tokens(text)` measures text in the model's tokenizer.
     """
+    words = words or wording()
     rng = random.Random(seed)
     n_docs = 4 if tokens >= 4096 else 2
     budget = max(tokens // n_docs, 64)
     docs: list[tuple[str, str]] = []
     needle_doc, needle_at = 1, 0
     for i in range(n_docs):
-        topic = _TOPICS[i % len(_TOPICS)]
-        parts: list[str] = [f"{topic.title()} notes, volume {i + 1}.\n"]
-        size, planted = count_tokens(parts[0]), i != needle_doc
-        while size < budget:
-            if not planted and size >= 0.4 * budget:
-                needle_at = sum(len(p) for p in parts)
-                parts.append(NEEDLE + " ")
-                size += count_tokens(NEEDLE + " ")
-                planted = True
-            s = _sentence(rng, topic)
-            parts.append(s)
-            size += count_tokens(s)
-        docs.append((f"{topic.replace(' ', '-')}-{i + 1}.txt", "".join(parts)))
+        text = filler(words.world, rng, budget)
+        # the filler is measured in bytes; trim it to the token budget at a sentence end
+        while count_tokens(text) > budget and ". " in text[:-2]:
+            text = text[: text.rindex(". ", 0, len(text) - 2) + 2]
+        if i == needle_doc:
+            cut = text.find(". ", int(0.4 * len(text)))
+            needle_at = cut + 2 if cut >= 0 else len(text)
+            text = text[:needle_at] + words.needle + text[needle_at:]
+        docs.append((f"{_TOPICS[i % len(_TOPICS)].replace(' ', '-')}-{i + 1}.txt", text))
     return docs, needle_doc, needle_at
 
 
-def record_demo(checkpoint: Path, trace: Path, tokens: int, new_tokens: int, prefill_chunk: int) -> dict:
+def answer_queries(pieces: list[str], first: int, value: str) -> tuple[int, int] | None:
+    """Inclusive query positions of the answer tokens (query t predicts token t + 1): those that produced
+    `value` when the response holds it, else those that produced the response's text; None when the
+    generated turn has no response text (then the caller counts every generated token).
+
+    Generated token i sits at position `first + i`.
+    """
+    text = "".join(pieces)
+    head = "<|open|>response<|sep|>"
+    at = text.find(head)
+    if at < 0:
+        return None
+    lo = at + len(head)
+    close = text.find("<|close|>", lo)
+    hi = close if close >= 0 else len(text)
+    found = text.find(value, lo, hi)
+    if found >= 0:
+        lo, hi = found, found + len(value)
+    starts, pos = [], 0
+    for p in pieces:
+        starts.append(pos)
+        pos += len(p)
+    toks = [i for i, s in enumerate(starts) if lo <= s < hi]
+    if not toks:
+        return None
+    return first + toks[0] - 1, first + toks[-1] - 1
+
+
+def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, prefill_chunk: int,
+                words: Wording | None = None) -> dict:
     """Run the demo session under `workbench.record` into `trace`; returns what the demo found."""
     import workbench
     from workbench.analysis import layers_reading
     from workbench.sessions import recorded_session
 
-    print(f"loading {checkpoint} ...", flush=True)
-    with recorded_session(checkpoint, trace, prefill_chunk=prefill_chunk, progress=True, overwrite=True) as run:
+    words = words or wording()
+    print(f"loading {model} ...", flush=True)
+    with recorded_session(model, trace, prefill_chunk=prefill_chunk, progress=True, overwrite=True) as run:
         session, tokenizer = run.session, run.session.tokenizer
-        system = "You are a careful reader. Answer questions about the documents exactly."
-        docs, needle_doc, needle_at = build_documents(tokens, lambda t: len(tokenizer.encode(t)))
+        docs, needle_doc, needle_at = build_documents(tokens, lambda t: len(tokenizer.encode(t)), words=words)
         started = time.perf_counter()
-        session.append(system, role="system", name="system")
+        session.append(words.system, role="system", name="system")
         needle = (0, 0)
         for i, (name, text) in enumerate(docs):
             seg = session.append(text, name=name)
             if i == needle_doc:
                 start = seg.start + len(tokenizer.encode(text[:needle_at]))
-                needle = (start, start + len(tokenizer.encode(NEEDLE)))
-        session.append(QUESTION, role="user", name="question")
-        run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": NEEDLE, "question": QUESTION})
+                needle = (start, start + len(tokenizer.encode(words.needle)))
+        session.append(words.question, role="user", name="question")
+        run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": words.needle,
+                                                 "question": words.question, "expected": PASSCODE})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
-        answer = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0)]
+        pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0)]
     elapsed = time.perf_counter() - started
     trace_obj = workbench.open_trace(trace)
     gen = [s for s in trace_obj.segments().itertuples() if s.kind == "generated"]
-    queries = (int(gen[-1].start), int(gen[-1].end) - 1) if gen else None
+    first = int(gen[-1].start) if gen else len(session.tokens) - len(pieces)
+    # the answer tokens: the passcode's (or the response text's) queries, else every generated token's
+    # (the prompt's last position produced the first one)
+    queries = answer_queries(pieces, first, PASSCODE) or ((first - 1, first + len(pieces) - 2) if pieces else None)
     readers = layers_reading(trace_obj.df("dsa_topk"), needle[0], needle[1], queries=queries)
-    return {"answer": "".join(answer), "needle": needle, "seconds": elapsed, "tokens": len(session.tokens),
-            "readers": readers}
+    text = "".join(pieces)
+    response = parse_answer(text)
+    return {"answer": response if response is not None else text, "scaffold_ok": response is not None,
+            "correct": response is not None and response.strip() == PASSCODE, "expected": PASSCODE,
+            "needle": needle, "seconds": elapsed, "tokens": len(session.tokens), "readers": readers}
+
+
+def report_lines(found: dict) -> list[str]:
+    """The demo's report: the answer, whether it is right, and which DSA layers read the needle for the
+    answer tokens beside what uniformly random selections would give (chance and ratio)."""
+    verdict = "right" if found["correct"] else f"wrong (the passcode is {found['expected']})"
+    shown = found["answer"] if found["scaffold_ok"] else f"{found['answer']!r} (no response section)"
+    lines = [f"answer: {shown} - {verdict}"]
+    readers = found["readers"]
+    if not len(readers):
+        return lines + ["no DSA selections were recorded for the answer tokens"]
+    lines.append("DSA layers reading the needle for the answer tokens (chance: uniformly random top-k picks):")
+    for r in readers.sort_values("ratio", ascending=False, na_position="last").itertuples():
+        ratio = "n/a" if r.chance <= 0 else f"{r.read_share / r.chance:.1f}x"
+        lines.append(f"  layer {r.layer}: {r.read_share:.0%} of {r.queries} answer tokens read the needle, "
+                     f"chance {_pct(r.chance)}, {ratio}")
+    return lines
+
+
+def _pct(p: float) -> str:
+    return f"{p * 100:.2g}%" if 0 < p < 0.01 else f"{p * 100:.0f}%"
 
 
 def _report(found: dict) -> None:
-    print(f"recorded {found['tokens']:,} tokens in {found['seconds']:.0f} s; answer (random weights, so noise): "
-          f"{found['answer']!r}")
-    readers = found["readers"]
-    reading = readers[readers["queries_reading"] > 0]
-    if len(reading):
-        print("DSA layers that read the needle while answering (share of answer tokens, nearest distance):")
-        for r in reading.itertuples():
-            print(f"  layer {r.layer}: {r.read_share:.0%} of {r.queries} answer tokens, {r.distance_min} tokens back")
-    else:
-        print("no DSA layer selected the needle's tokens while answering (random weights rarely do)")
+    print(f"recorded {found['tokens']:,} tokens in {found['seconds']:.0f} s")
+    print("\n".join(report_lines(found)), flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -159,11 +232,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise InputError(f"{trace} exists and is not a trace; choose another --trace")
         # start from an empty directory so a follower never mixes the old run's parts with the new ones
         shutil.rmtree(trace)
-    checkpoint = ensure_demo_checkpoint(args.checkpoint)
+    checkpoint = demo_model(args.model, args.checkpoint)
+    words = wording(args.wording)
     if args.headless:
         from workbench.trace.export import export_trace
 
-        found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk)
+        found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words)
         _report(found)
         out = trace.with_name(trace.name + "-export")
         export_trace(trace, out, "parquet", overwrite=True)
@@ -180,7 +254,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import webbrowser
 
         webbrowser.open(link)
-    found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk)
+    found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words)
     _report(found)
     print(f"still serving {link}; Ctrl-C to stop", flush=True)
     try:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from engine import get_preset, load_config, load_model
 from engine import inputs as engine_inputs
+from engine.builtin import model_dir
 from engine.census import census, human, human_bytes
 from engine.config import ModelConfig
 from engine.errors import InputError
@@ -37,14 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     rnd.set_defaults(func=cmd_checkpoint_random)
 
     ins = sub.add_parser("inspect", help="config summary, parameter counts, bytes, tensor validation")
-    ins.add_argument("path", nargs="?", type=Path, help="checkpoint directory")
+    ins.add_argument("path", nargs="?", type=Path, help="checkpoint directory or builtin:demo")
     ins.add_argument("--preset", choices=sorted(PRESETS))
     ins.add_argument("--variant", choices=["k3.1", "k3", "kimi-linear"])
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=cmd_inspect)
 
     lg = sub.add_parser("logits", help="full causal forward of token id lists; write logits")
-    lg.add_argument("--model", required=True, help="checkpoint directory or preset:NAME[:VARIANT]")
+    lg.add_argument("--model", required=True, help="checkpoint directory, builtin:demo (the trained demo model) or preset:NAME[:VARIANT] (random weights)")
     lg.add_argument("--input-ids", required=True, type=Path, help="JSON list of token-id lists")
     lg.add_argument("--out", required=True, type=Path, help="output .safetensors (logits.0, logits.1, ...)")
     lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -87,8 +88,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         config = get_preset(args.preset, args.variant)
         source = f"preset {args.preset}" + (f" ({args.variant})" if args.variant else "")
     else:
-        config = load_config(args.path)
-        files = CheckpointFiles.open(args.path)
+        path = model_dir(args.path)
+        config = load_config(path)
+        files = CheckpointFiles.open(path)
         problems = validate(config, files)
         source = str(args.path)
     counts = census(config, files)

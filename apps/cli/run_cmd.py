@@ -23,7 +23,7 @@ from workbench.sessions import FAMILIES, recorded_session
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a session: prefill a prompt and stream generated tokens")
-    p.add_argument("--model", required=True, help="checkpoint directory or preset:NAME[:VARIANT]")
+    p.add_argument("--model", required=True, help="checkpoint directory, builtin:demo (the trained demo model) or preset:NAME[:VARIANT] (random weights)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")

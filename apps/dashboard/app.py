@@ -38,7 +38,8 @@ class DashboardConfig:
 
     Attributes:
         trace: trace directory followed at start (None: wait for a URL parameter or a driven session).
-        model: model offered first in drive mode (checkpoint directory or preset:NAME).
+        model: model offered first in drive mode (checkpoint directory, builtin:NAME or preset:NAME; default
+            the shipped builtin:demo when installed).
         root: the only directory tree the `trace` URL parameter may point into; drive-mode runs are
             recorded under it.
         host, port: where the server listens (127.0.0.1 by default; any other host needs a token).

@@ -31,6 +31,10 @@ def snippet_html(tokens: TokenText, keys: np.ndarray, start: int, end: int) -> s
     return "".join(parts) or "<i>(text not recorded)</i>"
 
 
+def _pct(p: float) -> str:
+    return f"{p * 100:.2g}%" if 0 < p < 0.01 else f"{p * 100:.0f}%"
+
+
 def reads_html(reads: dict, tokens: TokenText) -> str:
     """The per-layer read-out of `token_reads` as an HTML table (all text escaped)."""
     if not reads["rows"]:
@@ -44,8 +48,12 @@ def reads_html(reads: dict, tokens: TokenText) -> str:
         snippets = "".join(f"<div class='k3-snippet'><span class='k3-at'>@{s}</span> "
                            f"{snippet_html(tokens, r['selected'], a, b)}</div>"
                            for s, (a, b) in zip(r["snippet_starts"], r["windows"]))
-        marked = "".join(f"<td><b>{n}</b></td>" if n else "<td>0</td>" for n in r["marked"])
+        # beside each count what uniformly random picks of as many keys would give (chance of any hit)
+        marked = "".join(f"<td>{f'<b>{n}</b>' if n else '0'} <span class='k3-chance'>(random: {e:.2g}, "
+                         f"{_pct(c)} any)</span></td>"
+                         for n, e, c in zip(r["marked"], r.get("marked_expected", []), r.get("marked_chance", [])))
         body.append(f"<tr><td>{r['layer']}</td><td>{r['keys']}</td><td>{r['nearest']}</td><td>{r['farthest']}</td>"
-                    f"<td>{r['local_share']:.0%}</td><td>{html.escape(r['top_segment'])}</td>{marked}"
+                    f"<td>{r['local_share']:.0%} <span class='k3-chance'>(random {_pct(r.get('local_chance', 0.0))})"
+                    f"</span></td><td>{html.escape(r['top_segment'])}</td>{marked}"
                     f"<td>{snippets}</td></tr>")
     return head + "".join(body) + "</table>"

@@ -32,7 +32,7 @@ _MODELS_LOCK = threading.Lock()
 
 
 def load_cached_model(name: str) -> tuple[Any, Any]:
-    """(model, tokenizer) for a preset or checkpoint directory, loaded once per process (raises EngineError)."""
+    """(model, tokenizer) for a builtin, preset or checkpoint directory, loaded once per process (raises EngineError)."""
     from workbench.sessions import load_with_tokenizer
 
     with _MODELS_LOCK:
@@ -43,8 +43,11 @@ def load_cached_model(name: str) -> tuple[Any, Any]:
 
 
 def find_models(extra: list[str] | None = None, search: list[Path] | None = None) -> list[str]:
-    """Model choices: `extra` (e.g. --model), the presets, and checkpoint directories under `search`."""
-    found = list(extra or [])
+    """Model choices: `extra` (e.g. --model), the shipped trained models (`builtin:demo`, the default),
+    checkpoint directories under `search`, and the random-weight presets."""
+    from workbench.sessions import builtin_models
+
+    found = list(extra or []) + builtin_models()
     for root in search or []:
         if root.is_dir():
             found += sorted(str(p.parent) for p in root.glob("*/config.json"))

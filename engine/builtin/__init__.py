@@ -3,7 +3,8 @@
 `builtin:demo` is the trained demo model (the K3.1 architecture at demo size, trained by
 `python -m training.demo_model`; see `engine/builtin/demo/MODEL_CARD.md`). It is a real checkpoint
 directory (config.json, safetensors with MXFP4 experts, tokenizer files), so everything that takes
-a checkpoint directory takes it: `load_model(resolve_builtin("builtin:demo"))`.
+a checkpoint directory takes it. Every model path of the engine accepts the name itself:
+`load_model("builtin:demo")`, `parse_model_path`, `Tokenizer.for_model` (through `model_dir`).
 """
 
 from __future__ import annotations
@@ -34,3 +35,8 @@ def resolve_builtin(path: str | Path) -> Path:
         raise CheckpointError(f"builtin model {name!r} is not installed at {d} (train it with "
                               f"`python -m training.demo_model --out {d}`)")
     return d
+
+
+def model_dir(path: str | Path) -> str | Path:
+    """`builtin:NAME` -> its directory; any other model path unchanged (`preset:...`, a directory)."""
+    return resolve_builtin(path) if is_builtin(path) else path

@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 import torch
 from tqdm import tqdm
 
+from engine.builtin import model_dir
 from engine.config import ModelConfig
 from engine.config_io import load_config
 from engine.errors import CheckpointError, ConfigError
@@ -177,7 +178,8 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
 
 
 def parse_model_path(path: str | Path) -> tuple[ModelConfig, str | None]:
-    """`preset:NAME[:VARIANT]` -> (config, None); a directory -> (its config, dir)."""
+    """`preset:NAME[:VARIANT]` -> (config, None); a directory or `builtin:NAME` -> (its config, dir)."""
+    path = model_dir(path)
     text = str(path)
     if text.startswith("preset:"):
         name, _, variant = text[len("preset:"):].partition(":")
@@ -199,7 +201,7 @@ def _check_same_model(config: ModelConfig, dtype: torch.dtype, seed: int | None,
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                seed: int = 0, runtime: RuntimeOptions | None = None, expert_ids: Sequence[int] | None = None,
                progress: bool | None = None, parallel: ParallelContext = SINGLE) -> KimiForCausalLM:
-    """Load a checkpoint directory, or `preset:NAME[:VARIANT]` with random weights (`seed`).
+    """Load a checkpoint directory, `builtin:NAME` (a shipped one) or `preset:NAME[:VARIANT]` with random weights (`seed`).
 
     Args:
         path: checkpoint directory (config.json + safetensors) or `preset:tiny`, `preset:demo:k3`, ...

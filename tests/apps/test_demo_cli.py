@@ -8,20 +8,41 @@ from pathlib import Path
 import pytest
 
 from apps.cli import main
-from apps.cli.demo_cmd import NEEDLE, build_documents
+from apps.cli.demo_cmd import PASSCODE, answer_queries, build_documents, report_lines, wording
 
 
-def test_documents_hold_the_needle_once() -> None:
-    docs, needle_doc, at = build_documents(4096, len)
-    assert len(docs) == 4 and sum(len(t) for _, t in docs) >= 4096
-    assert docs[needle_doc][1][at:].startswith(NEEDLE)
-    assert sum(t.count(NEEDLE) for _, t in docs) == 1
+@pytest.mark.parametrize("name", ["train", "held-out"])
+def test_documents_hold_the_needle_once(name: str) -> None:
+    words = wording(name)
+    docs, needle_doc, at = build_documents(4096, len, words=words)
+    assert len(docs) == 4 and 0.9 * 4096 <= sum(len(t) for _, t in docs) <= 4096 + len(words.needle)
+    needle = words.needle
+    assert PASSCODE in needle and docs[needle_doc][1][at:].startswith(needle)
+    assert sum(t.count(needle) for _, t in docs) == 1
+    # the trained model's own templates: the needle and question of one task family in that world
+    assert words.system in words.world.systems
+    assert any(needle == t.format(k=words.key, v=PASSCODE) for t in words.world.needles)
+    assert any(words.question == q.format(k=words.key) for q in words.world.needle_questions)
+
+
+def test_report_prints_answer_verdict_and_chance() -> None:
+    import pandas as pd
+
+    readers = pd.DataFrame([{"layer": 3, "queries": 7, "read_share": 1.0, "chance": 0.12, "ratio": 1 / 0.12},
+                            {"layer": 6, "queries": 7, "read_share": 0.0, "chance": 0.12, "ratio": 0.0}])
+    lines = report_lines({"answer": "4-7-1-9", "scaffold_ok": True, "correct": True, "expected": PASSCODE,
+                          "readers": readers})
+    assert lines[0] == "answer: 4-7-1-9 - right"
+    assert "layer 3: 100% of 7 answer tokens read the needle, chance 12%, 8.3x" in lines[2]
+    wrong = report_lines({"answer": "<|close|>x", "scaffold_ok": False, "correct": False, "expected": PASSCODE,
+                          "readers": readers})
+    assert "wrong (the passcode is 4-7-1-9)" in wrong[0] and "no response section" in wrong[0]
 
 
 def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ckpt = checkpoint_dir("tiny")
     trace = tmp_path / "traces" / "demo"
-    code = main(["demo", "--headless", "--checkpoint", str(ckpt), "--tokens", "512", "--new-tokens", "4",
+    code = main(["demo", "--headless", "--model", str(ckpt), "--tokens", "512", "--new-tokens", "4",
                  "--trace", str(trace), "--prefill-chunk", "256"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -32,7 +53,7 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     kinds = [s["kind"] for s in session["segments"]]
     assert kinds[0] == "turn" and kinds.count("document") == 2 and kinds[-1] == "generated"
     assert (tmp_path / "traces" / "demo-export" / "tokens.parquet").is_file()
-    assert "export (Parquet)" in out and "needle" in out.lower()
+    assert "export (Parquet)" in out and "answer:" in out and "chance" in out
 
 
 def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -42,3 +63,12 @@ def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, caps
     assert main(["demo", "--headless", "--trace", str(tmp_path / "not-a-trace")]) == 2
     assert (tmp_path / "not-a-trace" / "keep.txt").exists()
     assert "not a trace" in capsys.readouterr().err
+
+
+def test_answer_queries_are_the_passcode_tokens() -> None:
+    pieces = ["<|close|>", "think", "<|sep|>", "<|open|>", "response", "<|sep|>"] + list("4-7-1-9") + ["<|close|>"]
+    # generated token i at position 100 + i; the passcode is tokens 6..12, produced by queries 105..111
+    assert answer_queries(pieces, 100, "4-7-1-9") == (105, 111)
+    wrong = pieces[:6] + list("77") + ["<|close|>"]
+    assert answer_queries(wrong, 100, "4-7-1-9") == (105, 106)
+    assert answer_queries(list("noise"), 100, "4-7-1-9") is None

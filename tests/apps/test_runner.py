@@ -54,7 +54,10 @@ def test_model_that_fails_to_load(tmp_path: Path) -> None:
 def test_find_models(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "config.json").write_text("{}")
-    assert find_models(["x"], [tmp_path]) == ["x", str(tmp_path / "a"), "preset:tiny", "preset:demo"]
+    from workbench.sessions import builtin_models
+
+    assert find_models(["x"], [tmp_path]) == ["x", *builtin_models(), str(tmp_path / "a"), "preset:tiny", "preset:demo"]
+    assert builtin_models() == ["builtin:demo"]     # shipped in engine/builtin/demo: the dashboard's default
 
 
 def test_recorded_session_on_tiny_preset(tmp_path: Path) -> None:

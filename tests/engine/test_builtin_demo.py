@@ -1,11 +1,16 @@
-"""The shipped demo checkpoint (`builtin:demo`): loads, and answers a held-out 2K-token needle prompt
-exactly, with some DSA layer selecting the needle for the answer tokens far above chance.
+"""The shipped demo checkpoint (`builtin:demo`): loads strictly as a real checkpoint; answers a held-out
+2K-token needle prompt exactly, with some DSA layer selecting the passcode for the answer tokens far
+above chance; and a recorded `workbench demo` run on it shows the needle among the selected keys of
+a DSA layer for the answer tokens (the recorder end to end, on the model's real behaviour).
 
-Skipped until the trained checkpoint is installed in engine/builtin/demo/ (see training/README.md).
+An interim checkpoint (exported mid-training by `python -m training.export_state`; its
+`training.json` has `exported_step` below the schedule's total) is not expected to answer yet: those
+checks are xfail with the step in the reason, and become strict once the final checkpoint is installed.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -14,22 +19,59 @@ import pytest
 
 from engine.builtin import ROOT
 
-pytestmark = pytest.mark.skipif(not (ROOT / "demo" / "config.json").exists(),
+DEMO = ROOT / "demo"
+pytestmark = pytest.mark.skipif(not (DEMO / "config.json").exists(),
                                 reason="builtin:demo not installed (train it: training/README.md)")
 
 
+def _interim() -> tuple[int, int] | None:
+    """(step, total) when the installed checkpoint is an interim export, else None."""
+    try:
+        info = json.loads((DEMO / "training.json").read_text())
+    except (OSError, ValueError):
+        return None
+    total = sum(int(s["steps"]) for s in info.get("stages", []))
+    step = info.get("exported_step")
+    return (int(step), total) if step is not None and int(step) < total else None
+
+
+INTERIM = _interim()
+interim_xfail = pytest.mark.xfail(INTERIM is not None, strict=False, reason=(
+    f"interim builtin:demo checkpoint (training step {INTERIM[0]} of {INTERIM[1]}) does not retrieve yet; "
+    f"strict once the final checkpoint is installed" if INTERIM else ""))
+
+
+def test_builtin_demo_loads_as_a_real_checkpoint() -> None:
+    import torch
+
+    from engine import load_model
+    from engine.tokenizer import Tokenizer
+    from engine.weights.load import parse_model_path
+
+    config, root = parse_model_path("builtin:demo")
+    assert Path(root) == DEMO and config.expert_format == "mxfp4" and config.dsa is not None
+    size = sum(f.stat().st_size for f in DEMO.iterdir() if f.is_file())
+    assert size <= 30 * 2**20, f"shipped checkpoint is {size / 2**20:.1f} MiB (limit 30 MiB)"
+    assert (DEMO / "MODEL_CARD.md").is_file() and (DEMO / "tiktoken.model").is_file()
+    model = load_model("builtin:demo")
+    tok = Tokenizer.for_model("builtin:demo", model.config.vocab_size)
+    assert tok is not None and tok.decode(tok.encode("vault 4-7-1-9")) == "vault 4-7-1-9"
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.chat_prompt([])]))
+    assert bool(torch.isfinite(logits).all())
+
+
+@interim_xfail
 def test_builtin_demo_answers_a_held_out_needle() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_demo_model import run_case_spans
 
     from engine import load_model
-    from engine.builtin import resolve_builtin
     from engine.tokenizer import Tokenizer
     from training.tasks import HELD_OUT, answer_ids, needle_prompt
 
-    path = resolve_builtin("builtin:demo")
-    model = load_model(path)
-    tok = Tokenizer.for_model(path, model.config.vocab_size)
+    model = load_model("builtin:demo")
+    tok = Tokenizer.for_model("builtin:demo", model.config.vocab_size)
     s = needle_prompt(tok, HELD_OUT, random.Random(5), 2048, 0.5)
     before, ans, after = answer_ids(tok, s.answer)
     target = before + ans + after[:1]
@@ -43,3 +85,45 @@ def test_builtin_demo_answers_a_held_out_needle() -> None:
     # tokens 64 random picks hit a 6-token span ~17% of the time, so 10x chance is only reachable
     # from ~8K tokens on (benchmarks/bench_demo_model.py reports it there); here: well above it
     assert best["read"] >= 0.95 and best["read"] >= 3 * best["chance"], result["layers"]
+
+
+def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> None:
+    import numpy as np
+
+    import workbench
+    from apps.cli.demo_cmd import answer_queries, record_demo
+
+    trace = tmp_path / "demo"
+    found = record_demo("builtin:demo", trace, 2048, 40, 1024)
+    t = workbench.open_trace(trace)
+    start, end = t.session["demo"]["needle"]
+    assert (start, end) == tuple(found["needle"]) and end - start == len(t.session["demo"]["needle_text"])
+    rows = t.df("dsa_topk")
+    gen = [s for s in t.segments().itertuples() if s.kind == "generated"][-1]
+    answer = rows[(rows["position"] >= gen.start - 1) & (rows["position"] < gen.end)]
+    assert set(answer["layer"]) == set(t.layers("dsa_key_counts")), "every DSA layer's answer selections are kept raw"
+    hits = {int(r.layer) for r in answer.itertuples() if ((np.asarray(r.selected) >= start) & (np.asarray(r.selected) < end)).any()}
+    assert hits, "no DSA layer selected a needle key for any answer token"
+    # the analysis agrees with the raw rows, and reports the chance baseline beside each read rate
+    readers = found["readers"]
+    assert {int(la) for la in readers.loc[readers["queries_reading"] > 0, "layer"]} <= hits
+    assert ((readers["chance"] > 0) & (readers["chance"] <= 1)).all()
+
+
+@interim_xfail
+def test_recorded_demo_run_answers_and_reads_the_needle_above_chance(tmp_path) -> None:
+    from apps.cli.demo_cmd import record_demo
+
+    found = record_demo("builtin:demo", tmp_path / "demo", 2048, 40, 1024)
+    assert found["correct"], found["answer"]
+    best = found["readers"].sort_values("ratio", ascending=False).iloc[0]
+    assert best["read_share"] >= 0.95 and best["ratio"] > 1, found["readers"]
+
+
+def test_cli_commands_take_builtin_demo(capsys) -> None:
+    from apps.cli import main
+
+    assert main(["inspect", "builtin:demo"]) == 0
+    assert "mxfp4" in capsys.readouterr().out.lower()
+    assert main(["run", "--model", "builtin:demo", "--prompt", "What is the code?", "--chat",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0

@@ -188,3 +188,22 @@ def test_heatmap_shows_the_needle(synthetic):
     whole = t.dsa_heatmap(bins=7)
     assert whole.shape == (len(layers), 7)
     assert whole.sum() == pytest.approx(t.table("dsa_key_counts")["count"].to_numpy().sum())
+
+
+def test_token_reads_show_chance_beside_marked_and_local_reads() -> None:
+    import pyarrow as pa
+
+    from apps.dashboard.readout import reads_html
+    from workbench.analysis import TokenText, chance_of_hit, token_reads
+
+    rows = pa.table({"layer": [3], "selected": pa.array([[0, 10, 11, 900, 990]], pa.list_(pa.int64()))})
+    segments = [{"id": 0, "kind": "document", "name": "doc", "start": 0, "end": 1000}]
+    reads = token_reads(999, rows, TokenText(), segments, bins=10, extent=1000, marks=[(10, 20, "needle")])
+    r = reads["rows"][0]
+    assert r["marked"] == [2]
+    # 5 random picks among the 1,000 visible keys put 5 * 10 / 1000 in a 10-key span
+    assert r["marked_expected"] == [pytest.approx(0.05)]
+    assert r["marked_chance"] == [pytest.approx(chance_of_hit(1000, 10, 5))]
+    assert r["local_chance"] == pytest.approx(128 / 1000)   # LOCAL_WINDOW of the 1,000 visible keys
+    page = reads_html(reads, TokenText())
+    assert "random: 0.05" in page and "any)" in page

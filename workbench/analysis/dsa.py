@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from workbench.analysis.chance import chance_of_hit
 from workbench.analysis.common import (Frame, column, list_values, log2_bin_quantiles, segment_of, to_pandas)
 
 
@@ -43,8 +44,11 @@ def layers_reading(topk: Frame, start: int, end: int, queries: tuple[int, int] |
 
     Returns: layer, queries, queries_reading (queries that selected at least one key in range),
     read_share (= queries_reading / queries), keys_read (selected keys in range over all queries),
-    distance_min / distance_median (query position - key position over those keys), sorted by
-    read_share descending.
+    distance_min / distance_median (query position - key position over those keys), chance (mean over
+    the queries of the exact probability that as many uniform picks among the keys the query can see,
+    positions 0..q, hit the range: `workbench.analysis.chance`), expected_reading (its sum: queries
+    random picks would make read the range) and ratio (read_share / chance), sorted by read_share
+    descending.
     """
     layer = column(topk, "layer").astype(np.int64)
     qpos = column(topk, "position").astype(np.int64)
@@ -57,17 +61,26 @@ def layers_reading(topk: Frame, start: int, end: int, queries: tuple[int, int] |
     hit = (keys >= start) & (keys < end) & in_query[owner]
     hit_rows = owner[hit]
     distance = qpos[hit_rows] - keys[hit].astype(np.int64)
+    picks = np.bincount(owner, minlength=len(layer))
+    visible_span = np.clip(np.minimum(end, qpos + 1) - start, 0, None)
+    chance = np.atleast_1d(chance_of_hit(qpos + 1, visible_span, picks)) if len(layer) else np.zeros(0)
     out = []
     for l in np.unique(layer[rows]):
         mine = layer[rows] == l
         mine_hits = layer[hit_rows] == l
         d = distance[mine_hits]
         reading = len(np.unique(hit_rows[mine_hits]))
+        share = reading / max(int(mine.sum()), 1)
+        mine_chance = chance[rows[mine]]
+        mean_chance = float(mine_chance.mean()) if len(mine_chance) else 0.0
         out.append({"layer": int(l), "queries": int(mine.sum()), "queries_reading": reading,
-                    "read_share": reading / max(int(mine.sum()), 1), "keys_read": int(mine_hits.sum()),
+                    "read_share": share, "keys_read": int(mine_hits.sum()),
                     "distance_min": int(d.min()) if len(d) else -1,
-                    "distance_median": float(np.median(d)) if len(d) else np.nan})
-    cols = ["layer", "queries", "queries_reading", "read_share", "keys_read", "distance_min", "distance_median"]
+                    "distance_median": float(np.median(d)) if len(d) else np.nan,
+                    "chance": mean_chance, "expected_reading": float(mine_chance.sum()),
+                    "ratio": share / mean_chance if mean_chance > 0 else np.nan})
+    cols = ["layer", "queries", "queries_reading", "read_share", "keys_read", "distance_min", "distance_median",
+            "chance", "expected_reading", "ratio"]
     return pd.DataFrame(out, columns=cols).sort_values(["read_share", "layer"], ascending=[False, True],
                                                        ignore_index=True)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from workbench.analysis.binning import bin_counts
+from workbench.analysis.chance import chance_of_hit, expected_hits
 
 # distance (in tokens) below which a selected key counts as "local" in the read-out
 LOCAL_WINDOW = 128
@@ -98,7 +99,10 @@ def token_reads(position: int, rows: pa.Table, tokens: TokenText, segments: list
     Returns {"position", "piece", "layers" [L], "heat" float32 [L, bins] (selected keys per screen bin),
     "marks", "rows": [{"layer", "keys", "selected" (int64 key positions), "nearest", "farthest",
     "local_share", "top_segment", "marked", "windows": [(start, end)], "snippet_starts"}]}. `marked`
-    counts the selected keys inside each marked range. Windows are the `windows` densest
+    counts the selected keys inside each marked range, `marked_expected` what uniformly random picks of as
+    many keys among the query's visible keys (0..position) would put there and `marked_chance` their
+    chance of hitting the range at all (`workbench.analysis.chance`); `local_chance` is the share of
+    visible keys within LOCAL_WINDOW (what random picks give `local_share`). Windows are the `windows` densest
     SNIPPET_WINDOW-token runs of selected keys at least LOCAL_WINDOW back, widened by SNIPPET_MARGIN.
     """
     out_rows, heat, layers = [], [], []
@@ -118,6 +122,11 @@ def token_reads(position: int, rows: pa.Table, tokens: TokenText, segments: list
                    "farthest": int(dist.max()) if len(keys) else -1,
                    "local_share": float((dist < LOCAL_WINDOW).mean()) if len(keys) else 0.0,
                    "marked": [int(((keys >= a) & (keys < b)).sum()) for a, b, _ in marks]}
+            visible = position + 1
+            spans = [max(0, min(b, visible) - max(a, 0)) for a, b, _ in marks]
+            row["marked_expected"] = [float(expected_hits(visible, s, len(keys))) for s in spans]
+            row["marked_chance"] = [float(chance_of_hit(visible, s, len(keys))) for s in spans]
+            row["local_chance"] = min(LOCAL_WINDOW, visible) / visible
             if len(keys):
                 owners = [segment_name(segments, int(k)) for k in keys[:: max(1, len(keys) // 256)]]
                 names, counts = np.unique(owners, return_counts=True)
