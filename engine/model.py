@@ -32,6 +32,7 @@ from engine.parallel.mesh import SINGLE, ParallelContext, check_divisible
 from engine.parallel.tp import VocabParallelEmbedding
 from engine.probes import ProbeContext, bind_probes
 from engine.runtime import RuntimeOptions
+from engine.vision.tower import VisionModel
 
 
 class DecoderLayer(nn.Module):
@@ -104,11 +105,12 @@ class KimiModel(nn.Module):
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
-                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> final normed hidden [B, T, hidden]."""
+                layer_outputs: list[torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (or `inputs_embeds` [B, T, hidden]) -> final normed hidden [B, T, hidden]."""
         start = 0 if state is None else state.length
         key_start = None if state is None else state.key_start
-        prefix = self.embed_tokens(input_ids)
+        prefix = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             prefix = layer(prefix, blocks, None if state is None else state.layers[i], start, key_start)
@@ -121,10 +123,14 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """The text model. `forward(input_ids [B, T]) -> logits [B, T, vocab]`.
+    """The model. `forward(input_ids [B, T]) -> logits [B, T, vocab]`; with `image_embeds` the
+    positions holding `<|media_pad|>` take the projector's outputs instead of the token embedding.
 
     Attributes:
         config: the parsed `ModelConfig`.
+        vision: the MoonViT-V2 tower + merge + projector (`engine.vision.VisionModel`, keys = the
+            checkpoint's `vision_tower.*` / `mm_projector.*` names), or None when the config has no
+            vision tower or the checkpoint holds no vision tensors (`vision_unavailable` says why).
         runtime: switches shared by all layers (`RuntimeOptions`).
         parallel: this process's place in the tensor/expert-parallel layout (`ParallelContext`);
             with world > 1 every rank holds its heads, widths, vocabulary rows and experts, and
@@ -132,7 +138,8 @@ class KimiForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, runtime: RuntimeOptions | None = None,
-                 expert_ids: Sequence[int] | None = None, parallel: ParallelContext = SINGLE) -> None:
+                 expert_ids: Sequence[int] | None = None, parallel: ParallelContext = SINGLE,
+                 with_vision: bool = True) -> None:
         super().__init__()
         if parallel.world > 1:
             check_divisible(config, parallel.world)
@@ -144,6 +151,14 @@ class KimiForCausalLM(nn.Module):
         self.probe_context = ProbeContext(rank=parallel.rank)  # step and phase set by the session per forward
         self.model = KimiModel(config, self.runtime, expert_ids, parallel)
         self.lm_head = nn.Linear(config.hidden_size, parallel.split(config.vocab_size), bias=False)
+        # The vision tower is replicated, never split: every rank holds all of it and computes the
+        # same image embeddings (0.45 B parameters, about 0.9 GB in bf16 at K3.1 Pro size, small
+        # beside the ~195 GB of text weights a rank of 8 holds), so no collective is needed for images.
+        self.vision: VisionModel | None = (VisionModel(config.vision) if config.vision is not None and with_vision
+                                           else None)
+        self.vision_unavailable: str | None = (None if self.vision is not None else
+                                               "this model has no vision tower" if config.vision is None else
+                                               "the checkpoint holds no vision tensors (a text-only export)")
         bind_probes(self, self.probe_context)
 
     def empty_state(self, batch: int = 1, *, dtype: torch.dtype = torch.float32,
@@ -162,12 +177,43 @@ class KimiForCausalLM(nn.Module):
             raise InputError(f"token ids {bad.unique()[:8].tolist()} are outside the vocabulary "
                              f"[0, {self.config.vocab_size})")
 
+    def embed_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
+                     image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings `[B, T, hidden]` with the image positions replaced by `image_embeds`.
+
+        Args:
+            image_embeds: `[N, hidden]` projector outputs, in position order (batch row, then position).
+            image_mask: `[B, T]` bool, True at the N image positions; default: where `input_ids`
+                holds `media_placeholder_token_id` (expanded ids, `engine.vision.expand_media_placeholders`).
+        """
+        embeds = self.model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return embeds
+        if image_mask is None:
+            pad = self.config.media_placeholder_token_id
+            if pad is None:
+                raise InputError("this model has no media placeholder token: it cannot take image embeddings")
+            image_mask = input_ids == pad
+        if image_mask.shape != input_ids.shape:
+            raise InputError(f"image_mask has shape {tuple(image_mask.shape)}; input_ids {tuple(input_ids.shape)}")
+        n = int(image_mask.sum())
+        if image_embeds.dim() != 2 or image_embeds.shape != (n, embeds.shape[-1]):
+            raise InputError(f"{n} image positions need image_embeds of shape [{n}, {embeds.shape[-1]}], "
+                             f"got {tuple(image_embeds.shape)}")
+        return embeds.masked_scatter(image_mask.to(embeds.device)[..., None], image_embeds.to(embeds.dtype))
+
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None, *, last_only: bool = False,
-                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+                layer_outputs: list[torch.Tensor] | None = None, image_embeds: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Causal forward.
 
         Args:
             input_ids (torch.Tensor): `[B, T]` token ids.
+            image_embeds / image_mask (torch.Tensor, Optional): projector outputs `[N, hidden]` for
+                the image positions (see `embed_inputs`); the language model treats them like any
+                token (causal, no positional encoding).
+            inputs_embeds (torch.Tensor, Optional): `[B, T, hidden]` input embeddings to run instead
+                of looking up `input_ids` (which are still checked and name the positions in errors).
             state (ModelState, Optional): continue after `state.length` tokens; layers read and update
                 it, but `state.length` is left for the caller (the session) to advance.
             last_only (bool): compute logits for the last position only (`[B, 1, vocab]`).
@@ -177,7 +223,9 @@ class KimiForCausalLM(nn.Module):
             logits `[B, T, vocab]` (or `[B, 1, vocab]`).
         """
         self.check_input_ids(input_ids)
-        hidden = self.model(input_ids, state, layer_outputs)
+        if inputs_embeds is None and image_embeds is not None:
+            inputs_embeds = self.embed_inputs(input_ids, image_embeds, image_mask)
+        hidden = self.model(input_ids, state, layer_outputs, inputs_embeds)
         if last_only:
             hidden = hidden[:, -1:]
         logits = comm.all_gather(self.lm_head(hidden), self.parallel, dim=-1, tag="lm_head")

@@ -7,10 +7,18 @@ full causal forward's logits at every position.
     session = Session(model, tokenizer)
     session.append(document_text, name="report.txt")        # raw text segment
     session.append("What is the planted fact?", role="user")  # chat message
+    session.append(image="chart.png", role="user")            # an image in a user turn (tower runs now)
     for tok in session.generate(max_new_tokens=64, temperature=0):
         print(tok.text, end="")
     session.save("snap/")                                    # safetensors + JSON
     again = Session.load("snap/", model, tokenizer)          # continues identically
+
+Images (spec section 8): `append(image=...)` preprocesses the picture (a bad one raises ImageError
+before anything changes), runs the vision tower once, and appends
+`<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_end|>`;
+prefill feeds the projector's outputs at those positions, whatever chunks split them. The segment's
+`image` dict records the picture (size, grids, token range, pixel hash); snapshots keep it, and need
+no pixels to resume (the image positions are in the state once consumed).
 
 Observers (`session.observers`) receive `(event, payload)` for progress and tokens, so the CLI,
 recorders and the dashboard follow a session without the session knowing them.
@@ -36,9 +44,11 @@ from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.snapshot import prefix_hash, read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
+from engine.vision import ImageSource, image_prompt_ids, merged_grid, preprocess_image
 
 Observer = Callable[[str, dict], None]
 PROGRESS_MIN_TOKENS = 8192
+THUMBNAIL_PX = 512  # longest side of the thumbnail an image segment keeps for viewers
 
 
 @dataclass
@@ -52,6 +62,9 @@ class Segment:
     end: int
     role: str | None = None
     modality: str = "text"
+    # image segments: width/height (original pixels), patch_rows/patch_cols (tower grid), grid_rows/
+    # grid_cols (merged grid = token layout), token_start/token_end (the image positions), sha256
+    image: dict | None = None
 
 
 @dataclass
@@ -89,6 +102,10 @@ class Session:
         self._suppress_key: tuple | None = None
         self._suppress_index: torch.Tensor | None = None
         self.observers: list[Observer] = []
+        # images appended but not yet prefilled: (first position, projector outputs [n, hidden])
+        self._pending_images: list[tuple[int, torch.Tensor]] = []
+        # segment id -> RGB thumbnail (longest side <= THUMBNAIL_PX), in memory only (never in snapshots)
+        self.image_thumbnails: dict[int, Any] = {}
         self._stop = False
         self.previous_deployments: list[dict] = []  # records of earlier runs this session was restored from
         self.deployment = DeploymentRecord(model=model_name or "unnamed", config_hash=self.config.fingerprint(),
@@ -115,18 +132,23 @@ class Session:
         return self.tokenizer.encode(text)
 
     def append(self, text: str | None = None, *, role: str | None = None, ids: Sequence[int] | None = None,
-               name: str | None = None, kind: str | None = None) -> Segment:
+               image: ImageSource | None = None, name: str | None = None, kind: str | None = None) -> Segment:
         """Add a segment to the context (not yet run through the model; see `prefill`).
 
         Args:
             text: plain text, encoded with no special tokens allowed (no chat-structure injection).
             role: make it a chat message (`user`, `system`, `assistant`, `tool`) in the K3 format.
             ids: token ids instead of text.
+            image: a picture (PIL image, path or encoded bytes): an "image" segment holding its media
+                tokens, one position per merged patch; the tower runs now (ImageError for a bad image,
+                InputError for a model without vision weights, both before anything changes).
             name: label shown by the inspector (a file name, "question", ...).
-            kind: segment kind (default: "turn" for chat messages, "document" otherwise).
+            kind: segment kind (default: "turn" for chat messages, "image" for images, "document" otherwise).
         """
-        if (text is None) == (ids is None):
-            raise InputError("append needs exactly one of text= or ids=")
+        if sum(x is not None for x in (text, ids, image)) != 1:
+            raise InputError("append needs exactly one of text=, ids= or image=")
+        if image is not None:
+            return self._append_image(image, role=role, name=name, kind=kind)
         if text is not None:
             if not text:
                 raise InputError("empty text: nothing to append")
@@ -153,6 +175,61 @@ class Session:
         self._emit("segment", segment=seg)
         return seg
 
+    def _append_image(self, image: ImageSource, *, role: str | None, name: str | None,
+                      kind: str | None) -> Segment:
+        vision = self.model.vision
+        label = name or (Path(image).name if isinstance(image, (str, Path)) else None)
+        if vision is None:
+            raise InputError(f"{label or 'image'}: images are unavailable: {self.model.vision_unavailable}")
+        if self.tokenizer is None:
+            raise InputError("images need a tokenizer (for the media tokens around them)")
+        c = vision.config
+        processed = preprocess_image(image, name=label, patch=c.patch_size, merge=c.merge_kernel,
+                                     thumbnail=THUMBNAIL_PX)  # ImageError before anything changes
+        rows, cols = merged_grid(processed.grid, c.merge_kernel)
+        body = image_prompt_ids(self.tokenizer, *processed.original_size)
+        new = self.tokenizer.message_ids(role, body) if role is not None else body
+        pad = self.config.media_placeholder_token_id
+        if pad is None or new.count(pad) != 1:
+            raise InputError(f"the tokenizer's <|media_pad|> is not the model's media_placeholder_token_id ({pad})")
+        pad_at = new.index(pad)
+        limit = self.config.max_position_embeddings
+        total = len(self.tokens) + len(new) - 1 + rows * cols
+        if total > limit:
+            raise InputError(f"context would hold {total} tokens with this image; the model's limit is {limit}")
+        with torch.inference_mode():
+            embeds = vision(processed.pixel_values.to(self.device), processed.grid)  # [rows * cols, hidden]
+        start = len(self.tokens)
+        first = start + pad_at
+        expanded = new[:pad_at] + [pad] * (rows * cols) + new[pad_at + 1:]
+        self.tokens.extend(expanded)
+        info = {"width": processed.original_size[0], "height": processed.original_size[1],
+                "resized_width": processed.resized_size[0], "resized_height": processed.resized_size[1],
+                "patch_rows": processed.grid[0], "patch_cols": processed.grid[1], "grid_rows": rows,
+                "grid_cols": cols, "token_start": first, "token_end": first + rows * cols,
+                "sha256": processed.sha256, "frames": processed.frames}
+        seg = Segment(id=len(self.segments), kind=kind or "image", name=label or f"image {len(self.segments)}",
+                      start=start, end=len(self.tokens), role=role, modality="image", image=info)
+        self._pending_images.append((first, embeds))
+        if processed.thumbnail is not None:
+            self.image_thumbnails[seg.id] = processed.thumbnail
+        self.segments.append(seg)
+        self._emit("segment", segment=seg)
+        return seg
+
+    def _image_inputs(self, start: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(projector rows, [1, n] mask) of the pending images that fall in positions [start, start + n)."""
+        rows, mask = [], None
+        for first, embeds in self._pending_images:
+            lo, hi = max(first, start), min(first + len(embeds), start + n)
+            if lo >= hi:
+                continue
+            if mask is None:
+                mask = torch.zeros(1, n, dtype=torch.bool, device=self.device)
+            mask[0, lo - start: hi - start] = True
+            rows.append(embeds[lo - first: hi - first])
+        return (torch.cat(rows) if rows else None), mask
+
     # ---- running the model ------------------------------------------------------------------
     def _forward(self, ids: list[int], phase: str, all_logits: bool) -> torch.Tensor:
         """Run `ids` at positions [length, length + n); returns logits [n or 1, V] fp32."""
@@ -162,7 +239,9 @@ class Session:
         try:
             with torch.inference_mode():
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                logits = self.model(x, self.state, last_only=not all_logits)[0].float()
+                image_embeds, image_mask = self._image_inputs(self.state.length, len(ids))
+                logits = self.model(x, self.state, last_only=not all_logits, image_embeds=image_embeds,
+                                    image_mask=image_mask)[0].float()
         except BaseException:
             for s, (rec, conv) in zip(kda, saved):
                 s.recurrent, s.conv = rec, conv
@@ -170,6 +249,8 @@ class Session:
         finally:
             self.model.probe_context.end()
         self.state.length += len(ids)
+        # images whose every position is now in the state are never needed again
+        self._pending_images = [(f, e) for f, e in self._pending_images if f + len(e) > self.state.length]
         self.step += 1
         self.last_logits = logits[-1]
         self._emit("step", step=self.step - 1, phase=phase, start=self.state.length - len(ids), count=len(ids))
@@ -297,7 +378,16 @@ class Session:
     def state_dict(self) -> dict[str, Any]:
         """Everything a continuation needs: `tensors` (token ids, sampler RNG, last logits, every
         layer's state; the tensors themselves, not copies) and JSON values (model identity, prefix
-        hash, segments, sampling, step, deployment record). `engine.snapshot` writes it to disk."""
+        hash, segments, sampling, step, deployment record). `engine.snapshot` writes it to disk.
+
+        Image segments are kept (their `image` dict, with the pixel hash) but never their pixels:
+        an image must be prefilled before a snapshot is taken (InputError otherwise)."""
+        return self._state_dict()
+
+    def _state_dict(self, *, pending_images_ok: bool = False) -> dict[str, Any]:
+        if self._pending_images and not pending_images_ok:
+            raise InputError(f"{len(self._pending_images)} image(s) are appended but not prefilled; snapshots hold no "
+                             "pixels: run prefill() first")
         tensors: dict[str, torch.Tensor] = {
             "tokens": torch.tensor(self.tokens, dtype=torch.int64),
             "generator": self.generator.get_state(),
@@ -355,6 +445,7 @@ class Session:
         self.state = layers
         self.tokens = tokens
         self.segments = [Segment(**seg) for seg in state.get("segments", [])]
+        self._pending_images, self.image_thumbnails = [], {}
         self.step = int(state.get("step", 0))
         self.sampling = SamplingParams.from_json(state.get("sampling", {}))
         if "generator" in tensors:
@@ -367,7 +458,9 @@ class Session:
         """An independent copy (same model) that continues from exactly this point."""
         other = type(self)(self.model, self.tokenizer, prefill_chunk=self.prefill_chunk,
                            model_name=self.deployment.model, progress=self.progress)
-        other.load_state_dict(self.state_dict())
+        other.load_state_dict(self._state_dict(pending_images_ok=True))
+        other._pending_images = list(self._pending_images)  # embeddings are never modified: share them
+        other.image_thumbnails = dict(self.image_thumbnails)
         # a branch continues this run: it inherits the record so far and the sampling filters
         other.deployment = copy.deepcopy(self.deployment)
         other.previous_deployments = copy.deepcopy(self.previous_deployments)

@@ -129,6 +129,19 @@ class Tokenizer:
         ids.extend(self.encode(name))
         ids.append(self.sep_id)
 
+    def message_ids(self, role: str, body: Sequence[int]) -> list[int]:
+        """One chat message around already-built `body` ids (text, or an image's media tokens)."""
+        if None in (self.open_id, self.close_id, self.sep_id, self.end_of_msg_id):
+            raise InputError("this tokenizer has no chat control tokens (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>)")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise InputError(f"unknown chat role {role!r}")
+        ids: list[int] = []
+        self._tag(ids, True, f'message role="{role}"')
+        ids.extend(body)
+        self._tag(ids, False, "message")
+        ids.append(self.end_of_msg_id)  # type: ignore[arg-type]
+        return ids
+
     def chat_prompt(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the K3 chat format, built in code.
 
@@ -139,12 +152,7 @@ class Tokenizer:
             raise InputError("this tokenizer has no chat control tokens (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>)")
         ids: list[int] = []
         for m in messages:
-            if m.role not in ("system", "user", "assistant", "tool"):
-                raise InputError(f"unknown chat role {m.role!r}")
-            self._tag(ids, True, f'message role="{m.role}"')
-            ids.extend(self.encode(m.content))
-            self._tag(ids, False, "message")
-            ids.append(self.end_of_msg_id)  # type: ignore[arg-type]
+            ids.extend(self.message_ids(m.role, self.encode(m.content)))
         if add_generation_prompt:
             self._tag(ids, True, 'message role="assistant"')
             self._tag(ids, True, "think")

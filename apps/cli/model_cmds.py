@@ -16,7 +16,7 @@ from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.parallel import distributed
 from engine.presets import PRESETS
-from engine.weights.load import validate
+from engine.weights.load import IMAGES_UNAVAILABLE, has_vision_tensors, validate
 from engine.weights.safetensors_io import CheckpointFiles
 from engine.weights.write import write_checkpoint
 
@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     rnd.add_argument("--shards", type=int, default=2)
     rnd.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of float tensors")
     rnd.add_argument("--overwrite", action="store_true")
+    rnd.add_argument("--no-vision", action="store_true",
+                     help="leave out the vision tower's tensors (a text-only export; config.json keeps vision_config)")
     rnd.set_defaults(func=cmd_checkpoint_random)
 
     ins = sub.add_parser("inspect", help="config summary, parameter counts, bytes, tensor validation")
@@ -59,8 +61,10 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
         raise InputError("--shards must be >= 1")
     config = get_preset(args.preset, args.variant)
     out = write_checkpoint(config, args.out, seed=args.seed, shards=args.shards, float_dtype=DTYPES[args.dtype],
-                           overwrite=args.overwrite)
-    print(f"wrote {config.variant} checkpoint of preset {args.preset!r} (seed {args.seed}) to {out}")
+                           overwrite=args.overwrite, vision=not args.no_vision)
+    tower = ("no vision tower" if config.vision is None else "text-only (no vision tensors)" if args.no_vision
+             else f"vision tower {config.vision.num_layers} x {config.vision.hidden_size}")
+    print(f"wrote {config.variant} checkpoint of preset {args.preset!r} (seed {args.seed}, {tower}) to {out}")
     return 0
 
 
@@ -83,6 +87,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise InputError("give a checkpoint directory or --preset NAME (exactly one)")
     files = None
     problems: list[str] = []
+    images_note = ""
     if args.preset:
         config = get_preset(args.preset, args.variant)
         source = f"preset {args.preset}" + (f" ({args.variant})" if args.variant else "")
@@ -91,6 +96,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         files = CheckpointFiles.open(args.path)
         problems = validate(config, files)
         source = str(args.path)
+        if config.vision is not None and not has_vision_tensors(config, files):
+            images_note = IMAGES_UNAVAILABLE
     counts = census(config, files)
     report = {
         "source": source,
@@ -100,6 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "bytes_by_dtype": dict(counts.bytes_by_dtype),
         "total_bytes": counts.total_bytes,
         "validation": {"checked": files is not None, "problems": problems},
+        "images": {"available": config.vision is not None and not images_note, "note": images_note or None},
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -121,6 +129,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     print(f"  - {p}")
             else:
                 print(f"validation: ok ({len(files.tensors)} tensors match config.json)")
+            if images_note:
+                print(f"images: unavailable ({images_note})")
     return 1 if problems else 0
 
 

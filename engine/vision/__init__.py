@@ -9,7 +9,7 @@
 
 from engine.vision.placeholders import (ExpandedIds, ImageSpan, expand_media_placeholders, image_prompt_ids,
                                         media_token_ids)
-from engine.vision.preprocess import (MAX_IMAGE_PIXELS, MAX_PATCHES, MAX_PATCHES_PER_SIDE, ProcessedImage,
+from engine.vision.preprocess import (MAX_IMAGE_PIXELS, ImageSource, MAX_PATCHES, MAX_PATCHES_PER_SIDE, ProcessedImage,
                                       fit_to_limits, open_image, patchify, preprocess_image)
 from engine.vision.tower import VisionModel, merge_patches
 
@@ -19,6 +19,6 @@ def merged_grid(grid: tuple[int, int], kernel: tuple[int, int] = (2, 2)) -> tupl
     return grid[0] // kernel[0], grid[1] // kernel[1]
 
 
-__all__ = ["ExpandedIds", "ImageSpan", "MAX_IMAGE_PIXELS", "MAX_PATCHES", "MAX_PATCHES_PER_SIDE", "ProcessedImage",
+__all__ = ["ExpandedIds", "ImageSource", "ImageSpan", "MAX_IMAGE_PIXELS", "MAX_PATCHES", "MAX_PATCHES_PER_SIDE", "ProcessedImage",
            "VisionModel", "expand_media_placeholders", "fit_to_limits", "image_prompt_ids", "media_token_ids",
            "merge_patches", "merged_grid", "open_image", "patchify", "preprocess_image"]

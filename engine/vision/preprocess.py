@@ -54,6 +54,8 @@ class ProcessedImage:
             whatever file format carried it).
         name: what error messages and segments call the image.
         frames: frames in the source (> 1: animated, only the first was used).
+        thumbnail: the oriented RGB picture scaled to fit `thumbnail` px (when asked for), for
+            viewers that must never receive the full-resolution pixels.
     """
 
     pixel_values: torch.Tensor
@@ -63,6 +65,7 @@ class ProcessedImage:
     sha256: str
     name: str
     frames: int = 1
+    thumbnail: Image.Image | None = None
 
     @property
     def num_patches(self) -> int:
@@ -251,11 +254,16 @@ def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
 def preprocess_image(source: ImageSource, *, name: str | None = None, patch: int = 14,
                      merge: tuple[int, int] = (2, 2), max_patches: int = MAX_PATCHES,
                      max_per_side: int = MAX_PATCHES_PER_SIDE,
-                     max_pixels: int = MAX_IMAGE_PIXELS) -> ProcessedImage:
-    """Decode, orient, convert, downscale, pad, normalise and patchify one image."""
+                     max_pixels: int = MAX_IMAGE_PIXELS, thumbnail: int | None = None) -> ProcessedImage:
+    """Decode, orient, convert, downscale, pad, normalise and patchify one image (and keep a
+    thumbnail whose longest side is at most `thumbnail` px, when given)."""
     label = _name_of(source, name)
     im, frames = open_image(source, name=label, max_pixels=max_pixels)
     original = im.size
+    thumb = None
+    if thumbnail is not None:
+        thumb = im.copy()
+        thumb.thumbnail((thumbnail, thumbnail), Image.Resampling.BICUBIC)
     digest = hashlib.sha256(f"{im.width}x{im.height}:".encode() + im.tobytes()).hexdigest()
     new_size = fit_to_limits(im.width, im.height, patch=patch, merge=merge, max_patches=max_patches,
                              max_per_side=max_per_side)
@@ -267,4 +275,5 @@ def preprocess_image(source: ImageSource, *, name: str | None = None, patch: int
     pixels = F.pad(pixels, (0, gw * patch - im.width, 0, gh * patch - im.height))
     normed = (pixels.float() / 255.0 - 0.5) / 0.5
     return ProcessedImage(pixel_values=patchify(normed, patch), grid=(gh, gw), original_size=original,
-                          resized_size=new_size, sha256=digest, name=label, frames=frames)
+                          resized_size=new_size, sha256=digest, name=label, frames=frames,
+                          thumbnail=thumb)

@@ -25,7 +25,7 @@ from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.presets import get_preset
 from engine.runtime import RuntimeOptions
-from engine.weights.names import DENSE_MLP_ALIAS, TensorSpec, checkpoint_tensors
+from engine.weights.names import DENSE_MLP_ALIAS, TensorSpec, checkpoint_tensors, is_vision_tensor
 from engine.weights.random_init import RandomSource
 from engine.weights.safetensors_io import FLOAT_DTYPES, CheckpointFiles
 from engine.weights.shard import shard_dim
@@ -55,12 +55,23 @@ def _shape_ok(spec: TensorSpec, shape: tuple[int, ...], config: ModelConfig) -> 
     return shape == spec.shape
 
 
+IMAGES_UNAVAILABLE = ("config.json has a vision_config but the checkpoint holds no vision_tower.* / mm_projector.* "
+                      "tensors (a text-only export): loading the text model; images are unavailable")
+
+
+def has_vision_tensors(config: ModelConfig, files: CheckpointFiles) -> bool:
+    """Whether the checkpoint carries the vision tower. A config with a `vision_config` whose files
+    hold no vision tensor at all is a text-only export (loads text-only); some but not all of them
+    is a broken checkpoint (`resolve_names` lists the missing ones)."""
+    return config.vision is not None and any(is_vision_tensor(name) for name in files.names())
+
+
 def resolve_names(config: ModelConfig, files: CheckpointFiles) -> tuple[dict[str, str], list[str]]:
     """Map each expected tensor to its name in `files`; return (mapping, problems)."""
     mapping: dict[str, str] = {}
     problems: list[str] = []
     seen: set[str] = set()
-    for spec in checkpoint_tensors(config):
+    for spec in checkpoint_tensors(config, include_vision=has_vision_tensors(config, files)):
         name = spec.name
         if name not in files:
             alt = _alias(name)
@@ -140,7 +151,8 @@ def _target(model: torch.nn.Module, path: str) -> torch.Tensor:
 
 def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, progress: bool | None = None,
          total_bytes: int = 0) -> None:
-    """Copy every text tensor from `source` into `model` (already materialised with to_empty).
+    """Copy every tensor from `source` into `model` (already materialised with to_empty): the text
+    model, and the vision tower when the model holds one (`model.vision`, replicated on every rank).
 
     Routed experts other than the model's `expert_ids` and, under tensor parallelism, other
     ranks' slices of split tensors are never read.
@@ -151,7 +163,7 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
                disable=not (progress if progress is not None else total_bytes >= PROGRESS_MIN_BYTES))
     slots: dict[str, dict[int, int]] = {}
     with torch.no_grad(), bar:
-        for spec in checkpoint_tensors(config, include_vision=False):
+        for spec in checkpoint_tensors(config, include_vision=model.vision is not None):
             assert spec.target is not None
             dest = _target(model, spec.target)
             if spec.expert is not None:
@@ -224,6 +236,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             raise ConfigError(f"expert ids {bad[:5]} outside [0, {config.num_experts})")
     source: TensorSource
     total = 0
+    with_vision = True
     if root is None:
         source = RandomSource(config, seed)
     else:
@@ -233,9 +246,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             raise CheckpointError(_problem_report(Path(root), problems))
         source = CheckpointSource(files, mapping)
         total = files.total_bytes
+        with_vision = has_vision_tensors(config, files)
+        if config.vision is not None and not with_vision and parallel.rank == 0:
+            print(f"{root}: {IMAGES_UNAVAILABLE}", file=sys.stderr)
     with torch.device("meta"):
         # floats in the compute dtype (MXFP4 experts stay uint8); fill only copies values in
-        model = KimiForCausalLM(config, runtime, expert_ids, parallel).to(dtype)
+        model = KimiForCausalLM(config, runtime, expert_ids, parallel, with_vision=with_vision).to(dtype)
     model.to_empty(device=device)
     fill(model, source, dtype, progress=progress, total_bytes=total)
     model.eval()

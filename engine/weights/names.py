@@ -25,7 +25,8 @@ class TensorSpec:
         name: full name in the safetensors files.
         shape: expected shape (for `A_log`, any shape holding at least `kda_num_heads` values).
         kind: `float` (any float dtype), `packed` / `scale` (uint8 MXFP4 parts).
-        target: parameter path in our model, or None for tensors the text engine does not run (vision).
+        target: parameter path in our model (vision tensors land in `model.vision`, a `VisionModel`
+            whose keys are the checkpoint names: target `vision.` + name).
         expert: slot in a stacked `[E, ...]` expert parameter, else None.
         init: how the random writer fills it (`linear`, `norm`, `a_log`, `dt_bias`, `bias`, `embed`,
             `conv`, `router`, `router_bias`, `res_proj`, `mxfp4`).
@@ -161,7 +162,20 @@ def _expert_tensors(c: ModelConfig, p: str) -> Iterator[TensorSpec]:
                 yield TensorSpec(src + "weight", (out_f, in_f), "float", dst, e)
 
 
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+VISION_TARGET = "vision."  # the model's VisionModel attribute
+
+
+def is_vision_tensor(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
 def _vision_tensors(c: ModelConfig) -> Iterator[TensorSpec]:
+    for spec in _vision_specs(c):
+        yield TensorSpec(spec.name, spec.shape, spec.kind, VISION_TARGET + spec.name, init=spec.init)
+
+
+def _vision_specs(c: ModelConfig) -> Iterator[TensorSpec]:
     v = c.vision
     assert v is not None
     h, ps = v.hidden_size, v.patch_size

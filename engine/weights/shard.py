@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.parallel.mesh import shard_range
-from engine.weights.names import TensorSpec
+from engine.weights.names import TensorSpec, is_vision_tensor
 
 SHARD_DIM: dict[str, int] = {
     # vocabulary
@@ -43,8 +43,8 @@ def module_name(tensor_name: str) -> str:
 
 def shard_dim(spec: TensorSpec) -> int | None:
     """Dim `spec` is split on across tensor-parallel ranks, or None (replicated or an expert)."""
-    if spec.expert is not None or spec.target is None:
-        return None
+    if spec.expert is not None or spec.target is None or is_vision_tensor(spec.name):
+        return None  # the vision tower is replicated on every rank (see KimiForCausalLM.vision)
     return SHARD_DIM.get(module_name(spec.name))
 
 

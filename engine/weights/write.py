@@ -40,7 +40,7 @@ def _plan_shards(specs: list[TensorSpec], n_shards: int, float_dtype: torch.dtyp
 
 def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0, shards: int = 2,
                      float_dtype: torch.dtype = torch.bfloat16, source=None, tokenizer: bool = True,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, vision: bool = True) -> Path:
     """Write a checkpoint of `config` (random weights from `seed` unless `source` is given).
 
     Args:
@@ -49,6 +49,8 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
             conv weights, o_norm and the router bias stay fp32).
         tokenizer: also write the byte-level tokenizer files (when vocab = 256 bytes + 256 specials).
         overwrite: replace an existing non-empty directory.
+        vision: write the vision tower's tensors when the config has one (False: a text-only export,
+            whose config.json still carries the vision_config).
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -57,7 +59,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     source = source or RandomSource(config, seed, float_dtype)
-    specs = list(checkpoint_tensors(config))
+    specs = list(checkpoint_tensors(config, include_vision=vision))
     plan = _plan_shards(specs, max(1, shards), float_dtype)
     weight_map: dict[str, str] = {}
     total = 0

@@ -17,6 +17,7 @@ collectives, which all ranks must enter); only rank 0 writes, so every signal is
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -50,7 +51,8 @@ class Recorder:
         self.ep_world = int(getattr(getattr(self.model, "parallel", None), "world", 1))
         self._points: list[ProbePoint] = []
         self._segment_of = torch.zeros(0, dtype=torch.long)
-        self._segment_dev: dict[torch.device, torch.Tensor] = {}
+        self._modality_of = torch.zeros(0, dtype=torch.long)
+        self._segment_dev: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._segments_seen = -1
         self._marks = Marks(tuple(policy.mark_positions))
         self._marks_seen = -1  # segment count the marks (and the requests that carry them) were built for
@@ -62,6 +64,7 @@ class Recorder:
                           "kda.state": self._request_kda_state, "moe.route": self._request_moe_route}
         self._reducers = {"dsa.topk": self._reduce_dsa_topk, "dsa.dense_mass": self._reduce_dsa_dense_mass,
                           "kda.state": self._reduce_kda_state, "moe.route": self._reduce_moe_route}
+        self._thumbnails: dict[int, str] = {}  # segment id -> thumbnail path in the trace
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
@@ -132,18 +135,28 @@ class Recorder:
     # ---- helpers -------------------------------------------------------------------------------------
     def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
         """position -> segment id for positions [0, n), on `device` (cached until segments change)."""
+        return self._position_maps(n, device)[0]
+
+    def _modality_map(self, n: int, device: torch.device) -> torch.Tensor:
+        """position -> index in MODALITIES (1 at the image positions of image segments), on `device`."""
+        return self._position_maps(n, device)[1]
+
+    def _position_maps(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if n > len(self._segment_of) or self._segments_seen != len(self.session.segments):
             n = max(n, len(self.session.tokens))
             seg = torch.zeros(n, dtype=torch.long)
+            modality = torch.zeros(n, dtype=torch.long)
             for s in self.session.segments:
                 seg[s.start: min(s.end, n)] = s.id
+                if s.image is not None:
+                    modality[s.image["token_start"]: min(s.image["token_end"], n)] = MODALITIES.index("image")
             last = self.session.segments[-1] if self.session.segments else None
             if last is not None and last.kind == "generated":
                 seg[last.start:] = last.id  # the answer grows past its recorded end while decoding
-            self._segment_of, self._segments_seen = seg, len(self.session.segments)
+            self._segment_of, self._modality_of, self._segments_seen = seg, modality, len(self.session.segments)
             self._segment_dev = {}
         if device not in self._segment_dev:
-            self._segment_dev[device] = self._segment_of.to(device)
+            self._segment_dev[device] = (self._segment_of.to(device), self._modality_of.to(device))
         return self._segment_dev[device]
 
     def _keep(self, positions: torch.Tensor, stride: int, *, every: bool = False,
@@ -264,8 +277,9 @@ class Recorder:
         p = self.policy
         experts, pos = fields["experts"], fields["positions"]
         step = int(steps.max())
-        seg = self._segment_map(int(pos.max()) + 1, experts.device)[pos.to(experts.device)]
-        modality = torch.zeros_like(seg)  # image tokens arrive with the vision tower
+        seg_of, modality_of = self._position_maps(int(pos.max()) + 1, experts.device)
+        at = pos.to(experts.device)
+        seg, modality = seg_of[at], modality_of[at]
         n_seg = len(self.session.segments) or 1
         self._pend("moe_counts", layer, rank, {"step": step, **reduce.moe_counts(
             experts, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))}, "count")
@@ -299,19 +313,39 @@ class Recorder:
     def _on_segment(self, seg: Segment, announce: bool = True) -> None:
         if self.writer is None:
             return
+        thumb = self.session.image_thumbnails.get(seg.id) if seg.image is not None else None
+        if thumb is not None and seg.id not in self._thumbnails:
+            # the file first, then the segment that names it: a follower never sees a missing thumbnail
+            self._thumbnails[seg.id] = self.writer.write_image(seg.id, _png(thumb))
         if announce:
-            self.writer.add_segment(_segment_json(seg))
+            self.writer.add_segment(self._segment_json(seg))
         if seg.kind != "generated" and seg.end > seg.start:
-            self._token_rows(range(seg.start, seg.end), self.session.tokens[seg.start:seg.end], seg.id)
+            self._token_rows(range(seg.start, seg.end), self.session.tokens[seg.start:seg.end], seg.id, seg.image)
 
-    def _token_rows(self, positions, ids, segment: "int | np.ndarray") -> None:
+    def _segment_json(self, seg: Segment) -> dict:
+        out = _segment_json(seg)
+        if seg.id in self._thumbnails:
+            out["thumbnail"] = self._thumbnails[seg.id]
+        return out
+
+    def _token_rows(self, positions, ids, segment: "int | np.ndarray", image: dict | None = None) -> None:
         tok = self.session.tokenizer
         ids = list(ids)
+        positions = np.asarray(list(positions), np.int32)
         pieces = [tok.piece(i) for i in ids] if tok is not None else [str(i) for i in ids]
+        n = len(ids)
+        modality = np.full(n, "text", dtype=object)
+        image_id, row, col = np.full(n, -1, np.int32), np.full(n, -1, np.int16), np.full(n, -1, np.int16)
+        if image is not None:  # one row per merged patch, row-major over (grid_rows, grid_cols)
+            cell = positions.astype(np.int64) - int(image["token_start"])
+            inside = (cell >= 0) & (cell < int(image["token_end"]) - int(image["token_start"]))
+            modality[inside] = "image"
+            image_id[inside] = int(np.asarray(segment).flat[0])
+            row[inside], col[inside] = np.divmod(cell[inside], int(image["grid_cols"]))
         self.rows_written += self.writer.append(
-            "tokens", position=np.asarray(list(positions), np.int32), token_id=np.asarray(ids, np.int32),
-            piece=np.asarray(pieces, dtype=object), segment=np.broadcast_to(np.asarray(segment, np.int32), len(ids)),
-            modality=np.full(len(ids), "text", dtype=object))
+            "tokens", position=positions, token_id=np.asarray(ids, np.int32),
+            piece=np.asarray(pieces, dtype=object), segment=np.broadcast_to(np.asarray(segment, np.int32), n),
+            modality=modality, image_id=image_id, patch_row=row, patch_col=col)
 
     def flush(self, wait: bool = True) -> None:
         """Write what was recorded so far; periodic flushes (wait=False) encode and fsync the Parquet
@@ -324,7 +358,7 @@ class Recorder:
             self._token_rows(positions, ids, np.asarray(segments, np.int32))
         self._drain()
         self.writer.flush(wait=wait)
-        self.writer.update_session(segments=[_segment_json(s) for s in self.session.segments],
+        self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments],
                                    progress=self._progress, timings=_timings(self.session))
         self._last_flush = time.monotonic()
 
@@ -339,8 +373,17 @@ _CONVERT = {"moe_counts": _modality_names}
 
 
 def _segment_json(seg: Segment) -> dict:
+    """A segment of session.json; image segments carry `image` (width/height in pixels, patch_rows/
+    patch_cols, grid_rows/grid_cols of the merged token grid, token_start/token_end, sha256, ...)."""
     return {"id": seg.id, "kind": seg.kind, "name": seg.name, "start": seg.start, "end": seg.end,
-            "modality": seg.modality, **({"role": seg.role} if seg.role else {})}
+            "modality": seg.modality, **({"role": seg.role} if seg.role else {}),
+            **({"image": dict(seg.image)} if seg.image is not None else {})}
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _timings(session: Session) -> dict:

@@ -5,6 +5,7 @@ Layout of a trace (one directory per session)::
     TRACE/
       session.json                      # schema marker + version, model, engine, policy, segments, timings, status
       tokens.parquet                    # the token table, compacted when the writer closes
+      images/<segment id>.png           # thumbnail of each image segment (longest side <= 512 px)
       tokens/part-000000.parquet ...    # the token table while the session is live (gone after close)
       dsa_topk/part-000000.parquet ...  # every other table: a directory of rolled part files
       ...
@@ -61,6 +62,7 @@ SUPPORTED_VERSIONS = (1,)
 
 SESSION_FILE = "session.json"
 TOKENS_FILE = "tokens.parquet"
+IMAGES_DIR = "images"  # image segments' thumbnails, named by the segment's "thumbnail"
 EXPORT_MANIFEST = "export.json"  # marks a `workbench export` directory (which also holds a session.json)
 PART_GLOB = "part-*.parquet"
 

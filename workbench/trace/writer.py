@@ -34,9 +34,9 @@ import pyarrow.parquet as pq
 
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
 from workbench.trace.errors import TraceError
-from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_json_atomic,
+from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic, write_json_atomic,
                                    write_parquet_atomic)
-from workbench.trace.schema import (MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
+from workbench.trace.schema import (IMAGES_DIR, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
                                     SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, table_spec)
 
 # fields the writer owns; a caller may read them but update_session refuses to set them
@@ -225,6 +225,18 @@ class TraceWriter:
         """Append one segment (a new turn, an uploaded image, the generated answer) to session.json."""
         with self._session_lock:
             self.update_session(segments=[*self._session["segments"], dict(segment)])
+
+    def write_image(self, segment_id: int, png: bytes) -> str:
+        """Store an image segment's thumbnail (PNG bytes) as `images/<segment id>.png`, atomically, and
+        return that path relative to the trace (what the segment's `thumbnail` names). Write it before
+        announcing the segment, so a follower never sees a name without its file."""
+        self._check_open()
+        if isinstance(segment_id, bool) or not isinstance(segment_id, int) or segment_id < 0:
+            raise TraceError(f"image segment id must be a non-negative integer, got {segment_id!r}")
+        rel = f"{IMAGES_DIR}/{segment_id}.png"
+        (self.path / IMAGES_DIR).mkdir(exist_ok=True)
+        write_bytes_atomic(self.path / rel, png, fsync=self._fsync)
+        return rel
 
     def close(self, status: str = "complete") -> None:
         """Final flush, compaction of the tokens parts into tokens.parquet, and the final status."""
