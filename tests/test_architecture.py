@@ -40,7 +40,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # the trace store and the pure analysis over it (the reader offers analysis shortcuts)
-    ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text")),
+    ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.pictures")),
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders",)),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import EngineError
-from engine.vision import fit_to_limits
 from workbench.analysis import PatchReads, image_grid, patch_reads
 from workbench.trace import Trace, TraceError
 from workbench.trace.thumbnail import read_thumbnail
@@ -26,7 +24,7 @@ from apps.dashboard.reducers.session_map import SessionMapData
 
 # longest side, in screen pixels, of the picture sent to the browser
 SCREEN_SIDE = 360
-MERGED_PX = 28  # pixels per merged patch side (14-px patches, 2x2 merge)
+PATCH_PX = 14  # pixels per tower patch side (MoonViT-V2; the segment records the grids, not this)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,16 +62,18 @@ def screen_picture(trace: Trace, segment: dict) -> tuple[np.ndarray | None, str]
 
 def picture_cover(segment: dict, grid: tuple[int, int]) -> tuple[float, float]:
     """(cols, rows) of merged patches the picture itself covers: the tower pads right and bottom to whole
-    28-px merge windows, so the grid's last column and row may be partly padding."""
+    merge windows (28 px), so the grid's last column and row may be partly padding."""
     info = segment.get("image") or {}
     try:
-        width, height = int(info["width"]), int(info["height"])
-        resized = fit_to_limits(width, height)
-        cover = (resized[0] / MERGED_PX, resized[1] / MERGED_PX)
-    except (KeyError, TypeError, ValueError, EngineError):
+        width = float(info.get("resized_width", info["width"]))
+        height = float(info.get("resized_height", info["height"]))
+        kx = float(info.get("patch_cols", 2 * grid[1])) / max(grid[1], 1)  # patches per merged cell
+        ky = float(info.get("patch_rows", 2 * grid[0])) / max(grid[0], 1)
+        cover = (width / (PATCH_PX * kx), height / (PATCH_PX * ky))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return float(grid[1]), float(grid[0])
-    if not (0 < cover[0] <= grid[1] + 1e-9 and 0 < cover[1] <= grid[0] + 1e-9):
-        return float(grid[1]), float(grid[0])  # the image was preprocessed with other limits
+    if not (0 < cover[0] <= grid[1] + 1e-6 and 0 < cover[1] <= grid[0] + 1e-6):
+        return float(grid[1]), float(grid[0])  # not the tower's layout (another patch size): fill the grid
     return cover
 
 
