@@ -36,6 +36,7 @@ class ImageReadsPanel(pn.viewable.Viewer):
         super().__init__(**params)
         self._on_image = on_image  # called with the chosen image's segment id
         self._image_ids: dict[str, int] = {}
+        self._quiet = False  # set while the panel itself sets `image` (not a user's choice)
         self.data: ImageReadsData | None = None
         self.picture_source = ColumnDataSource({"image": [np.zeros((1, 1), np.uint32)], "x": [0.0], "y": [0.0],
                                                 "dw": [1.0], "dh": [1.0]})
@@ -53,14 +54,15 @@ class ImageReadsPanel(pn.viewable.Viewer):
         self.summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-image-summary"])
         self.layers_table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["k3-image-layers"],
                                          stylesheets=[_CSS])
+        self.image_select = pn.widgets.Select.from_param(self.param.image, label="Image", width=160, visible=False)
         self.controls = pn.Row(
-            pn.widgets.Select.from_param(self.param.image, label="Image", width=160),
+            self.image_select,
             pn.widgets.RadioButtonGroup.from_param(self.param.scope),
             pn.widgets.Select.from_param(self.param.layer, label="DSA layer", width=120))
 
     @param.depends("image", watch=True)
     def _image_changed(self) -> None:
-        if self._on_image is not None and self.image in self._image_ids:
+        if not self._quiet and self._on_image is not None and self.image in self._image_ids:
             self._on_image(self._image_ids[self.image])
 
     @param.depends("scope", "layer", watch=True)
@@ -85,10 +87,14 @@ class ImageReadsPanel(pn.viewable.Viewer):
         if labels != self._image_ids:
             self._image_ids = labels
             self.param.image.objects = list(labels)
+            self.image_select.visible = len(labels) > 1
         current = next(k for k, v in labels.items() if v == data.image_id)
         if self.image != current:
-            with param.discard_events(self):
+            self._quiet = True
+            try:
                 self.image = current
+            finally:
+                self._quiet = False
         layers = sorted({*(data.answer.layers if data.answer else ()), *(data.token.layers if data.token else ())})
         options = [ALL_LAYERS, *(f"layer {l}" for l in layers)]
         if options != self.param.layer.objects:
