@@ -112,3 +112,29 @@ def test_bad_thumbnail_is_a_problem_line_not_a_crash(image_trace: Path, tmp_path
     view.redraw()
     assert "picture not shown" in view.image.summary.object
     state.close()
+
+
+def test_experts_view_counts_real_image_tokens(image_trace: Path) -> None:
+    from apps.dashboard.components.experts import ExpertsView
+
+    trace = workbench.open_trace(image_trace)
+    seg = _image_segment(trace)
+    n_image = seg["image"]["token_end"] - seg["image"]["token_start"]
+    moe_layers = len(trace.layers("moe_counts"))
+    top_k = trace.session["model"]["num_experts_per_tok"] if "num_experts_per_tok" in trace.session.get("model", {}) \
+        else None
+    state = DashboardState(image_trace)
+    frame = state.sync()
+    assert frame.experts.text.sum() > 0 and frame.experts.image.sum() > 0
+    view = ExpertsView(state=state)
+    view.redraw()
+    view.modality = "image"
+    view.segment = f"{seg['id']}: {seg['name']}"
+    data = state.sync().experts
+    slots = int(data.image.sum())
+    assert slots % (n_image * moe_layers) == 0 and slots > 0  # every image token routed in every MoE layer
+    if top_k is not None:
+        assert slots == n_image * moe_layers * top_k
+    bars = view.bars_source.data
+    assert abs(float(np.sum(bars["image"])) - 1.0) < 1e-6 and abs(float(np.sum(bars["text"])) - 1.0) < 1e-6
+    state.close()
