@@ -4,11 +4,15 @@
 [0, MAX_TOKEN_ID]; anything else is one `InputError` naming the file and the first bad entry (a
 token id of 2**70 would otherwise overflow inside `torch.tensor` with a traceback). The model's
 forward then checks the ids against its vocabulary.
+
+`read_sequences(path)` also takes multimodal entries: `{"input_ids": [...], "images": ["a.png", ...]}`
+(one `<|media_pad|>` per image in the ids, image paths relative to the JSON file), as `InputSequence`s.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +41,62 @@ def parse_id_lists(data: Any, where: str) -> list[list[int]]:
     return data
 
 
+MAX_IMAGES_PER_SEQUENCE = 4096
+
+
+@dataclass(frozen=True)
+class InputSequence:
+    """One entry of an input-ids file: token ids and the images its `<|media_pad|>` tokens stand for."""
+
+    input_ids: list[int]
+    images: tuple[Path, ...] = ()
+
+
+def parse_sequences(data: Any, where: str, base: Path) -> list[InputSequence]:
+    """Validate decoded JSON as a list whose entries are id lists or `{"input_ids", "images"}` objects."""
+    shape = ('a non-empty JSON list whose entries are lists of integer token ids or objects '
+             '{"input_ids": [...], "images": ["a.png", ...]}')
+    if not isinstance(data, list) or not data:
+        raise InputError(f"{where}: expected {shape}")
+    ids_only, images = [], []
+    for i, entry in enumerate(data):
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"input_ids", "images"})
+            if unknown or "input_ids" not in entry:
+                raise InputError(f"{where}: entry {i} must have \"input_ids\" (and optionally \"images\"); "
+                                 f"got keys {sorted(entry)[:6]}")
+            paths = entry.get("images", [])
+            if (not isinstance(paths, list) or len(paths) > MAX_IMAGES_PER_SEQUENCE
+                    or not all(isinstance(p, str) and p for p in paths)):
+                raise InputError(f"{where}: entry {i}: \"images\" must be a list of at most "
+                                 f"{MAX_IMAGES_PER_SEQUENCE} file names")
+            ids_only.append(entry["input_ids"])
+            images.append(tuple(base / p for p in paths))
+        else:
+            ids_only.append(entry)
+            images.append(())
+    checked = parse_id_lists(ids_only, where)
+    return [InputSequence(ids, imgs) for ids, imgs in zip(checked, images)]
+
+
+def read_sequences(path: str | Path) -> list[InputSequence]:
+    """Input sequences from a JSON file (see `parse_sequences`); image paths resolved next to the file."""
+    path = Path(path)
+    return parse_sequences(_read_json(path), str(path), path.parent)
+
+
+def _read_json(path: Path) -> Any:
+    raw = read_limited(path, "a JSON file of token-id lists", InputError, _MAX_FILE_BYTES)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InputError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
+
+
 def read_id_lists(path: str | Path) -> list[list[int]]:
     """Token-id lists from a JSON file (see `parse_id_lists`)."""
     path = Path(path)
-    raw = read_limited(path, "a JSON file of token-id lists", InputError, _MAX_FILE_BYTES)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InputError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
-    return parse_id_lists(data, str(path))
+    return parse_id_lists(_read_json(path), str(path))
 
 
 def read_prompt_file(path: str | Path) -> str:

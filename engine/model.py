@@ -32,6 +32,7 @@ from engine.parallel.mesh import SINGLE, ParallelContext, check_divisible
 from engine.parallel.tp import VocabParallelEmbedding
 from engine.probes import ProbeContext, bind_probes
 from engine.runtime import RuntimeOptions
+from engine.vision.preprocess import ProcessedImage
 from engine.vision.tower import VisionModel
 
 
@@ -176,6 +177,14 @@ class KimiForCausalLM(nn.Module):
             bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
             raise InputError(f"token ids {bad.unique()[:8].tolist()} are outside the vocabulary "
                              f"[0, {self.config.vocab_size})")
+
+    def encode_images(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
+        """Run the vision tower on preprocessed images: one `[(h/2)(w/2), hidden]` tensor each (every
+        image attends only to itself). InputError when the model has no vision weights."""
+        if self.vision is None:
+            names = ", ".join(im.name for im in images[:3])
+            raise InputError(f"{names or 'image'}: images are unavailable: {self.vision_unavailable}")
+        return self.vision.embed(images)
 
     def embed_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
                      image_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -198,7 +198,7 @@ class Session:
         if total > limit:
             raise InputError(f"context would hold {total} tokens with this image; the model's limit is {limit}")
         with torch.inference_mode():
-            embeds = vision(processed.pixel_values.to(self.device), processed.grid)  # [rows * cols, hidden]
+            embeds = self.model.encode_images([processed])[0]  # [rows * cols, hidden]
         start = len(self.tokens)
         first = start + pad_at
         expanded = new[:pad_at] + [pad] * (rows * cols) + new[pad_at + 1:]

@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.parallel import distributed
 from engine.presets import PRESETS
+from engine.vision import expand_media_placeholders, merged_grid, preprocess_image
 from engine.weights.load import IMAGES_UNAVAILABLE, has_vision_tensors, validate
 from engine.weights.safetensors_io import CheckpointFiles
 from engine.weights.write import write_checkpoint
@@ -47,7 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     lg = sub.add_parser("logits", help="full causal forward of token id lists; write logits")
     lg.add_argument("--model", required=True, help="checkpoint directory or preset:NAME[:VARIANT]")
-    lg.add_argument("--input-ids", required=True, type=Path, help="JSON list of token-id lists")
+    lg.add_argument("--input-ids", required=True, type=Path,
+                    help='JSON list of token-id lists or {"input_ids": [...], "images": ["a.png", ...]} objects '
+                         "(one <|media_pad|> per image; paths relative to the JSON file; logits cover the "
+                         "expanded sequence)")
     lg.add_argument("--out", required=True, type=Path, help="output .safetensors (logits.0, logits.1, ...)")
     lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     lg.add_argument("--seed", type=int, default=0, help="weights seed for preset: models")
@@ -144,19 +148,36 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="under torchrun: verify every forward that all ranks chose the same DSA keys and experts")
 
 
+def sequence_inputs(model, seq: engine_inputs.InputSequence, index: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input ids [1, T], image embeddings or None) of one entry; images expand their `<|media_pad|>`."""
+    if not seq.images:
+        return torch.tensor([seq.input_ids], dtype=torch.long, device=device), None
+    c, pad = model.config.vision, model.config.media_placeholder_token_id
+    if c is None or pad is None:
+        raise InputError(f"sequence {index} has images but this model has no vision tower")
+    processed = [preprocess_image(path, patch=c.patch_size, merge=c.merge_kernel) for path in seq.images]
+    try:
+        layout = expand_media_placeholders(seq.input_ids, [merged_grid(p.grid, c.merge_kernel) for p in processed], pad)
+    except InputError as exc:
+        raise InputError(f"sequence {index}: {exc}") from None
+    embeds = model.encode_images(processed)
+    return layout.input_ids[None].to(device), torch.cat(embeds)
+
+
 def cmd_logits(args: argparse.Namespace) -> int:
-    sequences = read_id_lists(args.input_ids)
+    sequences = engine_inputs.read_sequences(args.input_ids)
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
         model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
         model.runtime.dsa_force_dense = args.dsa_dense
         out: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             for i, seq in enumerate(sequences):
-                if len(seq) > model.config.max_position_embeddings:
-                    raise InputError(f"sequence {i} has {len(seq)} tokens; the model's limit is "
+                ids, image_embeds = sequence_inputs(model, seq, i, ctx.device)
+                if ids.shape[1] > model.config.max_position_embeddings:
+                    raise InputError(f"sequence {i} has {ids.shape[1]} tokens; the model's limit is "
                                      f"{model.config.max_position_embeddings}")
-                ids = torch.tensor([seq], dtype=torch.long, device=ctx.device)
-                out[f"logits.{i}"] = model(ids)[0].float().cpu().contiguous()
+                out[f"logits.{i}"] = model(ids, image_embeds=image_embeds)[0].float().cpu().contiguous()
         if ctx.is_leader:  # every rank holds the full logits; one writes them
             args.out.parent.mkdir(parents=True, exist_ok=True)
             save_file(out, str(args.out), metadata={"model": str(args.model),

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
+    p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+                   help="an image before the prompt (repeatable, in order; with --chat in the user turn)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (model card default 1.0)")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -67,8 +69,8 @@ def record_families(spec: str) -> tuple[str, ...]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
-    if prompt is None and args.load is None:
-        raise InputError("give --prompt TEXT or --prompt-file FILE (or --load SNAPSHOT)")
+    if prompt is None and args.load is None and not args.image:
+        raise InputError("give --prompt TEXT or --prompt-file FILE (or --image FILE, or --load SNAPSHOT)")
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -87,6 +89,8 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                           overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,
                           parallel=ctx, device=ctx.device) as run:
         session = run.session
+        for path in args.image:  # a bad image fails here, before anything ran (and the trace keeps what it has)
+            session.append(image=path, role="user" if args.chat else None, name=path.name)
         if prompt is not None:
             session.append(prompt, role="user" if args.chat else None, name="prompt")
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -56,7 +56,7 @@ def _shape_ok(spec: TensorSpec, shape: tuple[int, ...], config: ModelConfig) -> 
 
 
 IMAGES_UNAVAILABLE = ("config.json has a vision_config but the checkpoint holds no vision_tower.* / mm_projector.* "
-                      "tensors (a text-only export): loading the text model; images are unavailable")
+                      "tensors (a text-only export)")
 
 
 def has_vision_tensors(config: ModelConfig, files: CheckpointFiles) -> bool:
@@ -248,7 +248,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         total = files.total_bytes
         with_vision = has_vision_tensors(config, files)
         if config.vision is not None and not with_vision and parallel.rank == 0:
-            print(f"{root}: {IMAGES_UNAVAILABLE}", file=sys.stderr)
+            print(f"{root}: {IMAGES_UNAVAILABLE}: loading the text model; images are unavailable", file=sys.stderr)
     with torch.device("meta"):
         # floats in the compute dtype (MXFP4 experts stay uint8); fill only copies values in
         model = KimiForCausalLM(config, runtime, expert_ids, parallel, with_vision=with_vision).to(dtype)

@@ -14,7 +14,7 @@ from engine.presets import get_preset
 from engine.vision import VisionModel, merge_patches
 from engine.vision.attention import attention_reference, attention_sdpa
 from engine.vision.rope import apply_rope2d, rope2d_angles
-from engine.weights.names import checkpoint_tensors
+from engine.weights.names import checkpoint_tensors, is_vision_tensor
 from engine.weights.random_init import RandomSource
 from tests.conftest import relative_error
 
@@ -236,8 +236,10 @@ def test_parameter_names_are_the_checkpoint_names(preset):
     config = get_preset(preset)
     with torch.device("meta"):
         model = VisionModel(config.vision)
-    table = {s.name: s.shape for s in checkpoint_tensors(config) if s.target is None}
+    table = {s.name: s.shape for s in checkpoint_tensors(config) if is_vision_tensor(s.name)}
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == table
+    # the loader fills `model.vision` by these names
+    assert all(s.target == "vision." + s.name for s in checkpoint_tensors(config) if is_vision_tensor(s.name))
     if preset == "k3.1-pro":
         assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 0.447) < 0.005
 

@@ -85,6 +85,8 @@ class Recorder:
         self.session.observers.append(self._on_event)
         for seg in self.session.segments:  # context appended before recording started (already in session.json)
             self._on_segment(seg, announce=False)
+        if self._thumbnails:  # their thumbnails were written just now: name them
+            self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments])
 
     def detach(self) -> None:
         for point in self._points:

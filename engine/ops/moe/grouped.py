@@ -55,12 +55,12 @@ def _aligned(width: int, t: torch.Tensor) -> bool:
 
 
 def _grouped_mm_runs(x: torch.Tensor) -> bool:
-    """torch's grouped GEMM: any float dtype on CPU; bf16 on CUDA with SM >= 80 (its documented scope)."""
+    """torch's grouped GEMM: fp32/bf16/fp16 on CPU (not float64); bf16 on CUDA with SM >= 80 (its documented scope)."""
     if _grouped_mm is None:
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
-    return x.device.type == "cpu"
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _segment_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

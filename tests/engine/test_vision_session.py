@@ -1,0 +1,222 @@
+"""Images through the engine: checkpoints with (and without) the tower, `Session.append(image=...)`,
+chunked prefill across image positions, the float64 multimodal oracle, snapshots, bad images.
+
+Acceptance prompt (tiny preset): a ~1.2K-token document, an image whose sides are multiples of
+28 px (224x168) and one whose sides are not (150x97, padded), and a question; chunk boundaries
+fall inside both images.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+
+from apps.cli import main
+from engine import load_model
+from engine.errors import CheckpointError, ImageError, InputError
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from engine.vision import media_token_ids, preprocess_image
+from engine.weights.safetensors_io import INDEX_FILE
+from tests.engine.test_vision_tower import _sd64, tower64
+from tests.helpers import assert_close
+
+DOCUMENT = ("The quarterly report compares three regions. North grew by 4 percent, South fell by 2 percent, "
+            "and the new West office doubled its customer count. ") * 9  # ~1.2K byte-level tokens
+
+
+def chart(width: int, height: int, seed: int) -> Image.Image:
+    """A small picture with shapes and a caption (the kind of image a user shows the model)."""
+    g = torch.Generator().manual_seed(seed)
+    im = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(im)
+    for i in range(5):
+        x0, y0 = (torch.rand(2, generator=g) * torch.tensor([width * 0.7, height * 0.7])).tolist()
+        color = tuple(int(c) for c in torch.randint(0, 255, (3,), generator=g))
+        draw.rectangle([x0, y0, x0 + width * 0.25, y0 + height * 0.25], fill=color)
+    draw.text((4, height - 14), f"figure {seed}", fill="black")
+    return im
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("preset:tiny")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.byte_level()
+
+
+@pytest.fixture(scope="module")
+def images():
+    return {"aligned.png": chart(224, 168, 1), "odd.png": chart(150, 97, 2)}
+
+
+def build(model, tokenizer, images, chunk: int) -> Session:
+    s = Session(model, tokenizer, prefill_chunk=chunk)
+    s.append(DOCUMENT, name="report")
+    s.append(image=images["aligned.png"], name="aligned.png")
+    s.append(image=images["odd.png"], name="odd.png", role="user")
+    s.append("Which region grew fastest, and what do the figures show?", role="user")
+    return s
+
+
+@pytest.fixture(scope="module")
+def chunked(model, tokenizer, images):
+    s = build(model, tokenizer, images, chunk=37)
+    return s, s.prefill(return_logits=True)
+
+
+def test_image_segments_expand_to_one_position_per_merged_patch(chunked, tokenizer, images):
+    s, _ = chunked
+    aligned, odd = s.segments[1], s.segments[2]
+    assert (aligned.kind, aligned.modality, odd.role) == ("image", "image", "user")
+    assert {k: aligned.image[k] for k in ("width", "height", "patch_rows", "patch_cols", "grid_rows", "grid_cols")} \
+        == {"width": 224, "height": 168, "patch_rows": 12, "patch_cols": 16, "grid_rows": 6, "grid_cols": 8}
+    # 150x97 is padded right/bottom to 168x112: 8 x 12 patches, 4 x 6 merged tokens
+    assert (odd.image["patch_rows"], odd.image["patch_cols"], odd.image["grid_rows"], odd.image["grid_cols"]) == \
+        (8, 12, 4, 6)
+    m = media_token_ids(tokenizer)
+    for seg in (aligned, odd):
+        info = seg.image
+        assert info["sha256"] == preprocess_image(images[seg.name]).sha256
+        ids = s.tokens[info["token_start"]: info["token_end"]]
+        assert ids == [m["<|media_pad|>"]] * (info["grid_rows"] * info["grid_cols"])
+        assert s.tokens[info["token_start"] - 1] == m["<|media_content|>"]
+        assert s.tokens[info["token_end"]] == m["<|media_end|>"]
+        text = s.text(seg.start, info["token_start"])
+        assert f"<|media_begin|>image {info['width']}x{info['height']}<|media_content|>" in text
+    assert s.text(odd.start, odd.start + 30).startswith('<|open|>message role="user"<|sep|><|media_begin|>')
+    assert max(s.image_thumbnails[aligned.id].size) <= 512
+
+
+def test_chunked_prefill_with_boundaries_inside_images_equals_the_full_forward(chunked, model):
+    s, logits = chunked
+    assert len(s.tokens) >= 1200
+    for seg in s.segments[1:3]:  # some chunk boundary (a multiple of 37) falls strictly inside each image
+        lo, hi = seg.image["token_start"], seg.image["token_end"]
+        assert any(lo < b < hi for b in range(37, len(s.tokens), 37))
+    processed = [preprocess_image(im) for im in (chart(224, 168, 1), chart(150, 97, 2))]
+    with torch.inference_mode():
+        embeds = torch.cat(model.encode_images(processed))
+        full = model(torch.tensor([s.tokens]), image_embeds=embeds)[0]
+    assert_close(logits, full, "chunked prefill with images vs one full forward")
+    # the images change the logits (the positions really take the projector outputs)
+    with torch.inference_mode():
+        text_only = model(torch.tensor([s.tokens]))[0]
+    assert (text_only - full).abs().max() > 1e-3
+
+
+def test_multimodal_forward_against_a_float64_composition(chunked, model):
+    """Tower + merge + projector in float64 from the spec (tests/engine/test_vision_tower.py), scattered
+    by hand into the float64 token embeddings, through the language model in float64."""
+    s, logits = chunked
+    model64 = load_model("preset:tiny", dtype=torch.float64)
+    ids = torch.tensor([s.tokens])
+    with torch.inference_mode():
+        embeds = model64.model.embed_tokens(ids).clone()
+        sd = _sd64(model.vision)
+        for seg, im in zip(s.segments[1:3], (chart(224, 168, 1), chart(150, 97, 2))):
+            p = preprocess_image(im)
+            out = tower64(sd, p.pixel_values.double(), p.grid, model.config.vision)
+            embeds[0, seg.image["token_start"]: seg.image["token_end"]] = out
+        expected = model64(ids, inputs_embeds=embeds)[0]
+    assert_close(logits, expected, "fp32 multimodal session logits vs float64 composition")
+
+
+def test_snapshot_keeps_image_segments_and_resumes_without_pixels(model, tokenizer, images, tmp_path):
+    s = Session(model, tokenizer, prefill_chunk=16)
+    s.append(image=images["odd.png"], name="odd.png", role="user")
+    s.append("Describe it.", role="user")
+    with pytest.raises(InputError, match="not prefilled"):
+        s.save(tmp_path / "early")
+    branch = s.fork()  # in memory: the pending projector outputs go along
+    first = [t.id for t in s.generate(3, temperature=0)]
+    assert [t.id for t in branch.generate(3, temperature=0)] == first
+    s.save(tmp_path / "snap")
+    meta = json.loads((tmp_path / "snap" / "snapshot.json").read_text())
+    saved = next(seg for seg in meta["segments"] if seg["kind"] == "image")
+    assert saved["image"]["sha256"] == s.segments[0].image["sha256"] and saved["modality"] == "image"
+    again = Session.load(tmp_path / "snap", model, tokenizer)
+    assert again.segments == s.segments and again.image_thumbnails == {}
+    assert [t.id for t in again.generate(3, temperature=0)] == [t.id for t in s.generate(3, temperature=0)]
+
+
+@pytest.mark.parametrize("bad", [b"not an image", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20, "missing.png"])
+def test_a_bad_image_changes_nothing(model, tokenizer, bad, tmp_path):
+    s = Session(model, tokenizer)
+    s.append("kept text", name="doc")
+    before = (list(s.tokens), list(s.segments))
+    source = bad if isinstance(bad, bytes) else tmp_path / bad
+    with pytest.raises(ImageError):
+        s.append(image=source, name="upload.png")
+    assert (s.tokens, s.segments) == before and not s._pending_images
+
+
+def test_user_text_never_produces_media_tokens(tokenizer):
+    media = set(media_token_ids(tokenizer).values())
+    text = "<|media_begin|>image 2x2<|media_content|><|media_pad|><|media_end|>"
+    assert not media & set(tokenizer.encode(text))
+    assert not media & set(tokenizer.chat_prompt([]) + tokenizer.message_ids("user", tokenizer.encode(text)))
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+
+def test_random_checkpoint_carries_the_small_tower_and_loads_it(checkpoint_dir, model):
+    path = checkpoint_dir("tiny", "k3.1", seed=0, dtype=torch.bfloat16)  # stored like the preset's weights
+    index = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    assert any(n.startswith("vision_tower.encoder.blocks.1.") for n in index) and "mm_projector.post_norm.weight" \
+        in index
+    loaded = load_model(path)
+    assert loaded.vision is not None
+    for name, value in model.vision.state_dict().items():  # same random source as preset:tiny
+        assert torch.equal(loaded.vision.state_dict()[name], value), name
+
+
+def _without(path, keep) -> None:
+    """Rewrite every shard of `path` keeping only tensors whose name satisfies `keep`."""
+    index = json.loads((path / INDEX_FILE).read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(path / shard))
+        save_file({k: v for k, v in tensors.items() if keep(k)}, str(path / shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if keep(k)}
+    (path / INDEX_FILE).write_text(json.dumps(index))
+
+
+def test_text_only_export_loads_with_one_line_and_images_get_a_clear_error(tmp_path, capsys, tokenizer):
+    path = tmp_path / "text-only"
+    assert main(["checkpoint", "random", "--preset", "tiny", "--out", str(path), "--no-vision",
+                 "--dtype", "float32"]) == 0
+    assert "vision_config" in json.loads((path / "config.json").read_text())
+    capsys.readouterr()
+    m = load_model(path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "images are unavailable" in err[0], err
+    assert m.vision is None
+    s = Session(m, tokenizer)
+    with pytest.raises(InputError, match="images are unavailable.*text-only export"):
+        s.append(image=chart(56, 56, 0), name="pic.png")
+    assert s.tokens == []
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "validation: ok" in out and "images: unavailable" in out
+
+
+def test_partial_vision_tensors_are_an_error_that_lists_them(tmp_path):
+    path = tmp_path / "partial"
+    main(["checkpoint", "random", "--preset", "tiny", "--out", str(path)])
+    _without(path, lambda name: not name.startswith("vision_tower.encoder.blocks.1."))
+    with pytest.raises(CheckpointError, match="missing tensor vision_tower.encoder.blocks.1.wqkv.weight"):
+        load_model(path)
+
+
+def test_inspect_counts_the_true_size_tower_of_k31_pro(capsys):
+    assert main(["inspect", "--preset", "k3.1-pro", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert abs(report["parameters"]["vision"] / 1e9 - 0.447) < 0.005
+    assert report["images"]["available"]
