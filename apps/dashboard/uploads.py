@@ -85,6 +85,9 @@ class BoundedFileDropper(pn.widgets.FileDropper):
     max_pending = param.Integer(default=4, bounds=(1, None), doc="files that may be in flight at once")
     refused = param.List(default=[], doc="one line per file refused while it arrived (newest last)")
 
+    # server-side only: never synced to the browser's model
+    _rename = {**pn.widgets.FileDropper._rename, "max_bytes": None, "max_pending": None, "refused": None}
+
     def __init__(self, **params) -> None:
         super().__init__(**params)
         self._sizes: dict[str, int] = {}  # bytes buffered so far per file in flight

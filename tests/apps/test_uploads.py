@@ -75,6 +75,11 @@ def test_oversized_upload_is_dropped_as_chunks_arrive() -> None:
     assert "stopped after" in dropper.refused[-1]
 
 
+def test_the_widget_builds_its_browser_model() -> None:
+    model = BoundedFileDropper(max_bytes=MIB).get_root()  # server-side params stay on the server
+    assert type(model).__name__ == "FileDropper"
+
+
 def test_announced_oversize_and_too_many_in_flight() -> None:
     dropper = BoundedFileDropper(max_bytes=MIB, chunk_size=MIB // 4, max_pending=2)
     _chunks(dropper, "huge.png", [b"x"] * 9)  # 9 chunks of 256 KiB announced: over 1 MiB
