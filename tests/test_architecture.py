@@ -39,8 +39,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine session", ("engine.session", "engine.snapshot", "engine.sampling", "engine.batch")),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
-    # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler and task text
-    ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text")),
+    # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures
+    ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text",
+                         "workbench.pictures")),
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders",)),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`

@@ -13,6 +13,8 @@ Public API:
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
+- `chart_picture(values, labels, title, caption)`: a bar chart drawn with Pillow, for image sessions
+  (`workbench.pictures`).
 
 Names are imported lazily: reading a trace does not import torch.
 """
@@ -26,6 +28,7 @@ _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
     "TraceWriter": "workbench.trace", "haystack": "workbench.text", "plant": "workbench.text",
+    "chart_picture": "workbench.pictures",
     "recorded_session": "workbench.sessions",
 }
 

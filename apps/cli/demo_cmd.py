@@ -171,6 +171,11 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
             if i == needle_doc:
                 start = seg.start + len(tokenizer.encode(text[:needle_at]))
                 needle = (start, start + len(tokenizer.encode(words.needle)))
+        # an image among the documents (the tower runs on it): the DSA map draws what the answer read in it
+        if session.model.vision is not None:
+            session.append(image=workbench.chart_picture(), name="chart.png")
+        else:
+            print(f"no image in this demo: {session.model.vision_unavailable}", flush=True)
         session.append(words.question, role="user", name="question")
         run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": words.needle,
                                                  "question": words.question, "expected": PASSCODE})

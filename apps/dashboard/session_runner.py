@@ -1,7 +1,7 @@
 """Drive mode: run a recorded model session from the browser, then follow its trace like any other.
 
 The runner loads the chosen model (a preset or a checkpoint directory), builds a `Session` from the
-uploaded documents and the prompt, and runs it with `workbench.record(...)` in a background thread
+uploaded documents and images (checked and size-limited on the server: `uploads.py`) and the prompt, and runs it with `workbench.record(...)` in a background thread
 that writes a new trace directory under `runs_dir`. The dashboard state is pointed at that
 directory, so the views see the session exactly as they would see a `torchrun` job's trace: one
 data path for both modes. Stop asks the session to stop after its current step.
@@ -22,6 +22,7 @@ import param
 
 from apps.dashboard.components.text import alert_text, set_text, text_pane
 from apps.dashboard.state import DashboardState
+from apps.dashboard.uploads import IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper, UploadError, classify_upload
 
 PRESETS = ["preset:tiny", "preset:demo"]
 DEFAULT_PROMPT = "Which document mentions the vault code, and what is it?"
@@ -66,8 +67,11 @@ class SessionRunner(pn.viewable.Viewer):
     prefill_chunk = param.Integer(default=512, bounds=(16, 65536),
                                   doc="tokens per prefill step (smaller = more frequent live updates)")
     max_upload_bytes = param.Integer(default=4 << 20, bounds=(1, None), doc="largest accepted upload, bytes")
+    max_kept_bytes = param.Integer(default=16 << 20, bounds=(1, None),
+                                   doc="most bytes of uploads kept at once (further uploads are refused)")
     runs_dir = param.String(default="traces", doc="directory where recorded sessions are written")
-    documents = param.List(default=[], doc="uploaded documents as [name, text] pairs, in context order")
+    documents = param.List(default=[], doc="uploads in context order: [name, text] (a document) or "
+                                           "[name, bytes] (a PNG, JPEG or WebP image)")
     running = param.Boolean(default=False, doc="whether a session is running")
     message = param.String(default="", doc="status or error of the last action")
 
@@ -77,10 +81,12 @@ class SessionRunner(pn.viewable.Viewer):
         self._thread: threading.Thread | None = None
         self._outcome: tuple[str, str] | None = None  # (kind, text) left by the thread for poll()
         self._lock = threading.Lock()
-        self.dropper = pn.widgets.FileDropper(max_file_size=f"{max(self.max_upload_bytes // 1024, 1)}KB",
-                                              chunk_size=1 << 20, multiple=True, accepted_filetypes=[".txt", ".md", ".csv", ".json", ".py"],
-                                              sizing_mode="stretch_width", height=110)
+        self.dropper = BoundedFileDropper(max_file_size=f"{max(self.max_upload_bytes // 1024, 1)}KB",
+                                          max_bytes=self.max_upload_bytes, chunk_size=1 << 20, multiple=True,
+                                          accepted_filetypes=TEXT_SUFFIXES + IMAGE_SUFFIXES,
+                                          sizing_mode="stretch_width", height=110)
         self.dropper.param.watch(self._uploaded, "value")
+        self.dropper.param.watch(self._refused, "refused")
         self.generate_button = pn.widgets.Button(label="Generate", color="primary", width=110)
         self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90, disabled=True)
         self.generate_button.on_click(lambda _: self.generate())
@@ -92,30 +98,39 @@ class SessionRunner(pn.viewable.Viewer):
     # ---- inputs ---------------------------------------------------------------------------------
     def _uploaded(self, event: param.parameterized.Event) -> None:
         added, errors = [], []
-        for name, content in (event.new or {}).items():
-            data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
-            if len(data) > self.max_upload_bytes:
-                errors.append(f"{name}: {len(data):,} bytes is over the {self.max_upload_bytes:,}-byte upload limit")
-                continue
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                errors.append(f"{name}: not UTF-8 text")
-                continue
-            if not text.strip():
-                errors.append(f"{name}: empty file")
-                continue
-            added.append([name, text])
+        kept = sum(len(p) if isinstance(p, bytes) else len(p.encode("utf-8")) for _, p in self.documents)
         known = {n for n, _ in self.documents}
-        self.documents = self.documents + [d for d in added if d[0] not in known]
+        for name, content in (event.new or {}).items():
+            try:
+                upload = classify_upload(str(name), content, self.max_upload_bytes)
+            except UploadError as exc:
+                errors.append(str(exc))
+                continue
+            if upload.name in known:
+                continue
+            if kept + upload.size > self.max_kept_bytes:
+                errors.append(f"{name}: the uploads kept would pass {self.max_kept_bytes:,} bytes; clear some first")
+                continue
+            kept += upload.size
+            known.add(upload.name)
+            added.append([upload.name, upload.payload])
+        if added:
+            self.documents = self.documents + added
         if errors:
             self.message = "error: " + "; ".join(errors)
         elif added:
-            self.message = f"added {len(added)} document(s)"
+            images = sum(isinstance(p, bytes) for _, p in added)
+            what = [f"{n} {kind}(s)" for n, kind in ((len(added) - images, "document"), (images, "image")) if n]
+            self.message = "added " + " and ".join(what)
+
+    def _refused(self, event: param.parameterized.Event) -> None:
+        if event.new:
+            self.message = "error: " + event.new[-1]
 
     @param.depends("documents", watch=True)
     def _list_documents(self) -> None:
-        set_text(self.doc_list, "\n".join(f"{name} ({len(text):,} chars)" for name, text in self.documents) or
+        set_text(self.doc_list, "\n".join(f"{name} (image, {len(p) // 1024:,} KB)" if isinstance(p, bytes) else
+                                          f"{name} ({len(p):,} chars)" for name, p in self.documents) or
                  "(no documents: only the prompt is sent)")
 
     @param.depends("message", watch=True)
@@ -176,8 +191,11 @@ class SessionRunner(pn.viewable.Viewer):
                 session = run.session
                 with self._lock:
                     self._session = session
-                for name, text in documents:
-                    session.append(text, name=name)
+                for name, payload in documents:
+                    if isinstance(payload, bytes):
+                        session.append(image=payload, name=name)
+                    else:
+                        session.append(payload, name=name)
                 if prompt.strip():
                     session.append(prompt, role="user" if chat else None, name="prompt")
                 generated = sum(1 for _ in session.generate(max_new_tokens=max_new, temperature=temperature))
@@ -210,7 +228,8 @@ class SessionRunner(pn.viewable.Viewer):
             pn.widgets.Checkbox.from_param(self.param.chat, label="Chat message"),
             pn.Row(pn.widgets.IntInput.from_param(self.param.max_new_tokens, label="New tokens", width=110),
                    pn.widgets.FloatInput.from_param(self.param.temperature, label="Temperature", width=110)),
-            pn.pane.Markdown(f"Documents (text, up to {self.max_upload_bytes // 1024:,} KB each)"),
+            pn.pane.Markdown(f"Documents and images (text, PNG, JPEG, WebP; up to "
+                             f"{self.max_upload_bytes // 1024:,} KB each)"),
             self.dropper, self.doc_list, clear,
             pn.Row(self.generate_button, self.stop_button), self.alert,
             sizing_mode="stretch_width", css_classes=["k3-runner"])

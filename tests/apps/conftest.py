@@ -53,3 +53,30 @@ def artifacts(tmp_path: Path) -> Path:
     out = Path(os.environ.get("K3WB_ARTIFACTS", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def record_image_session(path: Path, new_tokens: int = 10) -> Path:
+    """A real tiny-preset session: a document, a Pillow chart (the vision tower runs), a question, an answer."""
+    import workbench
+    from workbench.sessions import recorded_session
+
+    with recorded_session("preset:tiny", path, prefill_chunk=256, progress=False) as run:
+        session = run.session
+        session.append(workbench.haystack(300, session.tokenizer, seed=1), name="report")
+        session.append(image=workbench.chart_picture(), name="chart.png")
+        session.append("Which pier unloaded the most crates?", role="user")
+        list(session.generate(new_tokens, temperature=0.0))
+    return path
+
+
+@pytest.fixture(scope="session")
+def image_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A recorded tiny-preset trace with a real image segment (see `record_image_session`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return record_image_session(tmp_path_factory.mktemp("traces") / "image")
+    finally:
+        torch.set_num_threads(before)

@@ -103,3 +103,25 @@ def test_follow_mode_escapes_text_and_survives_bad_input(hostile_trace: Path, ar
             browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-session canvas")
     finally:
         server.stop()
+
+
+def test_image_overlay_of_a_recorded_image_session(image_trace: Path, artifacts: Path) -> None:
+    """Follow mode on a real tiny-preset image session: the DSA map shows the chart's thumbnail with the
+    answer's per-patch reads and their chance values; clicking a token shows that token's reads."""
+    config = DashboardConfig(root=image_trace.parent, drive=False)
+    server = start_server(config)
+    try:
+        with Browser(height=2600) as browser:
+            browser.open(url(config, trace=image_trace.name), wait_for=".k3-view-dsa canvas")
+            summary = browser.page.locator(".k3-image-summary")
+            line = summary.get_by_text("patches read:").first
+            line.wait_for(timeout=60_000)
+            assert "answer, queries" in line.inner_text() and ", chance " in line.inner_text()
+            assert browser.page.locator(".k3-dsa-image canvas").count() >= 1
+            browser.page.locator(".k3-dsa-tokens .k3-token").nth(2).click()
+            summary.get_by_text("token at position").wait_for(timeout=30_000)
+            time.sleep(1.0)
+            browser.page.locator(".k3-view-dsa").screenshot(path=str(artifacts / "dashboard_image_overlay.png"))
+            assert browser.counters.errors == [] and browser.counters.external == []
+    finally:
+        server.stop()

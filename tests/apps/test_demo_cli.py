@@ -52,6 +52,8 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     assert 0 < start < end <= session["tokens"]
     kinds = [s["kind"] for s in session["segments"]]
     assert kinds[0] == "turn" and kinds.count("document") == 2 and kinds[-1] == "generated"
+    image = next(s for s in session["segments"] if s["kind"] == "image")  # the demo shows the image overlay
+    assert (trace / image["thumbnail"]).is_file() and image["image"]["grid_rows"] > 0
     assert (tmp_path / "traces" / "demo-export" / "tokens.parquet").is_file()
     assert "export (Parquet)" in out and "answer:" in out and "chance" in out
 

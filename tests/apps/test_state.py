@@ -42,7 +42,9 @@ def test_selection_reads_and_routes(small_trace: Path) -> None:
     assert all(r["keys"] > 0 for r in snap.dsa.reads["rows"])
     assert "<table class='k3-reads'>" in snap.dsa.reads_html
     assert [r["layer"] for r in snap.experts.routes] == list(range(1, 12))
-    assert snap.dsa.patches is not None and snap.dsa.patches["grid"].ndim == 2
+    image = snap.dsa.image
+    assert image is not None and image.token is not None and image.token_position == position
+    assert image.token.counts.ndim == 3 and image.token.counts.shape[1:] == image.grid
     state.position = None
     assert state.sync().dsa.reads is None
 

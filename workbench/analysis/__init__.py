@@ -9,15 +9,17 @@ from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.chance import chance_of_hit, expected_hits, format_hits, format_read
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     rebin_counts, segment_reads, sink_eviction)
+from workbench.analysis.image_reads import PatchReads, format_patches, image_grid, patch_reads
 from workbench.analysis.kda import half_decay_tokens, head_dynamics, rank_heads
-from workbench.analysis.moe import (expert_imbalance, expert_shares, js_divergence, modality_divergence,
+from workbench.analysis.moe import (expert_imbalance, expert_shares, js_chance, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
 
 __all__ = [
-    "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_of_hit", "expected_hits", "format_hits",
-    "format_read", "dense_mass_summary", "distance_summary",
-    "expert_imbalance", "expert_shares", "half_decay_tokens", "head_dynamics", "image_patch_reads",
-    "js_divergence", "layers_reading", "modality_divergence", "rank_heads", "rank_load_balance", "rebin_counts",
+    "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_of_hit", "expected_hits",
+    "format_hits", "format_read", "dense_mass_summary", "distance_summary", "expert_imbalance", "expert_shares",
+    "format_patches", "half_decay_tokens", "head_dynamics", "image_grid", "image_patch_reads", "js_chance",
+    "js_divergence", "layers_reading", "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance",
+    "rebin_counts",
     "segment_name", "segment_reads", "sink_eviction", "token_reads",
 ]

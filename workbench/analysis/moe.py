@@ -5,6 +5,7 @@ expert-parallel rank overloaded? Pure functions over moe_counts / moe_rank_load 
 - `modality_divergence`: per layer, how different the text and image expert distributions are.
 - `rank_load_balance`: per layer, load of the busiest expert-parallel rank against the mean.
 - `expert_imbalance`: per layer, max/mean load over experts (from a [layers, experts] matrix).
+- `js_chance`: the divergence two samples of one distribution show by chance (beside an observed one).
 """
 
 from __future__ import annotations
@@ -90,3 +91,21 @@ def expert_imbalance(matrix: np.ndarray) -> np.ndarray:
     matrix = np.asarray(matrix, dtype=np.float64)
     mean = matrix.mean(axis=1) if matrix.size else np.zeros(len(matrix))
     return np.divide(matrix.max(axis=1, initial=0.0), mean, out=np.full(len(matrix), np.nan), where=mean > 0)
+
+
+def js_chance(text: np.ndarray, image: np.ndarray, draws: int = 200, seed: int = 0) -> float:
+    """The JS divergence (bits) two samples of these sizes show by chance alone: the mean over `draws` of
+    JS(text', image') where both are drawn (multinomial, same slot totals) from the pooled distribution.
+
+    Finite samples of one distribution never have divergence 0, so an observed text-vs-image
+    divergence is shown beside this value (NaN without both modalities).
+    """
+    text = np.asarray(text, dtype=np.float64)
+    image = np.asarray(image, dtype=np.float64)
+    n_text, n_image = int(text.sum()), int(image.sum())
+    if n_text <= 0 or n_image <= 0:
+        return float("nan")
+    pooled = (text + image) / (n_text + n_image)
+    rng = np.random.default_rng(seed)
+    return float(np.mean([js_divergence(rng.multinomial(n_text, pooled), rng.multinomial(n_image, pooled))
+                          for _ in range(draws)]))

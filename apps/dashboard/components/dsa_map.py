@@ -5,7 +5,9 @@
 - generated text: click a token (or type a position) to select a query;
 - read-out: for the selected query, the same layers x position grid with only its selected keys,
   a per-layer table (keys, nearest / farthest read, share local, segment read most) with the text
-  around the densest far reads (escaped, selected keys marked), and the image patches it read.
+  around the densest far reads (escaped, selected keys marked);
+- image: the real picture of an image segment with the heat of what each layer read per merged patch,
+  for the selected token or the whole answer, beside chance (`image_reads.ImageReadsPanel`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import ColumnDataSource, Span
+from bokeh.models import Span
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
+from apps.dashboard.components.image_reads import ImageReadsPanel
 from apps.dashboard.components.text import set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from apps.dashboard.reducers import DSAMapData, HeatMap, SessionMapData
@@ -37,12 +40,12 @@ class DSAMemoryMap(ViewComponent):
                                 "keys read", height=200)
         self.query_line = Span(location=0, dimension="height", line_color="#00e5ff", line_width=2, visible=False)
         self.reads.figure.add_layout(self.query_line)
-        self.patch_source = ColumnDataSource({"image": [np.zeros((1, 1))], "dw": [1], "dh": [1]})
-        self.patches = figure(height=200, width=220, title="Image patches read", tools="", toolbar_location=None,
-                              match_aspect=True)
-        self.patches.image(image="image", x=0, y=0, dw="dw", dh="dh", source=self.patch_source, palette="Viridis256")
-        self.patches.axis.visible = False
-        self.patches.visible = False
+        self.image = ImageReadsPanel(on_image=lambda i: self.state.set_options(image_id=i))
+        self.image_card = pn.Column(pn.pane.Markdown("**What the DSA layers read in the image**", margin=(0, 10)),
+                                    self.image.controls, pn.Row(self.image.figure, pn.Column(
+                                        self.image.summary, self.image.layers_table, sizing_mode="stretch_width"),
+                                        sizing_mode="stretch_width"),
+                                    visible=False, sizing_mode="stretch_width", css_classes=["k3-dsa-image"])
         self.position_input = pn.widgets.IntInput.from_param(self.state.param.position, label="Query position",
                                                              width=160)
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
@@ -73,6 +76,12 @@ class DSAMemoryMap(ViewComponent):
             self.strip.tokens = [list(t) for t in session.generated]
         if "reads" in changed:
             self._show_reads(data, session)
+        if "image" in changed:
+            shown = self.image.data
+            selected_now = data.image is not None and data.image.token is not None and (
+                shown is None or shown.token_position != data.image.token_position)
+            self.image.show(data.image, selected_now=selected_now)
+            self.image_card.visible = data.image is not None
 
     def _show_reads(self, data: DSAMapData, session: SessionMapData) -> None:
         reads = data.reads
@@ -81,10 +90,9 @@ class DSAMemoryMap(ViewComponent):
             self.query_line.visible = False
             self.readout.object = "<p>Select a generated token to see what each DSA layer read for it.</p>"
             set_text(self.title, "")
-            self.patches.visible = False
             return
         if len(self.detail.objects) == 1:
-            self.detail.objects = [pn.Row(self.reads.figure, self.patches, sizing_mode="stretch_width"), self.readout]
+            self.detail.objects = [self.reads.figure, self.readout]
         # bins no key was read from are transparent, so the few read bins stand out
         counts = np.where(reads["heat"] > 0, reads["heat"], np.nan).astype(np.float32)
         heat = HeatMap(tuple(reads["layers"]), counts, 0.0, float(session.extent))
@@ -96,13 +104,6 @@ class DSAMemoryMap(ViewComponent):
         set_text(self.title, f"token at position {reads['position']}: {piece!r}" if piece is not None else
                  f"position {reads['position']}")
         self.readout.object = data.reads_html
-        if data.patches is not None:
-            grid = np.asarray(data.patches["grid"], dtype=np.float32)[::-1]  # row 0 at the top
-            self.patch_source.data = {"image": [grid], "dw": [grid.shape[1]], "dh": [grid.shape[0]]}
-            self.patches.title.text = f"Patches of {data.patches['image']} read"
-            self.patches.visible = True
-        else:
-            self.patches.visible = False
 
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Card(
@@ -110,7 +111,7 @@ class DSAMemoryMap(ViewComponent):
             pn.pane.Markdown("**Generated text** — click a token to see what each layer read for it", margin=(0, 10)),
             self.strip,
             pn.Row(self.position_input, self.title, sizing_mode="stretch_width"),
-            self.detail, self.drawn_marker,
+            self.image_card, self.detail, self.drawn_marker,
             title="DSA memory map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-dsa"])
 
 

@@ -14,6 +14,7 @@ follower builds them in parallel threads (one after another on a two-core machin
 
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.dsa_map import DSAMapData, DSAMapReducer
+from apps.dashboard.reducers.image_reads import ImageReadsData
 from apps.dashboard.reducers.experts import ExpertsData, ExpertsReducer
 from apps.dashboard.reducers.kda_state import KDAStateData, KDAStateReducer
 from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReducer
@@ -22,5 +23,5 @@ from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReduce
 # (in this order when they run one after another: cheapest first, so the slowest never delays the others)
 VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "experts": ExpertsReducer, "kda": KDAStateReducer}
 
-__all__ = ["DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap", "KDAStateData",
+__all__ = ["DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap", "ImageReadsData", "KDAStateData",
            "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]

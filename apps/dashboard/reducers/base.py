@@ -27,6 +27,7 @@ class ViewOptions:
     moe_segment: int | None = None  # segment id filter of the expert heat map
     moe_layer: int | None = None  # layer of the text-vs-image bars (None: all layers)
     position: int | None = None  # selected token (DSA read-out, routes)
+    image_id: int | None = None  # image segment drawn in the DSA map (None: the latest image)
 
 
 def clamp_bins(bins: int) -> int:

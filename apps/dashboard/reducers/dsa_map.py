@@ -4,7 +4,9 @@
   `dsa_key_counts` (costs only the parts added since the last poll); bins past the furthest one
   ever read are NaN ("not reached yet", not "never read");
 - read-out of the selected position: `workbench.analysis.token_reads` on `trace.topk_for(position)`,
-  as HTML, and the image patches it read (`image_patch_reads`).
+  as HTML;
+- image: the picture of an image segment and what each layer read per merged patch, for the selected
+  token and over the answer (`image_reads.ImageReadsReducer`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.analysis import image_patch_reads, token_reads
+from workbench.analysis import token_reads
 from workbench.trace import Trace
 
 from apps.dashboard.readout import reads_html
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.image_reads import ImageReadsData, ImageReadsReducer
 from apps.dashboard.reducers.session_map import SessionMapData
 
 
@@ -26,7 +29,7 @@ class DSAMapData:
     heat: HeatMap | None = None
     reads: dict | None = None  # `token_reads` of the selected position (None: nothing selected)
     reads_html: str = ""
-    patches: dict | None = None  # {"image": name, "grid": int [rows, cols]} read for the selected token
+    image: ImageReadsData | None = None  # picture + patch reads of an image segment (None: no image)
 
 
 def dsa_heat(trace: Trace, extent: int, bins: int) -> HeatMap:
@@ -39,32 +42,28 @@ def dsa_heat(trace: Trace, extent: int, bins: int) -> HeatMap:
     return HeatMap(tuple(layers), values, 0.0, float(extent))
 
 
-def read_out(trace: Trace, position: int, session: SessionMapData, bins: int) -> tuple[dict, str, dict | None]:
-    """(token_reads, its HTML, image patches read) of the query at `position`."""
+def read_out(trace: Trace, position: int, session: SessionMapData, bins: int) -> tuple[dict, str]:
+    """(token_reads, its HTML) of the query at `position`."""
     rows = trace.topk_for(position)
-    segments = list(session.segments)
-    reads = token_reads(position, rows, session.token_text, segments, bins, session.extent, marks=session.marks)
-    patches = None
-    image = next((g for g in segments if g["kind"] == "image" and g.get("image")), None)
-    if image is not None and rows.num_rows:
-        grid = (int(image["image"]["grid_rows"]), int(image["image"]["grid_cols"]))
-        tok = trace.tokens(["position", "image_id", "patch_row", "patch_col"])
-        tok = tok[tok["image_id"] == image["id"]]
-        if len(tok):
-            patches = {"image": str(image.get("name") or "image"),
-                       "grid": image_patch_reads(rows, tok, int(image["id"]), grid)}
-    return reads, reads_html(reads, session.token_text), patches
+    reads = token_reads(position, rows, session.token_text, list(session.segments), bins, session.extent,
+                        marks=session.marks)
+    return reads, reads_html(reads, session.token_text)
 
 
 class DSAMapReducer(Reducer[DSAMapData]):
     data_type = DSAMapData
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.images = ImageReadsReducer()
+
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> DSAMapData:
         heat = self.memo("heat", (len(trace.parts("dsa_key_counts")), session.extent, options.bins),
                          lambda: dsa_heat(trace, session.extent, options.bins))
+        image = self.images.reduce(trace, options, session)
         if options.position is None:
-            return self.result(heat=heat, reads=None, reads_html="", patches=None)
+            return self.result(heat=heat, reads=None, reads_html="", image=image)
         deps = (options.position, len(trace.parts("dsa_topk")), session.extent, options.bins, len(session.token_text))
-        reads, html, patches = self.memo("reads", deps, lambda: read_out(trace, options.position, session,
+        reads, html = self.memo("reads", deps, lambda: read_out(trace, options.position, session,
                                                                           options.bins))
-        return self.result(heat=heat, reads=reads, reads_html=html, patches=patches)
+        return self.result(heat=heat, reads=reads, reads_html=html, image=image)

@@ -69,7 +69,7 @@ class SessionMapReducer(Reducer[SessionMapData]):
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData | None = None) -> SessionMapData:
         s = trace.session
         segments = tuple({k: seg.get(k) for k in ("id", "kind", "name", "start", "end", "modality")}
-                         | {"image": seg.get("image")} for seg in s.get("segments", []))
+                         | {"image": seg.get("image"), "thumbnail": seg.get("thumbnail")} for seg in s.get("segments", []))
         progress = dict(s.get("progress") or {})
         tokens = int(s.get("tokens", 0))
         total = int(progress.get("total") or 0) if progress.get("phase") == "prefill" else 0
