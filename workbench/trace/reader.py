@@ -145,8 +145,8 @@ class Trace:
 
     def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
         message = " ".join(message.splitlines())  # pyarrow's messages span lines; a problem is one
-        if self.strict:
-            raise exc_type(message)
+        if self.strict:  # nothing is skipped in a strict read: the caller stops
+            raise exc_type(message.removesuffix("; skipped"))
         if message not in self.problems:
             self.problems.append(message)
 
