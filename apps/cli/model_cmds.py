@@ -17,6 +17,7 @@ from engine.errors import InputError
 from engine.parallel import distributed
 from engine.presets import PRESETS
 from engine.weights.load import validate
+from engine.weights.validate_values import check_values
 from engine.weights.safetensors_io import CheckpointFiles
 from engine.weights.write import write_checkpoint
 
@@ -41,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("--preset", choices=sorted(PRESETS))
     ins.add_argument("--variant", choices=["k3.1", "k3", "kimi-linear"])
     ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.add_argument("--headers-only", action="store_true",
+                     help="check names, shapes and dtypes only, not the values (NaN/inf, E8M0 0xFF)")
     ins.set_defaults(func=cmd_inspect)
 
     lg = sub.add_parser("logits", help="full causal forward of token id lists; write logits")
@@ -90,6 +93,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         config = load_config(args.path)
         files = CheckpointFiles.open(args.path)
         problems = validate(config, files)
+        if not args.headers_only:  # streamed through the memory maps: bounded memory at any size
+            problems += [str(p) for p in check_values(files, config)]
         source = str(args.path)
     counts = census(config, files)
     report = {
@@ -99,7 +104,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                        "by_component": dict(counts.by_component)},
         "bytes_by_dtype": dict(counts.bytes_by_dtype),
         "total_bytes": counts.total_bytes,
-        "validation": {"checked": files is not None, "problems": problems},
+        "validation": {"checked": files is not None, "values_checked": files is not None and not args.headers_only,
+                       "problems": problems},
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -120,7 +126,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 for p in problems:
                     print(f"  - {p}")
             else:
-                print(f"validation: ok ({len(files.tensors)} tensors match config.json)")
+                what = "match config.json" if args.headers_only else "match config.json, all values finite"
+                print(f"validation: ok ({len(files.tensors)} tensors {what})")
     return 1 if problems else 0
 
 
