@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Callable
 
@@ -107,7 +106,3 @@ def require_ours(path: Path, overwrite: bool, is_ours: Callable[[Path], bool], w
     if not overwrite:
         raise error(f"{path} is not empty: it holds {what}; pass {flag} to replace it")
 
-
-def writer_identity() -> dict:
-    """pid + host of this process, so a reader can tell a dead writer from a live one."""
-    return {"pid": os.getpid(), "host": socket.gethostname()}

@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import json
+import os
 import shutil
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -167,7 +169,9 @@ class TraceWriter:
         for key in ("model", "engine", "timings"):
             body.setdefault(key, {})
         full = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "created": _now(), "updated": _now(),
-                "status": "recording", "tokens": 0, "parts": {}, **body}
+                "status": "recording", "tokens": 0, "parts": {}, **body,
+                # who writes (a copied trace's writer is replaced): a reader on this host tells a killed one
+                "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
         writer = cls(path, full, max_buffer_rows=max_buffer_rows, max_buffer_bytes=max_buffer_bytes, fsync=fsync,
                      compression_level=compression_level)
         writer._write_session()
