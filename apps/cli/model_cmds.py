@@ -143,6 +143,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_logits(args: argparse.Namespace) -> int:
     sequences = read_id_lists(args.input_ids)
+    if args.out.is_dir():  # checked before the model is loaded, not after the forward
+        raise InputError(f"--out {args.out} is a directory; give a .safetensors file path")
+    parent = next((p for p in args.out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"--out {args.out}: {parent} is not a directory")
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
         model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
         model.runtime.dsa_force_dense = args.dsa_dense

@@ -189,7 +189,8 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     try:
         trace = source if isinstance(source, Trace) else open_trace(source, strict=True)
     except TraceError as exc:
-        raise type(exc)(f"{exc}; export aborted, nothing written") from None
+        kept = "the previous export there is kept" if is_export(Path(out)) else "nothing was written"
+        raise type(exc)(f"{exc}; export aborted, {kept}") from None
     names = list(TABLES) if tables is None else list(dict.fromkeys(tables))
     unknown = [t for t in names if t not in TABLES]
     if unknown:
