@@ -328,7 +328,8 @@ class Session:
         KDA state for the wrong prefix silently produces garbage, so it is never allowed.
         """
         config, model = self.config, self.model
-        recorded = state.get("model", {})
+        recorded = state.get("model")
+        recorded = recorded if isinstance(recorded, dict) else {}
         if recorded.get("config_hash") != config.fingerprint():
             raise InputError(f"snapshot belongs to a different model (config hash {recorded.get('config_hash')}); "
                              f"this model is {config.fingerprint()} ({config.variant})")
@@ -372,7 +373,7 @@ class Session:
             self.generator.set_state(generator.cpu())
         self.last_logits = tensors["last_logits"].to(self.device, copy=True) if "last_logits" in tensors else None
         # the deployment record describes a run (this process, this hardware): a restored session starts a new one
-        self.previous_deployments = [state["record"]] if state.get("record") else []
+        self.previous_deployments = [state["record"]] if isinstance(state.get("record"), dict) else []
 
     def fork(self) -> "Session":
         """An independent copy (same model) that continues from exactly this point."""

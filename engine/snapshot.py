@@ -29,10 +29,12 @@ from safetensors.torch import load_file, save_file
 
 from engine import atomic_dir
 from engine.errors import InputError
+from engine.fileio import read_limited, require_regular
 
 FORMAT = "k3-workbench-snapshot"
 VERSION = 1
 META_FILE, STATE_FILE = "snapshot.json", "state.safetensors"
+META_LIMIT = 64 << 20  # segments and records of a long session fit many times over
 
 
 def prefix_hash(tokens: Sequence[int]) -> str:
@@ -93,10 +95,12 @@ def read_snapshot(path: Path) -> dict[str, Any]:
     meta_file, state_file = path / META_FILE, path / STATE_FILE
     if not meta_file.exists() or not state_file.exists():
         raise InputError(f"{path}: not a snapshot (needs {META_FILE} and {STATE_FILE})")
+    raw = read_limited(meta_file, "snapshot metadata (JSON)", InputError, META_LIMIT)
+    require_regular(state_file, "snapshot state (safetensors)", InputError)
     try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{meta_file}: corrupt snapshot metadata ({exc})") from None
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{meta_file}: corrupt snapshot metadata ({str(exc)[:120]})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{meta_file}: not a K3 Workbench snapshot")
     if meta.get("version") != VERSION:
