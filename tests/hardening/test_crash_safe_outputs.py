@@ -158,3 +158,30 @@ def test_disk_full_during_an_export_keeps_the_previous_one(tmp_path, monkeypatch
     with pytest.raises(TraceError, match="No space left on device; the previous export there is kept"):
         export_trace(trace, out, "csv", overwrite=True)
     assert (out / MANIFEST).read_text() == before and _leftovers(out) == []
+
+
+def test_disk_full_during_a_recording_is_one_line_and_keeps_the_flushed_parts(tmp_path, monkeypatch):
+    import workbench
+    from engine import load_model
+    from engine.session import Session
+    from engine.tokenizer import Tokenizer
+    from workbench.trace import files
+
+    session = Session(load_model("preset:tiny", seed=1), Tokenizer.byte_level(), prefill_chunk=16, progress=False)
+    real = files.write_parquet_atomic
+    calls = {"n": 0}
+
+    def fills_up(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 12:  # the first flushes fit, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files, "write_parquet_atomic", fills_up)
+    monkeypatch.setattr("workbench.trace.writer.write_parquet_atomic", fills_up, raising=False)
+    with pytest.raises(TraceError, match="No space left on device; kept: the .* part"):
+        with workbench.record(session, trace=tmp_path / "t", policy={"flush_seconds": 0.001}):
+            session.append("some words to record " * 20, name="doc")
+            list(session.generate(20, temperature=0))
+    trace = workbench.open_trace(tmp_path / "t")
+    assert trace.problems == [] and len(trace.tokens()) >= 0
