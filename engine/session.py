@@ -339,6 +339,9 @@ class Session:
         tensors = state.get("tensors", {})
         if "tokens" not in tensors:
             raise InputError("corrupt snapshot state (no token ids)")
+        if tensors["tokens"].ndim != 1 or tensors["tokens"].dtype != torch.int64:
+            raise InputError(f"corrupt snapshot state (token ids must be int64 [n], got "
+                             f"{str(tensors['tokens'].dtype).removeprefix('torch.')} {list(tensors['tokens'].shape)})")
         tokens = tensors["tokens"].tolist()
         if prefix_hash(tokens) != state.get("prefix_sha256") or len(tokens) != state.get("tokens"):
             raise InputError("token ids do not match the recorded prefix hash: corrupt snapshot")
