@@ -75,9 +75,9 @@ class SamplingParams:
     def from_json(cls, d: dict) -> "SamplingParams":
         if not isinstance(d, dict):
             raise InputError(f"sampling parameters must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        unknown = sorted(map(str, set(d) - {f.name for f in fields(cls)}))
         if unknown:
-            raise InputError(f"unknown sampling parameter(s) {', '.join(map(str, unknown))[:120]}")
+            raise InputError(f"unknown sampling parameter(s) {', '.join(map(repr, unknown))[:120]}")
         stop = d.get("stop_ids", ())
         if not isinstance(stop, (list, tuple)):
             raise InputError(f"stop_ids must be a list of token ids, got {stop!r:.40}")

@@ -30,7 +30,7 @@ import copy
 import hashlib
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -418,7 +418,8 @@ class Session:
         KDA state for the wrong prefix silently produces garbage, so it is never allowed.
         """
         config, model = self.config, self.model
-        recorded = state.get("model", {})
+        recorded = state.get("model")
+        recorded = recorded if isinstance(recorded, dict) else {}
         if recorded.get("config_hash") != config.fingerprint():
             raise InputError(f"snapshot belongs to a different model (config hash {recorded.get('config_hash')}); "
                              f"this model is {config.fingerprint()} ({config.variant})")
@@ -428,15 +429,29 @@ class Session:
         tensors = state.get("tensors", {})
         if "tokens" not in tensors:
             raise InputError("corrupt snapshot state (no token ids)")
+        if tensors["tokens"].ndim != 1 or tensors["tokens"].dtype != torch.int64:
+            raise InputError(f"corrupt snapshot state (token ids must be int64 [n], got "
+                             f"{str(tensors['tokens'].dtype).removeprefix('torch.')} {list(tensors['tokens'].shape)})")
         tokens = tensors["tokens"].tolist()
         if prefix_hash(tokens) != state.get("prefix_sha256") or len(tokens) != state.get("tokens"):
             raise InputError("token ids do not match the recorded prefix hash: corrupt snapshot")
         if expect_tokens is not None and list(expect_tokens) != tokens:
             raise InputError(f"snapshot holds the state of a different token prefix ({len(tokens)} tokens, "
                              f"sha256 {state['prefix_sha256'][:12]}); refusing to reuse it")
-        consumed = int(state.get("consumed", -1))
-        if not 0 <= consumed <= len(tokens):
-            raise InputError(f"invalid consumed-token count {consumed}")
+        consumed = state.get("consumed", -1)
+        if type(consumed) is not int or not 0 <= consumed <= len(tokens):
+            raise InputError(f"invalid consumed-token count {consumed!r:.40} (expected an integer in [0, {len(tokens)}])")
+        segments = _segments_from_json(state.get("segments", []), len(tokens))
+        step = state.get("step", 0)
+        if type(step) is not int or step < 0:
+            raise InputError(f"invalid step {step!r:.40} (expected a non-negative integer)")
+        sampling = SamplingParams.from_json(state.get("sampling", {}))
+        generator = tensors.get("generator")
+        if generator is not None:
+            try:
+                torch.Generator(device="cpu").set_state(generator.cpu())
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise InputError(f"invalid sampler generator state ({str(exc).splitlines()[0][:80]})") from None
         try:
             layers = ModelState.from_tensors(tensors, config, consumed, dtype=self.dtype, device=self.device,
                                              kda_heads=model.parallel.split(config.kda_num_heads))
@@ -444,15 +459,15 @@ class Session:
             raise InputError(f"{exc}: corrupt or foreign snapshot") from None
         self.state = layers
         self.tokens = tokens
-        self.segments = [Segment(**seg) for seg in state.get("segments", [])]
+        self.segments = segments
         self._pending_images, self.image_thumbnails = [], {}
-        self.step = int(state.get("step", 0))
-        self.sampling = SamplingParams.from_json(state.get("sampling", {}))
-        if "generator" in tensors:
-            self.generator.set_state(tensors["generator"].cpu())
+        self.step = step
+        self.sampling = sampling
+        if generator is not None:
+            self.generator.set_state(generator.cpu())
         self.last_logits = tensors["last_logits"].to(self.device, copy=True) if "last_logits" in tensors else None
         # the deployment record describes a run (this process, this hardware): a restored session starts a new one
-        self.previous_deployments = [state["record"]] if state.get("record") else []
+        self.previous_deployments = [state["record"]] if isinstance(state.get("record"), dict) else []
 
     def fork(self) -> "Session":
         """An independent copy (same model) that continues from exactly this point."""
@@ -482,6 +497,38 @@ class Session:
         except InputError as exc:
             raise InputError(f"{path}: {exc}") from None
         return session
+
+
+def _segments_from_json(raw: Any, n_tokens: int) -> list[Segment]:
+    """A snapshot's segment list, checked field by field (InputError naming the entry)."""
+    if not isinstance(raw, list):
+        raise InputError(f"snapshot segments must be a list, got {type(raw).__name__}")
+    names = {f.name: f for f in fields(Segment)}
+    out = []
+    for i, seg in enumerate(raw):
+        if not isinstance(seg, dict):
+            raise InputError(f"snapshot segment {i} must be an object, got {type(seg).__name__}")
+        unknown = sorted(map(str, set(seg) - set(names)))
+        missing = sorted(k for k in ("id", "kind", "name", "start", "end") if k not in seg)
+        if unknown or missing:
+            raise InputError(f"snapshot segment {i}: " + "; ".join(
+                ([f"unknown key(s) {', '.join(unknown)[:80]}"] if unknown else [])
+                + ([f"missing {', '.join(missing)}"] if missing else [])))
+        for key in ("id", "start", "end"):
+            if type(seg[key]) is not int:
+                raise InputError(f"snapshot segment {i}: {key} must be an integer, got {seg[key]!r:.40}")
+        for key in ("kind", "name", "modality"):
+            if key in seg and not isinstance(seg[key], str):
+                raise InputError(f"snapshot segment {i}: {key} must be a string, got {seg[key]!r:.40}")
+        if seg.get("role") is not None and not isinstance(seg["role"], str):
+            raise InputError(f"snapshot segment {i}: role must be a string or null")
+        if seg.get("image") is not None and not isinstance(seg["image"], dict):
+            raise InputError(f"snapshot segment {i}: image must be an object or null")
+        if not 0 <= seg["start"] <= seg["end"] <= n_tokens:
+            raise InputError(f"snapshot segment {i}: range [{seg['start']}, {seg['end']}) is outside the "
+                             f"{n_tokens} tokens")
+        out.append(Segment(**seg))
+    return out
 
 
 def model_fingerprint(model: KimiForCausalLM) -> str:

@@ -4,8 +4,10 @@ This module only does file I/O. What a snapshot holds is the session's business
 (`Session.state_dict()` / `Session.load_state_dict()`, which check the model, the token prefix and
 every tensor's shape); here a state dict is written and read back: its `tensors` entry (name ->
 tensor) goes to `state.safetensors`, every other entry (JSON values) to `snapshot.json` beside
-`format` and `version`. Writing is atomic (a temporary directory renamed into place), so a crash
-never leaves half a snapshot where the last good one was.
+`format` and `version`. Writing is atomic (a temporary directory renamed into place, the old one
+set aside first and deleted last, `engine.atomic_dir`), so a crash at any point leaves the last
+good snapshot loadable; the next save or load recovers it and removes stale temporaries.
+`overwrite` replaces only a snapshot (recognised by `snapshot.json`'s `format`), never anything else.
 
 Layout of `state.safetensors` (version 1): `tokens` int64 [n]; `generator` uint8 (sampler RNG
 state); `last_logits` fp32 [V]; per layer `layers.{i}.recurrent` / `.conv` (KDA) or `.latent` /
@@ -25,11 +27,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from engine import atomic_dir
 from engine.errors import InputError
+from engine.fileio import read_limited, require_regular
 
 FORMAT = "k3-workbench-snapshot"
 VERSION = 1
 META_FILE, STATE_FILE = "snapshot.json", "state.safetensors"
+META_LIMIT = 64 << 20  # segments and records of a long session fit many times over
 
 
 def prefix_hash(tokens: Sequence[int]) -> str:
@@ -37,39 +42,65 @@ def prefix_hash(tokens: Sequence[int]) -> str:
     return hashlib.sha256(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
+def is_snapshot(path: Path) -> bool:
+    """Whether `path` is a directory this module wrote (its snapshot.json names our format)."""
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT and (Path(path) / STATE_FILE).is_file()
+
+
+def check_target(path: Path, *, overwrite: bool = False) -> None:
+    """Refuse, before any work, a `path` a snapshot cannot be saved to (InputError, one line)."""
+    path = Path(path)
+    atomic_dir.recover(path, is_snapshot)
+    atomic_dir.require_ours(path, overwrite, is_snapshot, "a snapshot", InputError)
+
+
 def write_snapshot(path: Path, state: dict[str, Any], *, overwrite: bool = False) -> Path:
     """Write `state` (its `tensors` entry plus JSON values) to the directory `path`, atomically.
 
-    Refuses a non-empty `path` unless `overwrite`; the old snapshot is replaced only after the new
-    one is complete.
+    Refuses a non-empty `path` unless `overwrite` and it is a snapshot; the old snapshot is replaced
+    only after the new one is complete, in steps that keep one of them loadable at every instant.
     """
     path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise InputError(f"{path} exists and is not empty (pass overwrite=True to replace it)")
+    check_target(path, overwrite=overwrite)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state["tensors"].items()}
     meta = {"format": FORMAT, "version": VERSION, **{k: v for k, v in state.items() if k != "tensors"}}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    tmp = atomic_dir.temp_path(path)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:  # the marker: written last
+            f.write(json.dumps(meta, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists() and not any(path.iterdir()):
+            path.rmdir()
+        atomic_dir.replace(tmp, path)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = "the previous snapshot there is kept" if is_snapshot(path) else "nothing was saved"
+        raise InputError(f"cannot save snapshot to {path}: {exc.strerror or exc}; {kept}") from None
     return path
 
 
 def read_snapshot(path: Path) -> dict[str, Any]:
     """The state dict written by `write_snapshot` (raises InputError naming the file that is wrong)."""
     path = Path(path)
+    atomic_dir.recover(path, is_snapshot)
     meta_file, state_file = path / META_FILE, path / STATE_FILE
     if not meta_file.exists() or not state_file.exists():
         raise InputError(f"{path}: not a snapshot (needs {META_FILE} and {STATE_FILE})")
+    raw = read_limited(meta_file, "snapshot metadata (JSON)", InputError, META_LIMIT)
+    require_regular(state_file, "snapshot state (safetensors)", InputError)
     try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{meta_file}: corrupt snapshot metadata ({exc})") from None
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{meta_file}: corrupt snapshot metadata ({str(exc)[:120]})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{meta_file}: not a K3 Workbench snapshot")
     if meta.get("version") != VERSION:

@@ -25,7 +25,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.errors", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.fileio", "engine.inputs")),
+                       "engine.builtin", "engine.fileio", "engine.inputs", "engine.atomic_dir")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py

@@ -28,7 +28,7 @@ def test_checkpoint_random_inspect_and_logits(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(ckpt), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["validation"] == {"checked": True, "problems": []}
+    assert report["validation"] == {"checked": True, "values_checked": True, "problems": []}
     assert report["config"]["variant"] == "k3" and report["config"]["dsa_layers"] == 0
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7], [300, 20]]))

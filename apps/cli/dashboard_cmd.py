@@ -12,6 +12,7 @@ Panel is imported only when this command runs, so the other commands start witho
 from __future__ import annotations
 
 import argparse
+import errno
 from pathlib import Path
 
 from engine.errors import InputError
@@ -58,7 +59,13 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.trace is not None and not args.trace.exists():
         print(f"note: {args.trace} does not exist yet; the dashboard will wait for it")
-    server = serve(config, show=False, start=False)
+    try:
+        server = serve(config, show=False, start=False)  # binds the port
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise InputError(f"port {config.port} on {config.host} is already in use; choose another with --port") \
+                from None
+        raise InputError(f"cannot serve on {config.host}:{config.port}: {exc.strerror or exc}") from None
     print(f"K3 Workbench dashboard: {url(config)}", flush=True)
     if not is_local(config.host):
         print(f"access token (required in every URL as ?token=...): {config.token}", flush=True)

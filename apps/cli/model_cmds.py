@@ -19,6 +19,7 @@ from engine.parallel import distributed
 from engine.presets import PRESETS
 from engine.vision import expand_media_placeholders, merged_grid, preprocess_image
 from engine.weights.load import IMAGES_UNAVAILABLE, has_vision_tensors, validate
+from engine.weights.validate_values import check_values
 from engine.weights.safetensors_io import CheckpointFiles
 from engine.weights.write import write_checkpoint
 
@@ -45,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("--preset", choices=sorted(PRESETS))
     ins.add_argument("--variant", choices=["k3.1", "k3", "kimi-linear"])
     ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.add_argument("--headers-only", action="store_true",
+                     help="check names, shapes and dtypes only, not the values (NaN/inf, E8M0 0xFF)")
     ins.set_defaults(func=cmd_inspect)
 
     lg = sub.add_parser("logits", help="full causal forward of token id lists; write logits")
@@ -101,6 +104,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         config = load_config(path)
         files = CheckpointFiles.open(path)
         problems = validate(config, files)
+        if not args.headers_only:  # streamed through the memory maps: bounded memory at any size
+            problems += [str(p) for p in check_values(files, config)]
         source = str(args.path)
         if config.vision is not None and not has_vision_tensors(config, files):
             images_note = IMAGES_UNAVAILABLE
@@ -112,7 +117,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                        "by_component": dict(counts.by_component)},
         "bytes_by_dtype": dict(counts.bytes_by_dtype),
         "total_bytes": counts.total_bytes,
-        "validation": {"checked": files is not None, "problems": problems},
+        "validation": {"checked": files is not None, "values_checked": files is not None and not args.headers_only,
+                       "problems": problems},
         "images": {"available": config.vision is not None and not images_note, "note": images_note or None},
     }
     if args.json:
@@ -134,7 +140,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 for p in problems:
                     print(f"  - {p}")
             else:
-                print(f"validation: ok ({len(files.tensors)} tensors match config.json)")
+                what = "match config.json" if args.headers_only else "match config.json, all values finite"
+                print(f"validation: ok ({len(files.tensors)} tensors {what})")
             if images_note:
                 print(f"images: unavailable ({images_note})")
     return 1 if problems else 0
@@ -169,6 +176,11 @@ def sequence_inputs(model, seq: engine_inputs.InputSequence, index: int,
 
 def cmd_logits(args: argparse.Namespace) -> int:
     sequences = engine_inputs.read_sequences(args.input_ids)
+    if args.out.is_dir():  # checked before the model is loaded, not after the forward
+        raise InputError(f"--out {args.out} is a directory; give a .safetensors file path")
+    parent = next((p for p in args.out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"--out {args.out}: {parent} is not a directory")
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
         model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
         model.runtime.dsa_force_dense = args.dsa_dense

@@ -18,7 +18,9 @@ from engine.errors import InputError
 from engine.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
+from engine.snapshot import check_target as check_snapshot_target
 from workbench.sessions import FAMILIES, recorded_session
+from workbench.trace import check_trace_target
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,8 +84,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run(args, prompt, params, ctx)
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse unusable output paths before the model is loaded, not after the prefill."""
+    if args.save is not None:
+        check_snapshot_target(args.save, overwrite=args.overwrite)
+    if args.trace is not None:
+        check_trace_target(args.trace, overwrite=args.overwrite_trace)
+
+
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
     families = record_families(args.record) if args.trace is not None else FAMILIES
+    if ctx.is_leader:
+        check_outputs(args)
     with recorded_session(args.model, args.trace, snapshot=args.load, prefill_chunk=args.prefill_chunk,
                           progress=args.progress if ctx.is_leader else False, policy=args.policy, families=families,
                           overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,

@@ -78,7 +78,7 @@ class Dashboard(pn.viewable.Viewer):
     def __init__(self, config: DashboardConfig | None = None, *, trace: str | Path | None = None, **params: Any) -> None:
         config = config or DashboardConfig()
         path = trace if trace is not None else config.trace
-        super().__init__(state=DashboardState(path, interval=config.interval), **params)
+        super().__init__(state=DashboardState(path, interval=config.interval, root=config.root), **params)
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None

@@ -30,6 +30,9 @@ DEFAULT_PROMPT = "Which document mentions the vault code, and what is it?"
 # one loaded model per process: models are large, sessions of one dashboard run one at a time
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
+# one recorded session per process: the pages of all users share the cached model, and a model's probe
+# points take one recorder at a time; a second Generate is refused with a message, not a RuntimeError
+_RUN_LOCK = threading.Lock()
 
 
 def load_cached_model(name: str) -> tuple[Any, Any]:
@@ -157,6 +160,10 @@ class SessionRunner(pn.viewable.Viewer):
         if not self.prompt.strip() and not self.documents:
             self.message = "error: write a prompt or upload a document"
             return None
+        if not _RUN_LOCK.acquire(blocking=False):
+            self.message = ("error: another session is running on this server (started from another page); "
+                            "try again when it has finished")
+            return None
         trace = Path(self.runs_dir) / time.strftime("session-%Y%m%d-%H%M%S")
         n = 1
         while trace.exists():
@@ -168,9 +175,19 @@ class SessionRunner(pn.viewable.Viewer):
         self.state.start()
         args = (self.model, list(self.documents), self.prompt, self.chat, self.max_new_tokens, self.temperature,
                 self.prefill_chunk, trace)
-        self._thread = threading.Thread(target=self._run, args=args, name="session-runner", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run_locked, args=args, name="session-runner", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            _RUN_LOCK.release()
+            raise
         return trace
+
+    def _run_locked(self, *args: Any) -> None:
+        try:
+            self._run(*args)
+        finally:
+            _RUN_LOCK.release()
 
     def stop(self) -> None:
         """Ask the running session to stop after its current step."""

@@ -68,6 +68,21 @@ class DashboardFrame:
     experts: ExpertsData = ExpertsData()
 
 
+def relative_to_root(text: str, root: str | Path | None) -> str:
+    """`text` with every absolute path under `root` written relative to it."""
+    if root is None:
+        return text
+    for base in dict.fromkeys((str(Path(root).resolve()), str(Path(root).absolute()))):
+        text = text.replace(base + os.sep, "").replace(base, ".")
+    return text
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line for the page; the project's own errors need no class name."""
+    text = " ".join(str(exc).split()) or "(no message)"
+    return text if isinstance(exc, (TraceError, OSError, ValueError)) else f"{type(exc).__name__}: {text}"[:500]
+
+
 class TraceFollower:
     """Background thread that follows one trace directory and publishes `DashboardFrame`s.
 
@@ -75,10 +90,14 @@ class TraceFollower:
         path (str | Path): the trace directory (it may not exist yet: the follower waits for it).
         interval (float): seconds between polls (default 0.5 s, so views refresh at least every second).
         maxsize (int): capacity of the frame queue; when full the oldest frame is dropped.
+        root (str | Path, Optional): the dashboard's `--root`; paths on the page are shown relative
+            to it (the server's directory layout is not the visitor's business).
     """
 
-    def __init__(self, path: str | Path, *, interval: float = 0.5, maxsize: int = 2) -> None:
+    def __init__(self, path: str | Path, *, interval: float = 0.5, maxsize: int = 2,
+                 root: str | Path | None = None) -> None:
         self.path = Path(path)
+        self.root = root
         self.interval = interval
         self.queue: queue.Queue[DashboardFrame] = queue.Queue(maxsize=maxsize)
         self._options = ViewOptions()
@@ -136,7 +155,13 @@ class TraceFollower:
     def _run(self) -> None:
         while not self._halt.is_set():
             # intermediate frames as each view is ready, then the complete one
-            self.publish(self.compute(self.publish))
+            try:
+                self.publish(self.compute(self.publish))
+            except Exception as exc:  # noqa: BLE001 - the follower must outlive any bad trace: show it, retry
+                self._trace = None
+                frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")
+                self.completed = frame.seq
+                self.publish(frame)
             if self._last.session.status in ("complete", "failed") and self._settled():
                 # a finished trace changes no more: sleep until a view asks for something new
                 self._wake.wait()
@@ -161,6 +186,11 @@ class TraceFollower:
                     pass
 
     def _next(self, **changes: Any) -> DashboardFrame:
+        for key in ("error", "path"):
+            if isinstance(changes.get(key), str):
+                changes[key] = relative_to_root(changes[key], self.root)
+        if "problems" in changes:
+            changes["problems"] = tuple(relative_to_root(p, self.root) for p in changes["problems"])
         self._last = dataclasses.replace(self._last, seq=self._last.seq + 1, **changes)
         return self._last
 
@@ -190,8 +220,9 @@ class TraceFollower:
                 partial(self._next(path=str(self.path), error=None, session=session))
             self._reduce_views(trace, opts, session, partial)
             frame = self._next(path=str(self.path), error=None, session=session, problems=tuple(trace.problems))
-        except (TraceError, OSError, ValueError) as exc:
-            frame = self._next(error=f"could not read {self.path}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. a session.json field of the wrong shape: shown, retried
+            self._trace = None if not isinstance(exc, (TraceError, OSError, ValueError)) else self._trace
+            frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")
         self._computed_options = opts
         self.completed = frame.seq
         return frame
@@ -217,7 +248,7 @@ class TraceFollower:
                 for future in done:
                     try:
                         data = future.result()
-                    except (TraceError, OSError, ValueError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - re-raised below, after every read has ended
                         failure = failure or exc
                         continue
                     name = futures[future]
@@ -245,9 +276,11 @@ class DashboardState(param.Parameterized):
     message = param.String(default="", doc="an error about the source (bad URL parameter, missing trace)")
     bins = param.Integer(default=800, bounds=(MIN_BINS, MAX_BINS), doc="screen bins of the position axes")
 
-    def __init__(self, path: str | Path | None = None, *, interval: float = 0.5, **params: Any) -> None:
+    def __init__(self, path: str | Path | None = None, *, interval: float = 0.5, root: str | Path | None = None,
+                 **params: Any) -> None:
         super().__init__(**params)
         self.interval = interval
+        self.root = root
         self.follower: TraceFollower | None = None
         if path is not None:
             self.follow(path)
@@ -256,9 +289,9 @@ class DashboardState(param.Parameterized):
         """Follow another trace directory (stops the previous follower)."""
         if self.follower is not None:
             self.follower.stop(timeout=0)
-        self.follower = TraceFollower(path, interval=self.interval)
+        self.follower = TraceFollower(path, interval=self.interval, root=self.root)
         self.follower.set_options(bins=self.bins, position=self.position)
-        self.trace_path = str(path)
+        self.trace_path = relative_to_root(str(path), self.root)
         self.position = None
         self.frame = DashboardFrame(path=str(path))
 

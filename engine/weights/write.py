@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.atomic_dir import require_ours
 from engine.config import ModelConfig
 from engine.config_io import config_to_hf
 from engine.errors import InputError
@@ -53,10 +54,9 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
             whose config.json still carries the vision_config).
     """
     out = Path(out_dir)
+    check_checkpoint_target(out, overwrite=overwrite)
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise InputError(f"{out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
-        shutil.rmtree(out)
+        shutil.rmtree(out)  # a checkpoint this function wrote (its marker file says so)
     out.mkdir(parents=True, exist_ok=True)
     source = source or RandomSource(config, seed, float_dtype)
     specs = list(checkpoint_tensors(config, include_vision=vision))
@@ -78,4 +78,23 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer and config.vocab_size == 256 + NUM_SPECIAL:  # byte-level vocabulary
         write_byte_level_tokenizer(out)
+    # written last: marks a complete checkpoint of ours, the one kind `overwrite` may replace
+    (out / MARKER_FILE).write_text(json.dumps({"format": MARKER_FORMAT, "seed": seed}) + "\n")
     return out
+
+
+MARKER_FILE, MARKER_FORMAT = "workbench-checkpoint.json", "k3-workbench-random-checkpoint"
+
+
+def is_written_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint `write_checkpoint` wrote (its marker file is there)."""
+    try:
+        return json.loads((Path(path) / MARKER_FILE).read_text(encoding="utf-8")).get("format") == MARKER_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_checkpoint_target(out: Path, *, overwrite: bool = False) -> None:
+    """Refuse, before any work, an output path that is a file, or a non-empty directory that is not ours."""
+    require_ours(Path(out), overwrite, is_written_checkpoint, "a checkpoint written by `workbench checkpoint random`",
+                 InputError)

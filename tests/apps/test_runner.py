@@ -77,3 +77,33 @@ def test_recorded_session_on_tiny_preset(tmp_path: Path) -> None:
     snap = runner.state.sync()
     assert snap.dsa.reads["rows"] and snap.experts.routes
     runner.state.close()
+
+
+def test_two_pages_pressing_generate_at_once(tmp_path: Path, monkeypatch) -> None:
+    # the first page's session holds the server's one run slot; the second page gets a message, not
+    # "nested record()", and can run once the first has finished
+    import threading
+
+    from apps.dashboard import session_runner
+
+    release = threading.Event()
+    real_run = SessionRunner._run
+
+    def slow_run(self, *args):
+        release.wait(30)
+        return real_run(self, *args)
+
+    monkeypatch.setattr(SessionRunner, "_run", slow_run)
+    first, second = _runner(tmp_path / "a"), _runner(tmp_path / "b")
+    for r in (first, second):
+        r.param.model.objects = [str(tmp_path / "missing-ckpt")]
+        r.model = str(tmp_path / "missing-ckpt")
+    assert first.generate() is not None
+    assert second.generate() is None and "another session is running" in second.message and not second.running
+    release.set()
+    _wait(first, 60)
+    assert session_runner._RUN_LOCK.acquire(blocking=False)
+    session_runner._RUN_LOCK.release()
+    assert second.generate() is not None
+    _wait(second, 60)
+    assert second.message.startswith("error:") and "another session" not in second.message

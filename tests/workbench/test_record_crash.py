@@ -73,7 +73,7 @@ def test_sigkill_during_recording_leaves_readable_prefix(tmp_path):
             continue  # killed before the trace was created: nothing to lose
         t = workbench.open_trace(trace)
         assert t.problems == [], t.problems
-        assert t.status in ("recording", "complete")
+        assert t.status in ("stopped (writer gone)", "complete")  # the killed writer is seen as gone
         tokens = t.tokens()
         assert np.array_equal(tokens["position"].to_numpy(), np.arange(len(tokens)))  # a prefix, no holes
         sink = t.df("dsa_sink")

@@ -129,7 +129,8 @@ def test_sigkill_at_random_moments_leaves_a_readable_prefix(tmp_path, zygote):
             assert reported == []
             continue
         trace = open_trace(path)
-        assert trace.problems == [] and trace.status == "recording"
+        # the writer was SIGKILLed: the reader sees its pid is gone (same host) instead of "recording" forever
+        assert trace.problems == [] and trace.status == "stopped (writer gone)"
         present = _check_prefix(trace, reported)
         mid_flush += present == len(reported) + 1
         flushed_runs += present > 0

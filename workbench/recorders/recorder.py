@@ -17,6 +17,7 @@ collectives, which all ranks must enter); only rank 0 writes, so every signal is
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import time
 from collections import defaultdict
@@ -30,7 +31,7 @@ from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeR
 from engine.session import Segment, Session
 from workbench.recorders import reduce
 from workbench.recorders.policy import RecordPolicy, load_policy
-from workbench.trace import TraceWriter
+from workbench.trace import TraceError, TraceWriter
 from workbench.trace.schema import TABLES
 
 MODALITIES = ("text", "image")
@@ -432,10 +433,26 @@ def record(session: Session, *, trace: str | Path, dsa: bool = True, kda: bool =
         rec.attach()
         yield rec
         status = "complete"
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or writer is None:
+            raise
+        raise _disk_full(trace, writer, exc) from None
     finally:
         rec.detach()
         if writer is not None:
             try:
-                rec.flush()
-            finally:
-                writer.close(status)
+                try:
+                    rec.flush()
+                finally:
+                    writer.close(status)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise _disk_full(trace, writer, exc) from None
+
+
+def _disk_full(trace: str | Path, writer: TraceWriter, exc: OSError) -> TraceError:
+    """Disk full while recording: one line saying what the trace still holds (its flushed parts)."""
+    parts = sum(int(n) for n in writer.session.get("parts", {}).values())
+    return TraceError(f"cannot write the trace {trace}: {exc.strerror or exc}; kept: the {parts} part(s) flushed "
+                      f"before ({writer.session.get('tokens', 0)} tokens), which still open")

@@ -2,7 +2,7 @@
 
 Public API:
 - `TraceWriter.create(path, session)` -> `.append(table, **columns)`, `.flush()`, `.update_session(**fields)`,
-  `.close(status)`: what recorders write with.
+  `.close(status)`: what recorders write with; `check_trace_target(path)` checks the path before work.
 - `open_trace(path)` -> `Trace`: read a finished or live trace (`refresh()` follows it).
 - `TABLES`, `SCHEMA_VERSION`: the schema as data (`workbench.trace.schema`).
 - `TraceError` (and `TraceVersionError`, `TraceCorruptError`): bad input, printed as one line by the CLI.
@@ -11,7 +11,7 @@ Public API:
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.reader import Trace, open_trace
 from workbench.trace.schema import SCHEMA_VERSION, TABLES, Column, TableSpec
-from workbench.trace.writer import TraceWriter
+from workbench.trace.writer import TraceWriter, check_trace_target
 
 __all__ = ["SCHEMA_VERSION", "TABLES", "Column", "TableSpec", "Trace", "TraceCorruptError", "TraceError",
-           "TraceVersionError", "TraceWriter", "open_trace"]
+           "TraceVersionError", "TraceWriter", "check_trace_target", "open_trace"]

@@ -10,8 +10,10 @@ and `export.json` (source, format, layers, rows and file per table). Conventions
 
 Safety: the trace is opened strictly (a corrupt or missing part is an error, not a silent hole); the
 export is written to a temporary directory next to the target and moved into place only when
-complete; an existing non-empty target is refused unless `overwrite=True`, and even then only files
-named by the previous export's manifest (or about to be rewritten) are replaced, never anything else.
+complete; an existing non-empty target is refused unless `overwrite=True` and it holds a previous
+export and nothing else (its `export.json` lists every file); a trace or any other directory is
+never replaced. The old export is set aside, the new one renamed in, then the old one deleted
+(`engine.atomic_dir`), so a crash keeps one whole export at the path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from engine import atomic_dir
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace
 from workbench.trace.schema import EXPORT_MANIFEST, SESSION_FILE, TABLES, parquet_options
@@ -144,7 +147,7 @@ def _npz_arrays(table: pa.Table) -> dict[str, np.ndarray]:
 
 
 def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
-    """Check the target; returns files of a previous export there that the new one replaces."""
+    """Check the target; returns the entries there that a previous export did not write (kept)."""
     src, dst = source.resolve(), out.resolve()
     if dst == src or src in dst.parents:
         raise TraceError(f"export target {out} is inside the trace {source}; choose another directory")
@@ -152,13 +155,19 @@ def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
         raise TraceError(f"export target {out} exists and is not a directory")
     if not dst.exists() or not any(dst.iterdir()):
         return []
-    if not overwrite:
-        raise TraceError(f"export target {out} exists and is not empty; pass --overwrite to replace the export there")
+    if (dst / SESSION_FILE).is_file() and not (dst / MANIFEST).is_file():
+        raise TraceError(f"export target {out} is a trace, not an export; refusing to replace it")
     try:
         previous = json.loads((dst / MANIFEST).read_text())
-        return [dst / f for f in previous.get("files", []) if "/" not in f and f != ".."]
+        files = previous.get("files", []) if isinstance(previous, dict) else None
     except (OSError, ValueError):
-        return []
+        files = None
+    if not isinstance(files, list):
+        raise TraceError(f"export target {out} is not empty and holds no export ({MANIFEST}); refusing to replace it")
+    if not overwrite:
+        raise TraceError(f"export target {out} exists and is not empty; pass --overwrite to replace the export there")
+    ours = {f for f in files if isinstance(f, str)}
+    return [p for p in dst.iterdir() if p.name not in ours]  # not the export's: carried over untouched
 
 
 def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parquet", *,
@@ -177,15 +186,20 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     """
     if fmt not in FORMATS:
         raise TraceError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    trace = source if isinstance(source, Trace) else open_trace(source, strict=True)
+    try:
+        trace = source if isinstance(source, Trace) else open_trace(source, strict=True)
+    except TraceError as exc:
+        kept = "the previous export there is kept" if is_export(Path(out)) else "nothing was written"
+        raise type(exc)(f"{exc}; export aborted, {kept}") from None
     names = list(TABLES) if tables is None else list(dict.fromkeys(tables))
     unknown = [t for t in names if t not in TABLES]
     if unknown:
         raise TraceError(f"unknown table(s) {', '.join(unknown)}; tables are: {', '.join(TABLES)}")
     out = Path(out)
-    stale = _prepare_target(out, trace.path, overwrite)
+    atomic_dir.recover(out, is_export)
+    foreign = _prepare_target(out, trace.path, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
+    tmp = atomic_dir.temp_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -202,6 +216,9 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
                     piece = trace.table_part(name, part, layers if spec.has_layer else None)
                     if piece.num_rows:
                         sink.write(piece)
+            except TraceError as exc:
+                kept = "the previous export there is kept" if is_export(out) else "nothing was written"
+                raise type(exc)(f"{exc}; export aborted, {kept}") from None
             finally:
                 sink.close(spec.arrow_schema)
             manifest["tables"][name] = {"file": file, "rows": sink.rows}
@@ -210,21 +227,33 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
         shutil.copyfile(trace.path / SESSION_FILE, tmp / SESSION_FILE)
         manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _move_into_place(tmp, out, stale)
+        _move_into_place(tmp, out, foreign)
+    except OSError as exc:  # disk full, permissions: one line saying what is still there
+        kept = "the previous export there is kept" if is_export(out) else "nothing was written"
+        raise TraceError(f"cannot write the export to {out}: {exc.strerror or exc}; {kept}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
-def _move_into_place(tmp: Path, out: Path, stale: list[Path]) -> None:
-    if not out.exists() or not any(out.iterdir()):
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-        return
-    produced = {p.name for p in tmp.iterdir()}
-    for old in stale:
-        if old.name not in produced and old.is_file():
-            old.unlink()
-    for p in tmp.iterdir():
-        os.replace(p, out / p.name)
+def is_export(path: Path) -> bool:
+    """Whether `path` is a complete export (its manifest, written last, is there)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def _move_into_place(tmp: Path, out: Path, foreign: list[Path]) -> None:
+    # the user's own files beside a previous export are linked (not moved) into the new one first, so
+    # they exist at every instant of the swap; the old export is set aside, the new one renamed in
+    for entry in foreign:
+        if entry.name in {p.name for p in tmp.iterdir()}:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, tmp / entry.name, symlinks=True)
+            continue
+        try:
+            os.link(entry, tmp / entry.name, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
+    if out.exists() and not any(out.iterdir()):
+        out.rmdir()
+    atomic_dir.replace(tmp, out)

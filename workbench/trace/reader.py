@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,14 +146,39 @@ class Trace:
 
     def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
         message = " ".join(message.splitlines())  # pyarrow's messages span lines; a problem is one
-        if self.strict:
-            raise exc_type(message)
+        if self.strict:  # nothing is skipped in a strict read: the caller stops
+            raise exc_type(message.removesuffix("; skipped"))
         if message not in self.problems:
             self.problems.append(message)
 
     @property
     def status(self) -> str:
-        return self.session.get("status", "recording")
+        """"recording", "complete" or "failed" as session.json says; "stopped (writer gone)" for a
+        recording whose writer process (same host) no longer exists."""
+        status = self.session.get("status", "recording")
+        return "stopped (writer gone)" if status == "recording" and self.writer_gone else status
+
+    @property
+    def writer_gone(self) -> bool:
+        """Whether the process that wrote this trace is known to be dead (pid + host in session.json).
+
+        A writer on another host cannot be checked from here: False (still "recording").
+        """
+        writer = self.session.get("writer")
+        if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
+            return False
+        pid = writer.get("pid")
+        if type(pid) is not int or pid <= 0:
+            return False
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, OverflowError):
+            return False
+        return False
 
     @property
     def policy(self) -> dict:

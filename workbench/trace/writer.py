@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import json
+import os
 import shutil
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +47,27 @@ _MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens"
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def check_trace_target(path: str | Path, *, overwrite: bool = False) -> None:
+    """Refuse, before any work, a path a new trace cannot be created at (TraceError, one line).
+
+    A non-empty directory is replaced only with `overwrite` and only when it holds a trace
+    (`session.json`); anything else at the path is never deleted.
+    """
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise TraceError(f"{path} exists and is not a directory")
+        if any(path.iterdir()):
+            if not overwrite:
+                raise TraceError(f"{path} is not empty; pass overwrite=True to replace the trace there")
+            if not (path / SESSION_FILE).is_file():
+                raise TraceError(f"{path} is not empty and holds no trace; refusing to delete it")
+    else:
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise TraceError(f"{path}: {parent} is not a directory")
 
 
 def check_segments(segments: Any) -> list[dict]:
@@ -132,15 +155,9 @@ class TraceWriter:
                compression_level: int = 3) -> "TraceWriter":
         """Start a new trace at `path` with status "recording"; see the class docstring for the arguments."""
         path = Path(path)
-        if path.exists():
-            if not path.is_dir():
-                raise TraceError(f"{path} exists and is not a directory")
-            if any(path.iterdir()):
-                if not overwrite:
-                    raise TraceError(f"{path} is not empty; pass overwrite=True to replace the trace there")
-                if not (path / SESSION_FILE).is_file():
-                    raise TraceError(f"{path} is not empty and holds no trace; refusing to delete it")
-                shutil.rmtree(path)
+        check_trace_target(path, overwrite=overwrite)
+        if path.exists() and any(path.iterdir()):
+            shutil.rmtree(path)  # a trace (check_trace_target saw its session.json)
         path.mkdir(parents=True, exist_ok=True)
         unknown = sorted(set(session) & set(_MANAGED))
         if unknown:
@@ -152,7 +169,9 @@ class TraceWriter:
         for key in ("model", "engine", "timings"):
             body.setdefault(key, {})
         full = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "created": _now(), "updated": _now(),
-                "status": "recording", "tokens": 0, "parts": {}, **body}
+                "status": "recording", "tokens": 0, "parts": {}, **body,
+                # who writes (a copied trace's writer is replaced): a reader on this host tells a killed one
+                "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
         writer = cls(path, full, max_buffer_rows=max_buffer_rows, max_buffer_bytes=max_buffer_bytes, fsync=fsync,
                      compression_level=compression_level)
         writer._write_session()
