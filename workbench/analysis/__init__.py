@@ -8,14 +8,20 @@ read-out of one token), so a notebook can draw the same.
 from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     rebin_counts, segment_reads, sink_eviction)
+from workbench.analysis.dsa_structure import (chance_jaccard, cross_layer_jaccard, faithfulness, jaccard, locality,
+                                              sink_over_time)
 from workbench.analysis.kda import half_decay_tokens, head_dynamics, rank_heads
+from workbench.analysis.kda_health import (decay_timescales, effective_rank, half_lives, heads_at_risk,
+                                           memory_health, write_vs_forget)
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
 
 __all__ = [
-    "TokenText", "bin_counts", "bin_mean", "carry_forward", "dense_mass_summary", "distance_summary",
-    "expert_imbalance", "expert_shares", "half_decay_tokens", "head_dynamics", "image_patch_reads",
-    "js_divergence", "layers_reading", "modality_divergence", "rank_heads", "rank_load_balance", "rebin_counts",
-    "segment_name", "segment_reads", "sink_eviction", "token_reads",
+    "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_jaccard", "cross_layer_jaccard",
+    "decay_timescales", "dense_mass_summary", "distance_summary", "effective_rank", "expert_imbalance",
+    "expert_shares", "faithfulness", "half_decay_tokens", "half_lives", "head_dynamics", "heads_at_risk",
+    "image_patch_reads", "jaccard", "js_divergence", "layers_reading", "locality", "memory_health",
+    "modality_divergence", "rank_heads", "rank_load_balance", "rebin_counts", "segment_name", "segment_reads",
+    "sink_eviction", "sink_over_time", "token_reads", "write_vs_forget",
 ]
