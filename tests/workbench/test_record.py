@@ -229,3 +229,11 @@ def test_recorded_kda_norms_equal_recurrent_reference(recorded):
             done = pos + 1
             checked += 1
     assert checked >= 12
+
+
+def test_recorded_dense_overlap_is_consistent(recorded):
+    """policy `all` records IoU / recall of the dense top-k beside each dense-mass query (opt-in measure)."""
+    _, _, trace, _, _ = recorded
+    mass = trace.df("dsa_dense_mass")
+    assert len(mass) and mass["iou"].notna().all()
+    assert ((mass["iou"] >= 0) & (mass["iou"] <= mass["recall"] + 1e-6) & (mass["recall"] <= 1 + 1e-6)).all()
