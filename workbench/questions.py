@@ -96,8 +96,12 @@ def kda_heads(trace: Trace, top: int = 3) -> Answer:
     def where(r) -> str:
         return f"L{r.layer}h{r.head} at {r.position} ({names.get(r.segment, '-')})"
 
-    sat = "; ".join(where(r) + f" eff.rank {r.min_eff_rank:.1f}" for r in risk[risk.kind == "saturates"].itertuples())
-    fgt = "; ".join(where(r) + f" half-life {r.half_life:.3g} tok" for r in risk[risk.kind == "forgets"].itertuples())
+    def extra(value: float, label: str) -> str:  # NaN: the policy did not record it
+        return f" {label} {value:.3g}" if np.isfinite(value) else ""
+
+    sat = "; ".join(where(r) + extra(r.min_eff_rank, "eff. rank") for r in risk[risk.kind == "saturates"].itertuples())
+    fgt = "; ".join(where(r) + extra(r.half_life, "half-life (tokens)") + extra(r.forget_drop, "norm drop")
+                    for r in risk[risk.kind == "forgets"].itertuples())
     return Answer(risk, f"Q4 KDA: saturate first {sat}. Forget fastest {fgt}")
 
 
