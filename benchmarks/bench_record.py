@@ -1,4 +1,6 @@
-"""Cost of recording, side by side in one run on the demo preset: off, default policy, `all`.
+"""Cost of recording, side by side in one run on the demo preset: off, default policy, `all`, and each
+opt-in measure on top of the default policy (kda-rank: effective rank every 256 tokens; kda-extras:
+max |S|, mean decay / beta, half-lives; overlap: dense top-k IoU / recall beside each dense-mass query).
 
 For each mode the same session (N-token prefill in chunks, then D greedy decode steps) runs; modes
 alternate over `--repeats` rounds and the best time of each is kept, so a noisy machine biases all
@@ -30,7 +32,7 @@ from workbench.recorders.policy import RecordPolicy
 from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes
 
 
-def run(model, ids: list[int], decode: int, chunk: int, policy: str | None, trace: Path) -> dict:
+def run(model, ids: list[int], decode: int, chunk: int, policy: "str | RecordPolicy | None", trace: Path) -> dict:
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=chunk, progress=False)
     session.append(ids=ids, name="document")
     if policy is not None:
@@ -57,11 +59,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-projection", action="store_true")
+    ap.add_argument("--skip-opt-in", action="store_true", help="only off / default / all")
     args = ap.parse_args()
     model = load_model("preset:demo")
     ids = filler_ids(args.tokens, Tokenizer.byte_level().encode)
     tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
     modes = {"off": None, "default": "default", "all": "all"}
+    if not args.skip_opt_in:
+        modes.update({"kda-rank": RecordPolicy(name="kda-rank", kda_rank_every=256),
+                      "kda-extras": RecordPolicy(name="kda-extras", kda_extras=True),
+                      "overlap": RecordPolicy(name="overlap", dense_overlap=True, dense_mass_stride=256)})
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, policy in modes.items():

@@ -121,6 +121,10 @@ DSA_DENSE_MASS = Signal("dsa.dense_mass", "how faithful sparse attention is, for
     _positions("the sampled query positions (`ProbeRequest.queries` in prefill, `decode_every` in decode)"),
     Field("mass", ("B", "n"), "float32", "share of the dense softmax attention mass inside the selected set, "
           "averaged over all heads"),
+    Field("iou", ("B", "n"), "float32", "set IoU of the selection and the top-k keys of the dense probabilities "
+          "averaged over heads (k = the query's picks)", optional=True),
+    Field("recall", ("B", "n"), "float32", "share of the dense top-k inside the selection (requested with iou)",
+          optional=True),
 ))
 KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state S", (
     _positions("positions after which the state was measured (chunk boundaries and the call's last token "
@@ -130,6 +134,12 @@ KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state 
     Field("mean_decay", ("B", "n", "heads"), "float32", "mean exp(g) per head over the interval since the "
           "previous measurement", optional=True),
     Field("mean_beta", ("B", "n", "heads"), "float32", "mean beta per head over the same interval", optional=True),
+    Field("eff_rank", ("B", "n", "heads"), "float32", "effective rank of S per head (exp of the entropy of its "
+          "normalised singular values); NaN at positions the request's `queries` sample skips", optional=True),
+    Field("half_life", ("B", "n", "heads"), "float32", "median over channels of the half-life ln 2 / -mean(g) "
+          "(tokens) over the interval", optional=True),
+    Field("global_share", ("B", "n", "heads"), "float32", "share of channels whose half-life over the interval "
+          "exceeds the context so far (position + 1)", optional=True),
 ))
 MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     _positions("token positions of this forward call"),

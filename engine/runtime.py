@@ -6,14 +6,16 @@ switch affects the next forward call. Nothing here changes the checkpoint or the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class RuntimeOptions:
     """Attributes:
-    dsa_force_dense: DSA layers read every past key (K3-style reads) instead of the indexer's
-        top-k; the indexer still runs so its selections can be compared.
+    dsa_force_dense: every DSA layer reads every past key (K3-style reads) instead of the indexer's
+        top-k; the indexer still runs so its selections can be compared (= all of dsa_dense_layers).
+    dsa_dense_layers: the layer ids that read densely (K3 on those layers, K3.1 elsewhere); their
+        indexer still runs and records what it would have read.
     mxfp8_activations: round routed-expert GEMM inputs through MXFP8 (training-time format).
     kda_chunk_size: tokens per chunk of the chunked KDA form.
     kda_recurrent_max_tokens: at or below this many new tokens KDA steps token by token.
@@ -23,8 +25,13 @@ class RuntimeOptions:
     """
 
     dsa_force_dense: bool = False
+    dsa_dense_layers: frozenset[int] = field(default_factory=frozenset)
     mxfp8_activations: bool = False
     kda_chunk_size: int = 64
     kda_recurrent_max_tokens: int = 8
     expert_cache_mib: int = 256
     kernels: str = "auto"
+
+    def reads_dense(self, layer: int) -> bool:
+        """Whether DSA layer `layer` reads every past key (forced dense) rather than its top-k."""
+        return self.dsa_force_dense or layer in self.dsa_dense_layers

@@ -45,7 +45,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders",)),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
-    ("workbench package", ("workbench", "workbench.sessions", "workbench.__main__")),
+    ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions",
+                           "workbench.__main__")),
     ("apps dashboard", ("apps.dashboard",)),
     # the top floor: the command line wires engine, workbench and dashboard together
     ("apps cli", ("apps", "apps.cli")),

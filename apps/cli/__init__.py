@@ -14,9 +14,10 @@ import sys
 from typing import Sequence
 
 from engine.errors import EngineError
-from apps.cli import dashboard_cmd, demo_cmd, export_cmd, model_cmds, plan_cmd, run_cmd
+from apps.cli import (compare_cmd, dashboard_cmd, demo_cmd, export_cmd, model_cmds, plan_cmd, questions_cmd,
+                      run_cmd)
 
-COMMAND_MODULES = [model_cmds, run_cmd, plan_cmd, demo_cmd, dashboard_cmd, export_cmd]
+COMMAND_MODULES = [model_cmds, run_cmd, plan_cmd, demo_cmd, dashboard_cmd, export_cmd, compare_cmd, questions_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

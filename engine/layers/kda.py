@@ -7,6 +7,7 @@ recurrent S); without one it starts from zeros (the full causal forward).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +16,8 @@ from engine.cache import KDAState
 from engine.config import ModelConfig
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.ops.kda import kda_chunked, kda_recurrent
-from engine.ops.kda.state_stats import interval_means, state_max_abs, state_norm
+from engine.ops.kda.state_stats import (interval_half_life, interval_means, state_effective_rank, state_max_abs,
+                                       state_norm)
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
@@ -82,17 +84,24 @@ class KimiDeltaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(a * z)  # K3: bounded in (lb, 0)
         return -a * F.softplus(z)  # Kimi-Linear
 
-    def _observer(self, g: torch.Tensor, beta: torch.Tensor):
+    def _observer(self, g: torch.Tensor, beta: torch.Tensor, start: int):
         """A state observer for the `kda.state` probe, and a function that emits what it saw.
 
-        Norms always; max |S|, mean decay and mean beta only when the listener's request names them.
+        Norms always; the optional statistics only when the listener's request names them (the
+        effective rank only at the positions its `queries` sample keeps: an SVD per head).
         """
         point = self.probe_state
-        max_abs, mean_decay, mean_beta = (point.request.wants(f) for f in ("max_abs", "mean_decay", "mean_beta"))
+        request = point.request
+        max_abs, mean_decay, mean_beta = (request.wants(f) for f in ("max_abs", "mean_decay", "mean_beta"))
+        rank, timescales = request.wants("eff_rank"), request.wants("half_life")
         seen: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        ranks: list[torch.Tensor] = []
 
         def observe(t: int, S: torch.Tensor) -> None:
             seen.append((t, state_norm(S), state_max_abs(S) if max_abs else None))  # [B, H] each
+            if rank:
+                sampled = request.queries is None or len(request.queries.rows(np.array([start + t])))
+                ranks.append(state_effective_rank(S) if sampled else S.new_full(S.shape[:2], float("nan")))
 
         def gather(x: torch.Tensor) -> torch.Tensor:  # [B, n, local heads] -> [B, n, heads]
             return comm.all_gather(x, self.parallel, -1, "probe.kda")
@@ -111,6 +120,12 @@ class KimiDeltaAttention(nn.Module):
                     data["mean_decay"] = gather(interval_means(g.exp().mean(-1), ends))  # channel mean [B, T, H]
                 if mean_beta:
                     data["mean_beta"] = gather(interval_means(beta, ends))
+            if rank:
+                data["eff_rank"] = gather(torch.stack(ranks, 1).float())
+            if timescales:
+                ends = ends_cpu.to(g.device)
+                half, share = interval_half_life(g, ends, start + ends)
+                data["half_life"], data["global_share"] = gather(half), gather(share)
             point.emit(positions=start + ends_cpu, **data)
 
         return observe, emit
@@ -143,7 +158,7 @@ class KimiDeltaAttention(nn.Module):
             g = g.masked_fill(pad.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(pad, 0.0)
         initial = None if state is None else state.recurrent
-        observe, emit = self._observer(g, beta) if self.probe_state.sink is not None else (None, None)
+        observe, emit = self._observer(g, beta, start) if self.probe_state.sink is not None else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:
             o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=self.runtime.kernels)
         else:

@@ -1,7 +1,7 @@
 """Gated MLA with the optional DSA indexer (spec section 4).
 
 K3 and K3.1 share this code: a layer with an `indexer` (K3.1) reads only the top-k keys its indexer
-selects; without one (K3, Kimi-Linear) or with `runtime.dsa_force_dense` it reads every past key.
+selects; without one (K3, Kimi-Linear) or when `runtime.reads_dense(layer)` (`dsa_force_dense`, `dsa_dense_layers`) it reads every past key.
 When every query sees at most top-k keys the two are the same function, and the cheaper dense
 path runs.
 
@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.layers.common import RMSNorm
 from engine.layers.indexer import Indexer
 from engine.ops.dsa import indexer_topk
-from engine.ops.mla.dense_mass import dense_mass
+from engine.ops.mla.dense_mass import dense_probs, mass_inside, topk_overlap
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
@@ -79,9 +79,14 @@ class GatedMLA(nn.Module):
             return
         picked = torch.from_numpy(start + rows)  # [n] positions, CPU
         at = torch.from_numpy(rows).to(q_nope.device)
-        mass = dense_mass(q_nope[:, at], q_rope[:, at], latent, k_rope, w_kb, picked, idx[:, at], self.scale)
-        mass = comm.all_reduce(mass.sum(-1), self.parallel, "probe.dense_mass") / (self.num_heads * self.parallel.world)
-        point.emit(positions=picked, mass=mass)
+        probs = dense_probs(q_nope[:, at], q_rope[:, at], latent, k_rope, w_kb, picked, self.scale)
+        heads = self.num_heads * self.parallel.world
+        mass = comm.all_reduce(mass_inside(probs, idx[:, at]).sum(-1), self.parallel, "probe.dense_mass") / heads
+        iou = recall = None
+        if point.request.wants("iou"):  # the dense top-k of the head-averaged probabilities
+            mean = comm.all_reduce(probs.sum(2), self.parallel, "probe.dense_topk") / heads
+            iou, recall = topk_overlap(mean, picked, idx[:, at])
+        point.emit(positions=picked, mass=mass, iou=iou, recall=recall)
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,7 +132,7 @@ class GatedMLA(nn.Module):
                                      scores=scores if self.probe_topk.request.wants("scores") else None)
             if self.probe_dense_mass.sink is not None:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
-        sparse = idx is not None and not self.runtime.dsa_force_dense and start + T > self.indexer.topk
+        sparse = idx is not None and not self.runtime.reads_dense(self.layer_idx) and start + T > self.indexer.topk
 
         if sparse:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())

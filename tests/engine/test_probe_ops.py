@@ -82,3 +82,33 @@ def test_router_entropy_matches_categorical() -> None:
     expected = torch.distributions.Categorical(probs=scores.double()).entropy()
     assert_close(router_entropy(scores), expected, "entropy")
     assert router_entropy(torch.full((1, 16), 0.5)).item() == pytest.approx(torch.log(torch.tensor(16.0)).item())
+
+
+def test_topk_overlap_matches_set_loop() -> None:
+    """IoU / recall of the selection against the dense top-k of the head-averaged float64 probabilities."""
+    from engine.ops.mla.dense_mass import dense_probs, topk_overlap
+
+    gen = torch.Generator().manual_seed(SEED)
+    B, H, Dk, Dr, R, k, S = 2, 3, 8, 4, 12, 6, 30
+    q_pos = [2, 11, 29]
+    n = len(q_pos)
+    q_nope, q_rope = torch.randn(B, n, H, Dk, generator=gen), torch.randn(B, n, H, Dr, generator=gen)
+    latent, k_rope = torch.randn(B, S, R, generator=gen), torch.randn(B, S, Dr, generator=gen)
+    w_kb = torch.randn(H, Dk, R, generator=gen) * 0.3
+    pos = torch.tensor(q_pos)
+    selected = torch.full((B, n, k), -1, dtype=torch.long)
+    for b in range(B):
+        for i, t in enumerate(q_pos):
+            keys = torch.randperm(t + 1, generator=gen)[: min(k - 1, t + 1)].sort().values
+            selected[b, i, : len(keys)] = keys
+    mean = dense_probs(q_nope, q_rope, latent, k_rope, w_kb, pos, 0.2).mean(2)
+    iou, recall = topk_overlap(mean, pos, selected)
+    for b in range(B):
+        for i, t in enumerate(q_pos):
+            chosen = {s for s in selected[b, i].tolist() if s >= 0}
+            probs = mean[b, i, : t + 1].double()
+            dense = set(torch.argsort(probs, descending=True)[: len(chosen)].tolist())
+            both = len(chosen & dense)
+            assert float(iou[b, i]) == pytest.approx(both / len(chosen | dense))
+            assert float(recall[b, i]) == pytest.approx(both / len(dense))
+    assert float(recall[0, 0]) == 1.0  # 3 visible keys, all selected

@@ -4,6 +4,7 @@ layer inputs captured during the same session."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -17,6 +18,8 @@ from engine import load_model
 from engine.probes import probe_points
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from workbench.analysis import effective_rank
+from workbench.recorders.policy import ALL
 
 CONTEXT, NEW_TOKENS, CHUNK = 83, 6, 24  # tiny top-k is 16: the context is ~5x it
 
@@ -44,7 +47,9 @@ def recorded(checkpoint_dir, tmp_path_factory):
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
     ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(3)).tolist()
     trace_dir = tmp_path_factory.mktemp("trace") / "t"
-    with workbench.record(session, trace=trace_dir, policy="all"):
+    # policy `all`, with the effective rank at every measured boundary (its own sampling is every 256 tokens)
+    policy = dataclasses.replace(ALL, kda_rank_every=1)
+    with workbench.record(session, trace=trace_dir, policy=policy):
         session.append(ids=ids, name="context")
         generated = [t.id for t in session.generate(NEW_TOKENS, temperature=0, stop_ids=())]
     for h in hooks:
@@ -207,14 +212,28 @@ def test_recorded_kda_norms_equal_recurrent_reference(recorded):
         beta = torch.sigmoid(x @ checkpoint_tensor(ckpt, p + "b_proj.weight").T)
         rows = norms[norms["layer"] == layer].sort_values("position")
         state, done = None, 0
-        for pos, recorded_norm in zip(rows["position"], rows["norm"]):
+        for pos, recorded_norm, rank, half, share in zip(rows["position"], rows["norm"], rows["eff_rank"],
+                                                          rows["half_life"], rows["global_share"]):
             if pos >= n:
                 continue
             sl = slice(done, pos + 1)
             _, state = naive_recurrent_kda(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
                                            initial_state=state, output_final_state=True)
-            done = pos + 1
             expected = torch.linalg.vector_norm(state[0], dim=(-2, -1))
             np.testing.assert_allclose(np.asarray(recorded_norm, np.float64), expected.numpy(), rtol=2e-3)
+            # memory health: effective rank by a float64 SVD, half-lives from the interval's mean g
+            np.testing.assert_allclose(np.asarray(rank, np.float64), effective_rank(state[0].numpy()), rtol=1e-3)
+            lives = np.sort(np.log(2.0) / -g[sl].mean(0).numpy(), axis=-1)  # [H, D]
+            np.testing.assert_allclose(np.asarray(half, np.float64), lives[:, (D - 1) // 2], rtol=1e-3)
+            np.testing.assert_allclose(np.asarray(share, np.float64), (lives > pos + 1).mean(-1), atol=1e-6)
+            done = pos + 1
             checked += 1
     assert checked >= 12
+
+
+def test_recorded_dense_overlap_is_consistent(recorded):
+    """policy `all` records IoU / recall of the dense top-k beside each dense-mass query (opt-in measure)."""
+    _, _, trace, _, _ = recorded
+    mass = trace.df("dsa_dense_mass")
+    assert len(mass) and mass["iou"].notna().all()
+    assert ((mass["iou"] >= 0) & (mass["iou"] <= mass["recall"] + 1e-6) & (mass["recall"] <= 1 + 1e-6)).all()

@@ -9,17 +9,22 @@ from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.chance import chance_of_hit, expected_hits, format_hits, format_read
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     rebin_counts, segment_reads, sink_eviction)
+from workbench.analysis.dsa_structure import (chance_jaccard, cross_layer_jaccard, faithfulness, jaccard, locality,
+                                              sink_over_time)
 from workbench.analysis.image_reads import PatchReads, format_patches, image_grid, patch_reads
 from workbench.analysis.kda import half_decay_tokens, head_dynamics, rank_heads
+from workbench.analysis.kda_health import (decay_timescales, effective_rank, half_lives, heads_at_risk,
+                                           memory_health, write_vs_forget)
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_chance, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
 
 __all__ = [
-    "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_of_hit", "expected_hits",
-    "format_hits", "format_read", "dense_mass_summary", "distance_summary", "expert_imbalance", "expert_shares",
-    "format_patches", "half_decay_tokens", "head_dynamics", "image_grid", "image_patch_reads", "js_chance",
-    "js_divergence", "layers_reading", "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance",
-    "rebin_counts",
-    "segment_name", "segment_reads", "sink_eviction", "token_reads",
+    "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_jaccard", "chance_of_hit",
+    "cross_layer_jaccard", "decay_timescales", "dense_mass_summary", "distance_summary", "effective_rank",
+    "expected_hits", "expert_imbalance", "expert_shares", "faithfulness", "format_hits", "format_patches",
+    "format_read", "half_decay_tokens", "half_lives", "head_dynamics", "heads_at_risk", "image_grid",
+    "image_patch_reads", "jaccard", "js_chance", "js_divergence", "layers_reading", "locality", "memory_health",
+    "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance", "rebin_counts", "segment_name",
+    "segment_reads", "sink_eviction", "sink_over_time", "token_reads", "write_vs_forget",
 ]

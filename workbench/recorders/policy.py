@@ -32,7 +32,12 @@ class RecordPolicy:
         query (0 = never).
     dense_mass_decode_every: ... and for every n-th decode step (0 = never).
     kda_every_tokens: KDA norms every n prefill tokens (the KDA chunk is 64; decode: every token).
-    kda_extras: also record max |S|, mean decay and mean beta.
+    kda_extras: also record max |S|, mean decay and mean beta, and the decay timescales (median
+        channel half-life, share of global channels).
+    kda_rank_every: effective rank of S (an SVD per head) at the measured boundaries every n tokens
+        ((position + 1) % n == 0; 0 = never; opt-in: it costs an SVD of K x V per head).
+    dense_overlap: with each dense-mass query also the IoU / recall of the selection against the dense
+        top-k (opt-in).
     moe_decode_routes: keep the route of every decode token.
     moe_window_every / moe_window_tokens: keep routes of a window of tokens every n prefill tokens.
     mark_positions: positions whose full lists and routes are always kept.
@@ -50,6 +55,8 @@ class RecordPolicy:
     dense_mass_decode_every: int = 16
     kda_every_tokens: int = 64
     kda_extras: bool = False
+    kda_rank_every: int = 0
+    dense_overlap: bool = False
     moe_decode_routes: bool = True
     moe_window_every: int = 16384
     moe_window_tokens: int = 64
@@ -62,7 +69,8 @@ class RecordPolicy:
         for name in ("dsa_bin_tokens", "sink_tokens", "kda_every_tokens", "moe_window_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"policy field `{name}` must be >= 1")
-        for name in ("dsa_prefill_stride", "dense_mass_stride", "dense_mass_decode_every", "moe_window_every"):
+        for name in ("dsa_prefill_stride", "dense_mass_stride", "dense_mass_decode_every", "moe_window_every",
+                     "kda_rank_every"):
             if getattr(self, name) < 0:
                 raise InputError(f"policy field `{name}` must be >= 0")
         if self.flush_seconds <= 0:
@@ -107,7 +115,8 @@ def _check_types(policy: RecordPolicy) -> None:
 
 
 ALL = RecordPolicy(name="all", dsa_prefill_stride=1, dsa_scores=True, dense_mass_stride=256,
-                   dense_mass_decode_every=1, kda_every_tokens=64, kda_extras=True, moe_window_every=1,
+                   dense_mass_decode_every=1, kda_every_tokens=64, kda_extras=True, kda_rank_every=256,
+                   dense_overlap=True, moe_window_every=1,
                    moe_window_tokens=1)
 
 

@@ -102,12 +102,15 @@ class Recorder:
 
     def _request_dsa_dense_mass(self) -> ProbeRequest:
         p = self.policy
-        return ProbeRequest(queries=Sample(stride=p.dense_mass_stride, marks=self._marks),
+        return ProbeRequest(optional=frozenset({"iou", "recall"} if p.dense_overlap else ()),
+                            queries=Sample(stride=p.dense_mass_stride, marks=self._marks),
                             decode_every=p.dense_mass_decode_every)
 
     def _request_kda_state(self) -> ProbeRequest:
-        extras = ("max_abs", "mean_decay", "mean_beta") if self.policy.kda_extras else ()
-        return ProbeRequest(optional=frozenset(extras))
+        p = self.policy
+        extras = ("max_abs", "mean_decay", "mean_beta", "half_life", "global_share") if p.kda_extras else ()
+        rank = ("eff_rank",) if p.kda_rank_every > 0 else ()
+        return ProbeRequest(optional=frozenset(extras + rank), queries=Sample(stride=p.kda_rank_every))
 
     def _request_moe_route(self) -> ProbeRequest:
         return ProbeRequest(optional=frozenset({"entropy"}))

@@ -493,10 +493,10 @@ class Trace:
     def kda_norm_matrix(self, layer: int, stat: str = "norm") -> tuple[np.ndarray, np.ndarray]:
         """KDA state statistic of one layer over positions: (positions int64 [P], values float32 [P, H]).
 
-        `stat` is norm, max_abs, mean_decay or mean_beta. Rows are sorted by position; when a position
+        `stat` is norm, max_abs, mean_decay, mean_beta, eff_rank, half_life or global_share. Rows are sorted by position; when a position
         was measured twice the later record wins.
         """
-        if stat not in ("norm", "max_abs", "mean_decay", "mean_beta"):
+        if stat not in ("norm", "max_abs", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share"):
             raise TraceError(f"unknown KDA statistic {stat!r}")
         table = self.table("kda_norms", [layer], ["position", stat])
         table = table.filter(pc.is_valid(table[stat]))

@@ -227,6 +227,9 @@ TABLES: dict[str, TableSpec] = {t.name: t for t in (
         Column("position", pa.int32(), "query position", encoding="delta", field="positions"),
         Column("mass", pa.float32(), "sum of dense attention probabilities over the selected keys", encoding="bss",
                field="mass"),
+        Column("iou", pa.float32(), "IoU of the selection and the dense top-k (policy.dense_overlap)", True, "bss",
+               "iou"),
+        Column("recall", pa.float32(), "share of the dense top-k inside the selection", True, "bss", "recall"),
     ), signal="dsa.dense_mass"),
     TableSpec("kda_norms", "per-head KDA state statistics after a position (chunk boundaries, decode tokens)", (
         *_tags(),
@@ -236,6 +239,12 @@ TABLES: dict[str, TableSpec] = {t.name: t for t in (
         Column("max_abs", _LIST_F16, "max |S| per head", True, "bss", "max_abs"),
         Column("mean_decay", _LIST_F16, "mean exp(g) per head over the interval", True, "bss", "mean_decay"),
         Column("mean_beta", _LIST_F16, "mean beta per head over the interval", True, "bss", "mean_beta"),
+        Column("eff_rank", pa.list_(pa.float32()), "effective rank of S per head (policy.kda_rank_every; NaN "
+               "where not sampled)", True, "bss", "eff_rank"),
+        Column("half_life", pa.list_(pa.float32()), "median channel half-life ln2/-mean(g) per head (tokens)", True,
+               "bss", "half_life"),
+        Column("global_share", pa.list_(pa.float32()), "share of channels whose half-life exceeds the context",
+               True, "bss", "global_share"),
     ), signal="kda.state"),
     TableSpec("moe_routes", "routing of one token on one MoE layer (decode steps, sampled windows)", (
         *_tags(),

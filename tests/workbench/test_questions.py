@@ -1,0 +1,57 @@
+"""The six questions answered from one recorded tiny-preset trace: each answer's figures equal the
+analysis functions run by hand on the same tables, and every read rate carries its chance value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import workbench
+from apps.cli import main
+from engine import load_model
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from workbench.analysis import layers_reading
+from workbench.analysis.chance import chance_of_hit
+from workbench.questions import ask_all, needle_readers
+from workbench.recorders.policy import ALL
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    model = load_model("preset:tiny", seed=3, dtype=torch.float32)
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
+    path = tmp_path_factory.mktemp("q") / "t"
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    with workbench.record(session, trace=path, policy=dataclasses.replace(ALL, kda_rank_every=64)):
+        session.append(ids=ids, name="context")
+        list(session.generate(5, temperature=0, stop_ids=()))
+    return path
+
+
+def test_all_six_answer_with_chance(trace_dir):
+    trace = workbench.open_trace(trace_dir)
+    answers = ask_all(trace)
+    assert list(answers) == ["needle", "sink", "image", "kda", "experts", "dense_mass"]
+    assert "chance" in answers["sink"].line and "chance" in answers["dense_mass"].line
+    assert "no image" in answers["image"].line
+    kda = answers["kda"].frame
+    assert set(kda["kind"]) == {"saturates", "forgets"} and np.isfinite(kda["min_eff_rank"]).any()
+    q1 = needle_readers(trace, (40, 60))
+    answer = (150, 154)
+    by_hand = layers_reading(trace.df("dsa_topk"), 40, 60, queries=answer)
+    assert q1.frame["read_share"].tolist() == by_hand["read_share"].tolist()
+    pos = np.unique(trace.df("dsa_topk")["position"])
+    pos = pos[(pos >= 150) & (pos <= 154)]
+    expected_chance = np.mean([chance_of_hit(p + 1, 20, 16) for p in pos])
+    assert q1.frame["chance"].iloc[0] == pytest.approx(expected_chance)
+
+
+def test_cli_questions_prints_six_lines(trace_dir, capsys):
+    assert main(["questions", str(trace_dir), "--needle", "40:60"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 6 and lines[0].startswith("Q1 needle [40, 60)")
+    assert main(["questions", str(trace_dir), "--needle", "60:40"]) == 2

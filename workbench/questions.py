@@ -1,0 +1,148 @@
+"""The six questions of the workbench spec (section 6), each one call on a trace: a frame and one line.
+
+    trace = workbench.open_trace("traces/demo")
+    for name, answer in ask_all(trace).items():
+        print(answer.line)
+
+`workbench questions TRACE` prints the same. Every read rate is printed beside its chance value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from workbench.analysis.chance import chance_of_hit, format_read
+from workbench.analysis.dsa import dense_mass_summary, image_patch_reads, layers_reading
+from workbench.analysis.dsa_structure import faithfulness, sink_over_time
+from workbench.analysis.kda_health import heads_at_risk, memory_health
+from workbench.analysis.moe import modality_divergence, rank_load_balance
+from workbench.trace import Trace
+
+
+@dataclass
+class Answer:
+    """frame: the table behind the answer; line: the answer in words (figures beside chance)."""
+
+    frame: pd.DataFrame
+    line: str
+
+
+def _topk(trace: Trace) -> int:
+    return int(trace.session["model"].get("dsa_topk") or 0)
+
+
+def _answer_span(trace: Trace) -> tuple[int, int] | None:
+    gen = [s for s in trace.segments().itertuples() if s.kind == "generated"]
+    return (int(gen[-1].start), int(gen[-1].end) - 1) if gen else None
+
+
+def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
+                   queries: tuple[int, int] | None = None) -> Answer:
+    """Q1: when the model answered, which DSA layers read the needle [start, end), and how far back?
+
+    Defaults: the needle of a `workbench demo` trace (session.json `demo.needle`) and the last
+    generated segment as the queries. Chance: P(random top-k picks hit the span) per query, averaged.
+    """
+    needle = needle or tuple(trace.session.get("demo", {}).get("needle", ())) or None
+    if not needle:
+        return Answer(pd.DataFrame(), "Q1 needle: no needle given (pass needle=(start, end))")
+    queries = queries or _answer_span(trace)
+    topk = trace.table("dsa_topk", columns=["layer", "position", "selected"])
+    df = layers_reading(topk, needle[0], needle[1], queries=queries)
+    pos = topk["position"].to_numpy()
+    if queries is not None:
+        pos = pos[(pos >= queries[0]) & (pos <= queries[1])]
+    chance = float(np.mean(chance_of_hit(np.unique(pos) + 1, needle[1] - needle[0], _topk(trace)))) if len(pos) else 0.0
+    df["chance"] = chance
+    parts = [f"layer {r.layer}: {format_read(r.read_share, chance)}, nearest {r.distance_min} tokens back"
+             for r in df.head(3).itertuples()]
+    return Answer(df, f"Q1 needle [{needle[0]}, {needle[1]}): " + ("; ".join(parts) or "no DSA rows"))
+
+
+def sink_readers(trace: Trace, threshold: float = 0.5) -> Answer:
+    """Q2: did any DSA layer stop reading the first tokens (attention sink) as the context grew?"""
+    sink_tokens = int(trace.policy.get("sink_tokens", 4))
+    timeline, alarms = sink_over_time(trace.df("dsa_sink"), _topk(trace), sink_tokens, threshold)
+    last = timeline.sort_values("step").groupby("layer").tail(1)
+    rates = ", ".join(f"{r.layer}: {format_read(r.rate, r.chance)}" for r in last.itertuples())
+    head = (f"ALARM layers {', '.join(map(str, alarms['layer']))} stopped at positions "
+            f"{', '.join(map(str, alarms['position']))}" if len(alarms) else "no layer stopped reading the sink")
+    return Answer(alarms if len(alarms) else last, f"Q2 sink (positions 0..{sink_tokens - 1}): {head}; final rate per "
+                  f"layer {rates}")
+
+
+def image_reads(trace: Trace) -> Answer:
+    """Q3: which image patches did the model read while describing the image? (per image: patches x reads)"""
+    images = [s for s in trace.segments().itertuples() if s.kind == "image"]
+    if not images:
+        return Answer(pd.DataFrame(), "Q3 image patches: no image in this trace")
+    tokens = trace.tokens()
+    seg = images[-1]
+    grid = tuple(trace.session["segments"][int(seg.id)].get("grid", (1, int(seg.end - seg.start))))
+    counts = image_patch_reads(trace.table("dsa_topk"), tokens, int(seg.id), grid, queries=_answer_span(trace))
+    top = np.dstack(np.unravel_index(np.argsort(counts, axis=None)[::-1][:3], counts.shape))[0]
+    return Answer(pd.DataFrame(counts), f"Q3 image {seg.name}: most-read patches (row, col) "
+                  f"{', '.join(map(str, map(tuple, top)))} of a {grid[0]}x{grid[1]} grid")
+
+
+def kda_heads(trace: Trace, top: int = 3) -> Answer:
+    """Q4: which KDA heads saturate or forget fastest, and where in the document?"""
+    risk = heads_at_risk(memory_health(trace.df("kda_norms"), trace.segments()), top=top)
+    names = dict(zip(trace.segments()["id"], trace.segments()["name"]))
+
+    def where(r) -> str:
+        return f"L{r.layer}h{r.head} at {r.position} ({names.get(r.segment, '-')})"
+
+    def extra(value: float, label: str) -> str:  # NaN: the policy did not record it
+        return f" {label} {value:.3g}" if np.isfinite(value) else ""
+
+    sat = "; ".join(where(r) + extra(r.min_eff_rank, "eff. rank") for r in risk[risk.kind == "saturates"].itertuples())
+    fgt = "; ".join(where(r) + extra(r.half_life, "half-life (tokens)") + extra(r.forget_drop, "norm drop")
+                    for r in risk[risk.kind == "forgets"].itertuples())
+    return Answer(risk, f"Q4 KDA: saturate first {sat}. Forget fastest {fgt}")
+
+
+def expert_routing(trace: Trace) -> Answer:
+    """Q5: are image tokens routed to different experts than text? Is an expert-parallel rank overloaded?"""
+    div = modality_divergence(trace.df("moe_counts"))
+    load = rank_load_balance(trace.df("moe_rank_load"))
+    js = div["js_divergence"].dropna()
+    modal = f"JS(text, image) max {js.max():.2f} bits" if len(js) else "no image tokens routed (text only)"
+    worst = load.sort_values("imbalance", ascending=False).head(1)
+    ranks = (f"busiest rank {float(worst['imbalance'].iloc[0]):.2f}x the mean (layer {int(worst['layer'].iloc[0])}, "
+             f"{int(worst['ranks'].iloc[0])} ranks)" if len(worst) else "no rank load")
+    return Answer(load, f"Q5 experts: {modal}; {ranks}")
+
+
+def dense_mass_kept(trace: Trace) -> Answer:
+    """Q6: how much of dense attention's mass does top-k keep on this document? (+ dense top-k recall)"""
+    mass = trace.df("dsa_dense_mass")
+    if len(mass) == 0:
+        return Answer(pd.DataFrame(), "Q6 dense mass: no dense-mass queries recorded (policy dense_mass_stride)")
+    summary = dense_mass_summary(mass)
+    line = ", ".join(f"layer {r.layer}: {r.mean * 100:.0f}% (p5 {r.p5 * 100:.0f}%, {r.queries} queries)"
+                     for r in summary.itertuples())
+    if "iou" in mass and mass["iou"].notna().any():
+        faith = faithfulness(mass, _topk(trace))
+        summary = summary.merge(faith[["layer", "iou", "recall", "chance_recall"]], on="layer", how="left")
+        line += "; dense top-k recall " + ", ".join(f"{r.layer}: {format_read(r.recall, r.chance_recall)}"
+                                                  for r in faith.itertuples())
+    return Answer(summary, f"Q6 top-{_topk(trace)} keeps of dense mass: {line}")
+
+
+QUESTIONS = {"needle": needle_readers, "sink": sink_readers, "image": image_reads, "kda": kda_heads,
+             "experts": expert_routing, "dense_mass": dense_mass_kept}
+
+
+def ask_all(trace: Trace) -> dict[str, Answer]:
+    """All six answers (defaults for each); a question the trace cannot answer says why in its line."""
+    out = {}
+    for name, fn in QUESTIONS.items():
+        try:
+            out[name] = fn(trace)
+        except (KeyError, ValueError) as exc:  # a table the policy did not record
+            out[name] = Answer(pd.DataFrame(), f"{name}: not answerable from this trace ({exc})")
+    return out
