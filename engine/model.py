@@ -104,9 +104,11 @@ class KimiModel(nn.Module):
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
-                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> final normed hidden [B, T, hidden]."""
-        start = 0 if state is None else state.length
+                layer_outputs: list[torch.Tensor] | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden [B, T, hidden]. `start`: the first position as a device
+        tensor (the decode step, `engine.decode_step`); default `state.length`."""
+        if start is None:
+            start = 0 if state is None else state.length
         key_start = None if state is None else state.key_start
         prefix = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
