@@ -64,7 +64,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "static", "compiled"],
                     help="eager forward, the static-shape step run eagerly, the compiled step")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 spinning threads on a shared 2-core "
+                    "machine slow torch down many times)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     model = load_model(args.model)
     setting = {"eager": False, "static": "static", "compiled": True}
     rows = []
