@@ -47,8 +47,9 @@ def decode_ms(model, context: int, tokens: int, mode) -> tuple[float, float]:
     model.runtime.compile = mode
     s = session_at(model, context)
     t0 = time.perf_counter()
-    next(s.generate(2, temperature=0, stop_ids=()))  # warm-up step (compiles at this capacity)
-    list(s.generate(1, temperature=0, stop_ids=()))
+    # n tokens = n - 1 decode forwards (the first comes from the previous logits): two warm-up steps,
+    # the first of which compiles at this capacity
+    list(s.generate(3, temperature=0, stop_ids=()))
     warm = time.perf_counter() - t0
     steps0, seconds0 = s.deployment.decode_steps, s.deployment.decode_seconds
     for _ in s.generate(tokens, temperature=0, stop_ids=()):
