@@ -11,7 +11,10 @@ cached tokens). Per layer it prints:
 - host us: ops x the per-op host cost measured on the demo preset's layers of the same kind
   (same code path, negligible compute: there the step's time is host time);
 Times are CPU seconds of this single-threaded process (a shared machine inflates wall time).
-- compiled: left empty until the compiled decode step exists (issue 12).
+- compiled us: the same layer's static-shape step (`engine.decode_step`'s form: device-tensor
+  position, cache read whole at its capacity) under `torch.compile(fullgraph=True)`, CPU us per
+  token; its compile time is printed too. Inductor's kernels do not pass the dispatcher, so no op
+  count is printed for it. `--no-compiled` skips it.
 
 The projection to 93 layers (69 KDA + 24 DSA; layer 0's dense MLP counted as a KDA layer) is
 printed beside the weight-streaming bound: bytes read per token (104 B active parameters: routed
@@ -119,8 +122,35 @@ def time_layer(layer: DecoderLayer, state, start: int, hidden: int, dtype: torch
     return sum(counter.counts.values()), 1e6 * statistics.median(walls), counter.counts
 
 
-def demo_costs(steps: int, context: int) -> dict[str, tuple[int, float]]:
-    """Per layer kind: (ops, host us) on the demo preset, whose compute is negligible."""
+def _static_layer_step(layer, x, blocks, state, start):
+    return layer(x, blocks, state, start)
+
+
+def time_compiled(layer: DecoderLayer, state, start: int, hidden: int, dtype: torch.dtype, steps: int
+                  ) -> tuple[float, float]:
+    """(median CPU us per token, compile seconds) of the layer's compiled static-shape step."""
+    from engine.decode_step import static_capacity
+
+    if isinstance(state, MLACache):
+        state.reserve(static_capacity(start + steps + 4, 2048))
+    g = torch.Generator().manual_seed(1)
+    blocks = [torch.randn(1, 1, hidden, generator=g).to(dtype)]
+    x = torch.randn(1, 1, hidden, generator=g).to(dtype)
+    fn = torch.compile(_static_layer_step, fullgraph=True, dynamic=False)
+    times = []
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        fn(layer, x, list(blocks), state, torch.tensor(start))
+        compile_s = time.perf_counter() - t0
+        for i in range(steps):
+            t0 = time.process_time()
+            fn(layer, x, list(blocks), state, torch.tensor(start + 1 + i))
+            times.append(time.process_time() - t0)
+    return 1e6 * statistics.median(times), compile_s
+
+
+def demo_costs(steps: int, context: int, compiled: bool = False) -> dict[str, tuple]:
+    """Per layer kind: (ops, host us[, compiled us, compile s]) on the demo preset, whose compute is negligible."""
     model = load_model("preset:demo")
     c = model.config
     kda = next(i for i in c.kda_layers if c.is_moe_layer(i))
@@ -131,6 +161,9 @@ def demo_costs(steps: int, context: int) -> dict[str, tuple[int, float]]:
         ops, wall, _ = time_layer(layer, layer_state(c, idx, context, torch.float32), context, c.hidden_size,
                                   torch.float32, steps)
         out[kind] = (ops, wall)
+        if compiled:
+            out[kind] += time_compiled(layer, layer_state(c, idx, context, torch.float32), context, c.hidden_size,
+                                       torch.float32, steps)
     return out
 
 
@@ -154,14 +187,17 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--demo-only", action="store_true", help="skip the true-width slice")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled column")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    demo = demo_costs(args.steps * 4, min(args.context, 1024))
-    print(f"demo preset, per decode token and layer ({args.threads} thread(s), eager):")
-    for kind, (ops, wall) in demo.items():
-        print(f"  {kind}: {ops} ops, {wall:.0f} us host, {wall / ops:.1f} us per op")
+    compiled = not args.no_compiled
+    demo = demo_costs(args.steps * 4, min(args.context, 1024), compiled)
+    print(f"demo preset, per decode token and layer ({args.threads} thread(s)):")
+    for kind, (ops, wall, *comp) in demo.items():
+        print(f"  {kind}: eager {ops} ops, {wall:.0f} us host, {wall / ops:.1f} us per op"
+              + (f"; compiled {comp[0]:.0f} us (compile {comp[1]:.0f} s)" if comp else ""))
     if args.demo_only:
         return
 
@@ -171,14 +207,15 @@ def main() -> None:
         layer = build_layer(config, idx, dtype, seed=idx)
         state = layer_state(config, idx, args.context, dtype)
         ops, wall, hist = time_layer(layer, state, args.context, config.hidden_size, dtype, args.steps)
-        rows[kind] = (ops, wall, ops * demo[kind][1] / demo[kind][0], hist)
+        comp = time_compiled(layer, state, args.context, config.hidden_size, dtype, args.steps) if compiled else None
+        rows[kind] = (ops, wall, ops * demo[kind][1] / demo[kind][0], hist, comp)
         del layer, state
     print(f"\nK3.1 Pro widths (hidden {config.hidden_size}, {config.num_experts} experts top-"
           f"{config.num_experts_per_token}, {args.dtype}, DSA context {args.context}), per decode token:")
     print(f"{'layer':<6} {'ops':>6} {'CPU us':>14} {'host us':>9} {'compiled':>9}  top ops")
-    for kind, (ops, wall, host, hist) in rows.items():
+    for kind, (ops, wall, host, hist, comp) in rows.items():
         top = ", ".join(f"{n.split('.')[-1]} {c}" for n, c in hist.most_common(6))
-        print(f"{kind:<6} {ops:>6} {wall:>14.0f} {host:>9.0f} {'-':>9}  {top}")
+        print(f"{kind:<6} {ops:>6} {wall:>14.0f} {host:>9.0f} {comp[0] if comp else float('nan'):>9.0f}  {top}")
 
     n_kda, n_dsa = len(get_preset("k3.1-pro").kda_layers), len(get_preset("k3.1-pro").mla_layers)
     host_ms = (n_kda * rows["KDA"][2] + n_dsa * rows["DSA"][2]) / 1000
@@ -186,6 +223,11 @@ def main() -> None:
     per_token, note = streaming_bound()
     print(f"\nprojection to 93 layers ({n_kda} KDA + {n_dsa} DSA): {ops_total} ops, host {host_ms:.1f} ms per token "
           f"-> at most {1000 / host_ms:.0f} tokens/s from host overhead alone (eager)")
+    if compiled:
+        comp_ms = (n_kda * demo["KDA"][2] + n_dsa * demo["DSA"][2]) / 1000
+        print(f"compiled, from the demo layers' compiled step time (host + negligible compute): "
+              f"{comp_ms:.1f} ms per token -> at most {1000 / comp_ms:.0f} tokens/s (CPU inductor; a CUDA "
+              f"graph replays the whole step in one launch)")
     print(f"weight-streaming bound: {note}")
     for name, tbps in HBM_TBPS.items():
         ms = per_token / (GPUS * tbps * 1e12) * 1000

@@ -8,7 +8,12 @@ three alike. Prints tokens/s, the overhead against recording off, and trace byte
 the projected size of a default-policy trace per 1M tokens at full K3.1 Pro dimensions (written
 with the trace store's synthetic generator at every 24th layer and scaled to all layers).
 
-    python benchmarks/bench_record.py --tokens 16384 --decode 32
+    python benchmarks/bench_record.py --tokens 16384 --decode 32 [--compile off|static|on]
+
+The decode overhead is printed on its own (decode tok/s against recording off), beside the
+whole-run overhead that prefill dominates. `--compile` sets `runtime.compile` for every mode; with
+a listener attached the session decodes with the eager forward, so with `on` the recorded modes
+pay the compiled step's whole speed-up as overhead.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-projection", action="store_true")
     ap.add_argument("--skip-opt-in", action="store_true", help="only off / default / all")
+    ap.add_argument("--compile", choices=["off", "static", "on"], default="off")
     args = ap.parse_args()
     model = load_model("preset:demo")
+    model.runtime.compile = {"off": False, "static": "static", "on": True}[args.compile]
     ids = filler_ids(args.tokens, Tokenizer.byte_level().encode)
     tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
     modes = {"off": None, "default": "default", "all": "all"}
@@ -77,12 +84,17 @@ def main() -> None:
                 best[name] = r
     off = best["off"]
     print(f"demo preset, {args.tokens}-token prefill (chunks of {args.chunk}) + {args.decode} decode steps, "
-          f"best of {args.repeats}, torch threads {torch.get_num_threads()}")
-    print(f"{'mode':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'overhead':>9} {'trace bytes/token':>18}")
+          f"best of {args.repeats}, torch threads {torch.get_num_threads()}, compile {args.compile}")
+    print(f"{'mode':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode overhead':>16} {'overhead':>9} "
+          f"{'trace bytes/token':>18}")
+
+    def decode_rate(r: dict) -> float:
+        return r["decode_steps"] / max(r["decode_s"], 1e-9)
+
     for name, r in best.items():
         overhead = r["total_s"] / off["total_s"] - 1
-        print(f"{name:>8} {args.tokens / r['prefill_s']:>14.1f} {r['decode_steps'] / max(r['decode_s'], 1e-9):>13.1f} "
-              f"{overhead:>+8.1%} {r['bytes'] / r['tokens']:>18.1f}")
+        print(f"{name:>8} {args.tokens / r['prefill_s']:>14.1f} {decode_rate(r):>13.1f} "
+              f"{decode_rate(off) / decode_rate(r) - 1:>+15.1%} {overhead:>+8.1%} {r['bytes'] / r['tokens']:>18.1f}")
     per_token = best["default"]["bytes"] / best["default"]["tokens"]
     print(f"default-policy trace of a 128K-token demo session: {per_token * 131072 / 1e6:.1f} MB (goal < 200 MB)")
     if not args.skip_projection:

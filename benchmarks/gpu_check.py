@@ -1,5 +1,9 @@
 """GPU check: every Triton kernel against its pure-torch reference at real K3.1 Pro shapes, timed side
-by side, plus a demo-preset session with kernels on and off. Exits 1 on any mismatch.
+by side, plus a demo-preset session with kernels on and off, and the compiled decode step
+(`engine.decode_step`, CUDA graph): demo-preset greedy decode compiled vs eager (same tokens), and
+one KDA and one DSA layer at true K3.1 Pro widths (16 experts) in ms per token against the memory
+roofline (the layer's weight and cache bytes over the copy bandwidth measured in the same run).
+Exits 1 on any mismatch. `--skip-compiled` leaves the compiled part out.
 
     bash benchmarks/gpu_check.sh            # on a machine with a CUDA GPU (writes $OUT/gpu_check.json)
 """
@@ -36,6 +40,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--keys", type=int, default=65536, help="indexer keys (context) for the DSA check")
+    ap.add_argument("--skip-compiled", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_check.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -104,6 +109,9 @@ def main() -> int:
     rows.append({"op": "demo forward T=4096 (kernels vs reference)", "rel_error": err, "triton_ms": t_on * 1e3,
                  "torch_ms": t_off * 1e3})
 
+    if not args.skip_compiled:
+        ok &= compiled_decode_rows(model, rows, dev)
+
     for r in rows:
         speed = r["torch_ms"] / r["triton_ms"] if r["triton_ms"] else float("nan")
         print(f"{r['op']:<48} triton {r['triton_ms']:9.3f} ms   torch {r['torch_ms']:9.3f} ms   {speed:6.2f}x   "
@@ -112,6 +120,77 @@ def main() -> int:
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "ok": ok, "rows": rows}, indent=1))
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def compiled_decode_rows(model, rows: list, dev: torch.device) -> bool:
+    """Compiled decode step vs eager: the demo session, then true-width layers against the roofline
+    ("triton_ms" holds the compiled figure, "torch_ms" the eager one)."""
+    from engine.session import Session
+
+    ok = True
+    model.runtime.kernels = "auto"
+    tokens = {}
+    ms = {}
+    for mode in (False, True):
+        model.runtime.compile = mode
+        s = Session(model)
+        s.append(ids=list(range(1, 1025)))
+        tokens[mode] = [t.id for t in s.generate(8, temperature=0, stop_ids=())]  # includes the compile
+        n0, t0 = s.deployment.decode_steps, s.deployment.decode_seconds
+        list(s.generate(32, temperature=0, stop_ids=()))
+        ms[mode] = 1e3 * (s.deployment.decode_seconds - t0) / max(1, s.deployment.decode_steps - n0)
+    same = tokens[False] == tokens[True]
+    ok &= same
+    rows.append({"op": "demo decode at 1K, ms/token (compiled vs eager)", "same_tokens": same,
+                 "triton_ms": ms[True], "torch_ms": ms[False]})
+
+    # memory roofline of this GPU: a 2 GiB device copy
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    _, t_copy = timed(lambda: dst.copy_(src), repeat=5)
+    bandwidth = 2 * src.numel() * src.element_size() / t_copy
+    del src, dst
+    rows.append({"op": "device copy 2 GiB (memory roofline)", "GB_per_s": round(bandwidth / 1e9, 1),
+                 "triton_ms": t_copy * 1e3, "torch_ms": t_copy * 1e3})
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_layer_overhead import build_layer, layer_state, slice_config
+    from engine.cache import MLACache
+    from engine.decode_step import static_capacity
+
+    config = slice_config(16)
+    context = 4096
+    for kind, idx in (("KDA", 1), ("DSA", 2)):
+        layer = build_layer(config, idx, torch.bfloat16, seed=idx).to(dev)
+        state = layer_state(config, idx, context, torch.bfloat16)
+        if isinstance(state, MLACache):
+            state.reserve(static_capacity(context + 64, 2048))
+            state = MLACache(*(t.to(dev) if t is not None else None
+                               for t in (state.latent, state.k_rope, state.index_keys)))
+            for t in (state.latent, state.k_rope, state.index_keys):
+                torch._dynamo.mark_static_address(t)
+            state_bytes = sum(t.numel() * t.element_size() for t in (state.latent, state.k_rope, state.index_keys))
+        else:
+            state.recurrent, state.conv = state.recurrent.to(dev), state.conv.to(dev)
+            state_bytes = 2 * (state.recurrent.numel() + state.conv.numel()) * 4  # read + written
+        weight_bytes = sum(t.numel() * t.element_size() for t in list(layer.parameters()) + list(layer.buffers()))
+        x = torch.randn(1, 1, config.hidden_size, device=dev, dtype=torch.bfloat16)
+        blocks = [torch.randn_like(x)]
+        pos = torch.tensor(context, device=dev)
+        fn = torch.compile(lambda layer, x, blocks, state, pos: layer(x, blocks, state, pos), fullgraph=True,
+                           dynamic=False, mode="reduce-overhead")
+        with torch.inference_mode():
+            for _ in range(3):
+                fn(layer, x, list(blocks), state, pos)  # compile, record, replay
+            _, t_c = timed(lambda: fn(layer, x, list(blocks), state, pos))
+            _, t_e = timed(lambda: layer(x, list(blocks), state, context))
+        roofline = (weight_bytes + state_bytes) / bandwidth
+        rows.append({"op": f"{kind} layer decode at K3.1 widths, ms/token", "roofline_ms": round(roofline * 1e3, 3),
+                     "compiled_over_roofline": round(t_c / roofline, 2), "triton_ms": t_c * 1e3,
+                     "torch_ms": t_e * 1e3})
+        del layer, state
+        torch.cuda.empty_cache()
+    return ok
 
 
 if __name__ == "__main__":

@@ -137,6 +137,16 @@ class MLACache:
         if self.index_keys is not None:
             self.index_keys = grow(self.index_keys)
 
+    def write_at(self, positions: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                 index_keys: torch.Tensor | None) -> None:
+        """Store rows at `positions` ([T] device tensor) in place, never growing (the decode step:
+        the caller reserved the capacity beforehand, so shapes stay static)."""
+        self.latent.index_copy_(1, positions, latent.to(self.latent.dtype))
+        self.k_rope.index_copy_(1, positions, k_rope.to(self.k_rope.dtype))
+        if index_keys is not None:
+            assert self.index_keys is not None
+            self.index_keys.index_copy_(1, positions, index_keys.to(self.index_keys.dtype))
+
     def write(self, start: int, latent: torch.Tensor, k_rope: torch.Tensor,
               index_keys: torch.Tensor | None) -> None:
         """Store rows [start, start + T) (T = latent.shape[1])."""

@@ -107,9 +107,12 @@ class KimiModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
                 layer_outputs: list[torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] (or `inputs_embeds` [B, T, hidden]) -> final normed hidden [B, T, hidden]."""
-        start = 0 if state is None else state.length
+                inputs_embeds: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (or `inputs_embeds` [B, T, hidden]) -> final normed hidden [B, T, hidden].
+        `start`: the first position as a device tensor (the decode step, `engine.decode_step`); default
+        `state.length`."""
+        if start is None:
+            start = 0 if state is None else state.length
         key_start = None if state is None else state.key_start
         prefix = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         blocks: list[torch.Tensor] = []

@@ -22,6 +22,9 @@ class RuntimeOptions:
     expert_cache_mib: budget for dequantized MXFP4 experts kept between calls (the packed copy is
         always kept; hot experts skip dequantization on the next token). 0 = dequantize at every use.
     kernels: "auto" runs the Triton kernels on CUDA tensors; "reference" forces the pure-torch ops.
+    compile: the session's single-token decode step runs `torch.compile`d (`engine.decode_step`;
+        a CUDA graph on CUDA): True, False, "auto" (on for CUDA, off for CPU, where compiling
+        takes minutes), or "static" (the same static-shape step, run eagerly: for tests).
     """
 
     dsa_force_dense: bool = False
@@ -31,6 +34,7 @@ class RuntimeOptions:
     kda_recurrent_max_tokens: int = 8
     expert_cache_mib: int = 256
     kernels: str = "auto"
+    compile: bool | str = "auto"
 
     def reads_dense(self, layer: int) -> bool:
         """Whether DSA layer `layer` reads every past key (forced dense) rather than its top-k."""

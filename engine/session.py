@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from engine.cache import KDAState, ModelState
+from engine.decode_step import DecodeStep
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
@@ -238,10 +239,16 @@ class Session:
         self.model.probe_context.begin(step=self.step, phase=phase)
         try:
             with torch.inference_mode():
-                x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 image_embeds, image_mask = self._image_inputs(self.state.length, len(ids))
-                logits = self.model(x, self.state, last_only=not all_logits, image_embeds=image_embeds,
-                                    image_mask=image_mask)[0].float()
+                step = (DecodeStep.of(self.model) if phase == "decode" and len(ids) == 1 and image_embeds is None
+                        else None)
+                mode = "off" if step is None else step.mode(self.device)
+                if step is not None and mode != "off":
+                    logits = step(ids, self.state, self.device, compiled=mode == "compiled")[0].float()
+                else:
+                    x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                    logits = self.model(x, self.state, last_only=not all_logits, image_embeds=image_embeds,
+                                        image_mask=image_mask)[0].float()
         except BaseException:
             for s, (rec, conv) in zip(kda, saved):
                 s.recurrent, s.conv = rec, conv

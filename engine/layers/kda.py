@@ -130,7 +130,7 @@ class KimiDeltaAttention(nn.Module):
 
         return observe, emit
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int = 0,
+    def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int | torch.Tensor = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] (normed) at slots [start, start + T) -> [B, T, hidden]; updates `state`
         in place when given. Slots before `key_start[b]` are left padding: their conv inputs are
@@ -140,7 +140,8 @@ class KimiDeltaAttention(nn.Module):
         tails = (None, None, None) if state is None else state.conv.chunk(3, dim=1)
         pad = None
         if key_start is not None:
-            pad = (torch.arange(start, start + T, device=x.device) < key_start.view(-1, 1)).unsqueeze(-1)  # [B, T, 1]
+            slots = start + torch.arange(T, device=x.device)  # start may be a device tensor (decode step)
+            pad = (slots < key_start.view(-1, 1)).unsqueeze(-1)  # [B, T, 1]
 
         def inputs(proj: nn.Linear) -> torch.Tensor:
             y = proj(x)
@@ -160,7 +161,9 @@ class KimiDeltaAttention(nn.Module):
         initial = None if state is None else state.recurrent
         observe, emit = self._observer(g, beta, start) if self.probe_state.sink is not None else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:
-            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=self.runtime.kernels)
+            # the compiled decode step (device-tensor start) leaves fusion to the compiler
+            impl = "reference" if isinstance(start, torch.Tensor) else self.runtime.kernels
+            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=impl)
         else:
             o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size,
                                    observe=observe)

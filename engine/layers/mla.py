@@ -19,7 +19,9 @@ from engine.config import ModelConfig
 from engine.layers.common import RMSNorm
 from engine.layers.indexer import Indexer
 from engine.ops.dsa import indexer_topk
+from engine.ops.dsa.masked import masked_indexer_topk
 from engine.ops.mla.dense_mass import dense_probs, mass_inside, topk_overlap
+from engine.ops.mla.masked import masked_attention_latent
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
@@ -88,7 +90,36 @@ class GatedMLA(nn.Module):
             iou, recall = topk_overlap(mean, picked, idx[:, at])
         point.emit(positions=picked, mass=mass, iou=iou, recall=recall)
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0,
+    def _static_step(self, x: torch.Tensor, cache: MLACache | None, start: torch.Tensor,
+                     key_start: torch.Tensor | None, q_resid: torch.Tensor | None, q_nope: torch.Tensor,
+                     q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                     index_keys: torch.Tensor | None) -> torch.Tensor:
+        """The decode step's form (`engine.decode_step`): `start` is a device tensor, the cache is read
+        whole at its capacity with invisible slots masked, so shapes never change and no device
+        value reaches the host. Probes are not emitted here (the session runs the eager form when
+        a listener is attached)."""
+        if cache is None:
+            raise ValueError("the static decode step needs a cache")
+        T = x.shape[1]
+        positions = start.view(1) + torch.arange(T, device=x.device)
+        cache.write_at(positions, latent, k_rope, index_keys)
+        w_kb, w_vb = self._kv_b()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
+        if self.indexer is not None and not self.runtime.reads_dense(self.layer_idx):
+            assert cache.index_keys is not None and q_resid is not None
+            iq, iw = self.indexer.queries(q_resid, x)
+            # with fewer visible keys than top-k the selection holds all of them: equal to dense
+            idx, _ = masked_indexer_topk(iq, iw, cache.index_keys, positions, self.indexer.topk, key_start=key_start)
+            o_lat = sparse_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, idx, self.scale)
+        else:
+            o_lat = masked_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, positions, self.scale,
+                                            key_start=key_start)
+        attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float()).to(x.dtype)
+        if self.use_output_gate:
+            attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))
+        return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int | torch.Tensor = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] (normed) at positions [start, start + T) -> [B, T, hidden].
 
@@ -107,6 +138,8 @@ class GatedMLA(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, T, R]
         index_keys = self.indexer.keys(x) if self.indexer is not None else None
+        if isinstance(start, torch.Tensor):
+            return self._static_step(x, cache, start, key_start, q_resid, q_nope, q_rope, latent, k_rope, index_keys)
         if cache is not None:
             cache.write(start, latent, k_rope, index_keys)
             end = start + T

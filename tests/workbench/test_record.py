@@ -4,6 +4,8 @@ layer inputs captured during the same session."""
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import json
 from collections import defaultdict
@@ -237,3 +239,37 @@ def test_recorded_dense_overlap_is_consistent(recorded):
     mass = trace.df("dsa_dense_mass")
     assert len(mass) and mass["iou"].notna().all()
     assert ((mass["iou"] >= 0) & (mass["iou"] <= mass["recall"] + 1e-6) & (mass["recall"] <= 1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("compile_mode", ["static", pytest.param(True, marks=[pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("K3WB_COMPILE_TESTS") != "1", reason="an inductor compile takes minutes on a 2-core CPU: set K3WB_COMPILE_TESTS=1")])],
+                         ids=["static-step", "compiled"])
+def test_recording_with_compiled_decode(recorded, tmp_path, compile_mode):
+    """With `runtime.compile` on, an unrecorded session decodes through the static/compiled step and a
+    recorded one (listeners attached) through the eager forward: same tokens, same selections, and
+    the trace equals one recorded with compilation off."""
+    model, _, off_trace, _, n = recorded
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def run(trace=None):
+        s = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
+        s.append(ids=ids, name="context")
+        if trace is None:
+            return [t.id for t in s.generate(NEW_TOKENS, temperature=0, stop_ids=())]
+        with workbench.record(s, trace=trace, policy="all"):
+            return [t.id for t in s.generate(NEW_TOKENS, temperature=0, stop_ids=())]
+
+    model.runtime.compile = compile_mode
+    try:
+        plain = run()
+        recorded_tokens = run(tmp_path / "t")
+    finally:
+        model.runtime.compile = "auto"
+    assert plain == recorded_tokens
+    on_trace = workbench.open_trace(tmp_path / "t")
+    for table in ("dsa_topk", "moe_routes"):
+        a = on_trace.df(table).sort_values(["layer", "position"]).reset_index(drop=True)
+        b = off_trace.df(table).sort_values(["layer", "position"]).reset_index(drop=True)
+        assert len(a) == len(b) > 0
+        col = "selected" if table == "dsa_topk" else "experts"
+        assert all(np.array_equal(x, y) for x, y in zip(a[col], b[col])), table

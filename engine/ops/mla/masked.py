@@ -1,0 +1,43 @@
+"""Dense latent MLA attention for the decode step: one masked pass over a static-size cache.
+
+`reference.dense_attention_latent` skips key blocks past the last query by reading the query
+positions on the host; the decode step keeps its caches at a fixed capacity and must not read
+device values, so here every slot is scored and the invisible ones (later positions, unwritten
+slots, left padding) are masked. Same function, static shapes (for K3, Kimi-Linear and
+`runtime.dsa_force_dense`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_attention_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                            q_pos: torch.Tensor, scale: float, *,
+                            key_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention in latent space over the whole cache buffer.
+
+    Args:
+        q_lat (torch.Tensor): `[B, Tq, H, R]` queries with W_kb absorbed.
+        q_rope (torch.Tensor): `[B, Tq, H, Dr]`.
+        c (torch.Tensor): `[B, cap, R]` latents; slot s holds position s.
+        k_r (torch.Tensor): `[B, cap, Dr]` shared key part.
+        q_pos (torch.Tensor): `[Tq]` query positions (device tensor).
+        key_start (torch.Tensor, Optional): `[B]` first visible key of each row.
+
+    Returns:
+        o_lat `[B, Tq, H, R]` fp32 (a query with no visible key gets zeros).
+    """
+    B, Tq, H, R = q_lat.shape
+    cap = c.shape[1]
+    q_all = torch.cat((q_lat.float(), q_rope.float()), dim=-1).flatten(1, 2) * scale  # [B, Tq * H, R + Dr]
+    keys = torch.cat((c.float(), k_r.float()), dim=-1)  # [B, cap, R + Dr]
+    key_pos = torch.arange(cap, device=c.device)
+    hidden = key_pos > q_pos.repeat_interleave(H).view(1, -1, 1)  # [1, Tq * H, cap]
+    if key_start is not None:
+        hidden = hidden | (key_pos < key_start.view(-1, 1, 1))
+    s = (q_all @ keys.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = (s - m.masked_fill(torch.isinf(m), 0.0)).exp()
+    out = (p @ keys[..., :R]) / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    return out.unflatten(1, (Tq, H))
