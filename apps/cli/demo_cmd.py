@@ -223,6 +223,22 @@ def _report(found: dict) -> None:
     print("\n".join(report_lines(found)), flush=True)
 
 
+def _check_port_free(port: int) -> None:
+    """One line instead of an OSError traceback when the dashboard's port is taken."""
+    import errno
+    import socket
+
+    if not 0 < port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InputError(f"port {port} is already in use; choose another with --port") from None
+            raise InputError(f"cannot serve on port {port}: {exc.strerror or exc}") from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.tokens < MIN_TOKENS:
         raise InputError(f"--tokens must be at least {MIN_TOKENS}")
@@ -231,6 +247,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if not args.headless:
+        _check_port_free(args.port)  # before the session, so a busy port costs no recording
     trace = args.trace
     if trace.exists():
         if not (trace / "session.json").is_file():
@@ -252,7 +270,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     trace.parent.mkdir(parents=True, exist_ok=True)
     config = DashboardConfig(trace=trace, root=trace.parent, port=args.port, model=str(checkpoint))
-    server = serve(config, threaded=True)
+    try:
+        server = serve(config, threaded=True)
+    except OSError as exc:
+        raise InputError(f"cannot serve the dashboard on port {args.port}: {exc.strerror or exc}; "
+                         "choose another with --port") from None
     link = url(config)
     print(f"K3 Workbench dashboard: {link}  (Ctrl-C to stop)", flush=True)
     if not args.no_browser:
