@@ -33,6 +33,7 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     if path.name.startswith("07") and not trained:
         pytest.skip("notebook 07 studies the trained model: builtin:demo is not installed")
     monkeypatch.setenv("K3WB_NOTEBOOK_MODEL", "builtin:demo" if trained else "preset:tiny")
+    monkeypatch.setenv("K3WB_NOTEBOOK_IMAGE_MODEL", "preset:tiny")  # image notebooks need a tower
     monkeypatch.setenv("K3WB_NOTEBOOK_TRACES", str(tmp_path / "traces"))
     # the kernel inherits this: one thread (on a busy 2-core machine two OpenMP threads can make the tiny
     # preset 100x slower, and it is too small to gain from two)
