@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from measure import peak_kb, reset_peak, status_kb
+from measure import peak_kb, print_memory_growth, reset_peak, status_kb
 
 
 def worker(model_path: str, tokens: int, threads: int) -> dict:
@@ -78,13 +78,7 @@ def main() -> None:
         print(f"{r['tokens']:>7} {r['rss_before_kb'] / 1024:>14.0f} {r['peak_kb'] / 1024:>9.0f} {extra / 1024:>12.0f} "
               f"{extra / r['tokens']:>9.1f} {grow:>7} {t_grow:>9} {r['seconds']:>10.1f}")
         prev = (r["tokens"], extra)
-    if len(rows) >= 2:
-        first, last = rows[0], rows[-1]
-        e0, e1 = first["peak_kb"] - first["rss_before_kb"], last["peak_kb"] - last["rss_before_kb"]
-        ratio_t = last["tokens"] / first["tokens"]
-        print(f"\nforward memory grew {e1 / e0:.2f}x for {ratio_t:.0f}x tokens (linear: {ratio_t:.0f}x, "
-              f"quadratic: {ratio_t ** 2:.0f}x); one fp32 [T, T] matrix at T={last['tokens']} would be "
-              f"{last['tokens'] ** 2 * 4 / 2 ** 30:.1f} GiB")
+    print_memory_growth(rows, "tokens", "tokens", "[T, T]")
 
 
 if __name__ == "__main__":

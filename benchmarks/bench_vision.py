@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from measure import peak_kb, reset_peak, status_kb
+from measure import peak_kb, print_memory_growth, reset_peak, status_kb
 
 
 def _image(width: int, height: int):
@@ -144,13 +144,7 @@ def main() -> None:
               f"{r['peak_kb'] / 1024:>8.0f} {extra / 1024:>12.0f} {extra / r['patches']:>9.1f} {grow:>7} "
               f"{p_grow:>9} {r['seconds']:>10.1f}")
         prev = (r["patches"], extra)
-    if len(rows) >= 2:
-        first, last = rows[0], rows[-1]
-        e0, e1 = first["peak_kb"] - first["rss_before_kb"], last["peak_kb"] - last["rss_before_kb"]
-        ratio = last["patches"] / first["patches"]
-        print(f"\nforward memory grew {e1 / e0:.2f}x for {ratio:.1f}x patches (linear: {ratio:.1f}x, quadratic: "
-              f"{ratio ** 2:.0f}x); one fp32 [P, P] score matrix per head at {last['patches']} patches would be "
-              f"{last['patches'] ** 2 * 4 / 2 ** 30:.1f} GiB")
+    print_memory_growth(rows, "patches", "patches", "[P, P] score")
 
 
 if __name__ == "__main__":

@@ -40,3 +40,16 @@ def peak_kb(reset: bool) -> int:
 def filler_ids(n_tokens: int, encode: Callable[[str], list[int]], seed: int = 0) -> list[int]:
     """Exactly `n_tokens` ids of `workbench.haystack` text (deterministic by `seed`, never exactly repeating)."""
     return _haystack_ids(n_tokens, encode, seed=seed)
+
+
+def print_memory_growth(rows: list[dict], size_key: str, what: str, matrix: str) -> None:
+    """The closing line of a memory-vs-size table: growth of the forward's own memory (peak minus
+    RSS before) between the first and last row, against linear and quadratic, and what one fp32
+    `matrix` (e.g. "[T, T]") at the last size would take."""
+    if len(rows) < 2:
+        return
+    first, last = rows[0], rows[-1]
+    e0, e1 = first["peak_kb"] - first["rss_before_kb"], last["peak_kb"] - last["rss_before_kb"]
+    ratio, n = last[size_key] / first[size_key], last[size_key]
+    print(f"\nforward memory grew {e1 / e0:.2f}x for {ratio:.1f}x {what} (linear: {ratio:.1f}x, quadratic: "
+          f"{ratio ** 2:.0f}x); one fp32 {matrix} matrix at {n} {what} would be {n ** 2 * 4 / 2 ** 30:.1f} GiB")
