@@ -36,21 +36,28 @@ def reference_dense_mass(q_nope, q_rope, latent, k_rope, w_kb, q_pos, selected, 
     return out
 
 
-@pytest.mark.parametrize("S, q_pos", [(9, [0, 3, 8]), (40, [5, 17, 39])], ids=["short", "long"])
-def test_dense_mass_matches_per_query_loop(S: int, q_pos: list[int]) -> None:
+def _mla_query_inputs(S: int, q_pos: list[int], B: int = 2, H: int = 3, Dk: int = 8, Dr: int = 4, R: int = 12,
+                      k: int = 6):
+    """Random latent-MLA inputs for queries at `q_pos` over S keys, and a selection per query:
+    up to k - 1 of its visible keys, ascending, -1 in the unused slots."""
     gen = torch.Generator().manual_seed(SEED)
-    B, H, Dk, Dr, R, k = 2, 3, 8, 4, 12, 6
     n = len(q_pos)
     q_nope, q_rope = torch.randn(B, n, H, Dk, generator=gen), torch.randn(B, n, H, Dr, generator=gen)
     latent, k_rope = torch.randn(B, S, R, generator=gen), torch.randn(B, S, Dr, generator=gen)
     w_kb = torch.randn(H, Dk, R, generator=gen) * 0.3
-    pos = torch.tensor(q_pos)
-    # each query selects up to k of its visible keys, ascending, -1 in the unused slots
     selected = torch.full((B, n, k), -1, dtype=torch.long)
     for b in range(B):
         for i, t in enumerate(q_pos):
             keys = torch.randperm(t + 1, generator=gen)[: min(k - 1, t + 1)].sort().values
             selected[b, i, : len(keys)] = keys
+    return q_nope, q_rope, latent, k_rope, w_kb, torch.tensor(q_pos), selected
+
+
+@pytest.mark.parametrize("S, q_pos", [(9, [0, 3, 8]), (40, [5, 17, 39])], ids=["short", "long"])
+def test_dense_mass_matches_per_query_loop(S: int, q_pos: list[int]) -> None:
+    B, H = 2, 3
+    n = len(q_pos)
+    q_nope, q_rope, latent, k_rope, w_kb, pos, selected = _mla_query_inputs(S, q_pos, B=B, H=H)
     got = dense_mass(q_nope, q_rope, latent, k_rope, w_kb, pos, selected, 0.2)
     assert_close(got, reference_dense_mass(q_nope, q_rope, latent, k_rope, w_kb, pos, selected, 0.2), "mass")
     assert got.dtype == torch.float32 and got.shape == (B, n, H)
@@ -88,19 +95,8 @@ def test_topk_overlap_matches_set_loop() -> None:
     """IoU / recall of the selection against the dense top-k of the head-averaged float64 probabilities."""
     from engine.ops.mla.dense_mass import dense_probs, topk_overlap
 
-    gen = torch.Generator().manual_seed(SEED)
-    B, H, Dk, Dr, R, k, S = 2, 3, 8, 4, 12, 6, 30
-    q_pos = [2, 11, 29]
-    n = len(q_pos)
-    q_nope, q_rope = torch.randn(B, n, H, Dk, generator=gen), torch.randn(B, n, H, Dr, generator=gen)
-    latent, k_rope = torch.randn(B, S, R, generator=gen), torch.randn(B, S, Dr, generator=gen)
-    w_kb = torch.randn(H, Dk, R, generator=gen) * 0.3
-    pos = torch.tensor(q_pos)
-    selected = torch.full((B, n, k), -1, dtype=torch.long)
-    for b in range(B):
-        for i, t in enumerate(q_pos):
-            keys = torch.randperm(t + 1, generator=gen)[: min(k - 1, t + 1)].sort().values
-            selected[b, i, : len(keys)] = keys
+    B, S, q_pos = 2, 30, [2, 11, 29]
+    q_nope, q_rope, latent, k_rope, w_kb, pos, selected = _mla_query_inputs(S, q_pos, B=B)
     mean = dense_probs(q_nope, q_rope, latent, k_rope, w_kb, pos, 0.2).mean(2)
     iou, recall = topk_overlap(mean, pos, selected)
     for b in range(B):
