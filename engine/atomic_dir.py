@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import EngineError
+from engine.fileio import process_alive
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 
@@ -31,17 +32,6 @@ def temp_path(path: Path) -> Path:
 def _aside_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.old-{os.getpid()}")
 
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _leftovers(path: Path) -> list[tuple[str, int, Path]]:
@@ -65,11 +55,11 @@ def recover(path: str | Path, is_complete: Callable[[Path], bool]) -> None:
     leftovers = _leftovers(path)
     if not path.exists():
         # killed between "old aside" and "new in": the old copy is the last good one
-        asides = [p for kind, pid, p in leftovers if kind == "old" and not _alive(pid) and is_complete(p)]
+        asides = [p for kind, pid, p in leftovers if kind == "old" and not process_alive(pid) and is_complete(p)]
         if asides:
             os.replace(max(asides, key=lambda p: p.stat().st_mtime), path)
     for kind, pid, p in _leftovers(path):
-        if not _alive(pid):
+        if not process_alive(pid):
             shutil.rmtree(p, ignore_errors=True)
 
 

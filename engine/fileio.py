@@ -52,3 +52,31 @@ def read_limited(path: str | Path, what: str, error: type[EngineError], limit: i
     if len(data) > limit:
         raise error(f"{path}: larger than the {limit:,} bytes allowed for {what}")
     return data
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (this process counts; a pid that cannot be
+    checked, e.g. another user's or out of range, counts as alive: never treat it as gone)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

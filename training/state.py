@@ -22,18 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.fileio import fsync_dir
+
 LATEST = "latest.json"
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -82,7 +74,7 @@ def save(state_dir: Path, step: int, model: torch.nn.Module, optimizers: dict[st
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir)
     write_json_atomic(state_dir / LATEST, {"step": step, "dir": final.name})
     old = sorted(p for p in state_dir.glob("step-*") if p.is_dir() and p != final)
     for p in old[: max(0, len(old) - (keep - 1))]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.fileio import file_kind
+from engine.fileio import file_kind, fsync_dir
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 
@@ -48,19 +48,6 @@ def not_regular(path: Path) -> str | None:
     """What `path` is when it is not a regular file ("a FIFO", "a directory", ...); None for a regular file."""
     return file_kind(path)
 
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def publish(tmp: Path, final: Path, *, fsync: bool) -> None:

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from engine.fileio import process_alive
 from workbench.analysis.dsa import rebin_counts
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, check_session, out_of_bounds, table_ranges
@@ -170,15 +171,7 @@ class Trace:
         pid = writer.get("pid")
         if type(pid) is not int or pid <= 0:
             return False
-        if pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, OverflowError):
-            return False
-        return False
+        return not process_alive(pid)
 
     @property
     def policy(self) -> dict:
