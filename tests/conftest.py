@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import nan_poisoned_empty, relative_error  # noqa: E402,F401 (relative_error: older imports)
+from tests.helpers import nan_poisoned_empty  # noqa: E402
 
 torch.set_num_threads(1)
 torch.manual_seed(42)

@@ -147,9 +147,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def read_id_lists(path: Path) -> list[list[int]]:
-    return engine_inputs.read_id_lists(path)
-
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Options of commands that also run split over ranks (`torchrun --nproc-per-node N -m workbench ...`)."""

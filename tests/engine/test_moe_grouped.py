@@ -14,7 +14,7 @@ from engine.layers.common import activation
 from engine.ops.moe import MXFP4, gathered_experts, grouped_experts, routed_experts, sort_routes
 from engine.ops.moe.reference import routed_experts_reference
 from engine.presets import get_preset
-from tests.conftest import relative_error
+from tests.helpers import relative_error
 
 ACT = activation(get_preset("tiny"))
 TOL = 1e-6

@@ -23,7 +23,7 @@ from engine.vision import fit_to_limits, merge_patches, preprocess_image
 from engine.vision.attention import image_attention
 from engine.vision.rope import apply_rope2d, rope2d_angles
 from engine.vision.tower import PatchEmbed
-from tests.conftest import relative_error
+from tests.helpers import relative_error
 
 M = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig  # noqa: E402

@@ -16,7 +16,7 @@ from engine.vision.attention import attention_reference, attention_sdpa
 from engine.vision.rope import apply_rope2d, rope2d_angles
 from engine.weights.names import checkpoint_tensors, is_vision_tensor
 from engine.weights.random_init import RandomSource
-from tests.conftest import relative_error
+from tests.helpers import relative_error
 
 TOL = 1e-5
 

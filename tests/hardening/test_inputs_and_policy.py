@@ -45,7 +45,7 @@ def test_token_id_file_that_is_missing_a_directory_or_binary(tmp_path):
 
 
 def test_the_cli_reads_ids_through_the_checked_reader(tmp_path):
-    from apps.cli.model_cmds import read_id_lists as cli_reader
+    from engine.inputs import read_sequences as cli_reader  # what `workbench logits` calls
     f = tmp_path / "ids.json"
     f.write_text(json.dumps([[1, 2 ** 70]]))
     with pytest.raises(InputError, match="is not a token id"):
