@@ -11,7 +11,7 @@ greedy decoding would produce it. The same prompts are run with DSA sparse and w
 
 While the answer tokens run, a sink on every DSA layer's `dsa.topk` probe counts the answer tokens
 whose selected keys include at least one needle token, beside the exact chance of that for random
-picks (`workbench.analysis.chance`). Prompts come from `training.text.HELD_OUT`: filler, key
+picks (`workbench.analysis.chance`). Prompts come from `workbench.retrieval_text.HELD_OUT`: filler, key
 names and needle wording the training generator never produces.
 """
 

@@ -3,7 +3,7 @@
 A prompt's answer is exactly right when greedy decoding would emit the whole assistant response
 (`<|close|>think<|sep|><|open|>response<|sep|>{answer}<|close|>`): one teacher-forced forward pass
 shows that, since greedy decoding emits a sequence iff every token of it is the argmax after its
-prefix. Prompts use `training.text.HELD_OUT` (other filler, key names and needle wording).
+prefix. Prompts use `workbench.retrieval_text.HELD_OUT` (other filler, key names and needle wording).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.tokenizer import Message, Tokenizer, parse_answer
-from training.text import HELD_OUT, TRAIN, World, filler, value_string
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, value_string
 
 # loss weight of the answer value, the fixed assistant scaffold and everything else (the filler)
 W_ANSWER, W_SCAFFOLD, W_CONTEXT = 1.0, 0.3, 0.05

@@ -10,7 +10,7 @@ import torch
 
 from engine.tokenizer import Tokenizer
 from training.tasks import HELD_OUT, TRAIN, answer_ids, batch, build, needle_prompt, parse_answer
-from training.text import World
+from workbench.retrieval_text import World
 
 TOK = Tokenizer.byte_level()
 _STOP = {"the", "a", "of", "on", "in", "is", "to", "for", "and", "at", "it", "was", "with", "be", "that", "this",
