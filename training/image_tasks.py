@@ -256,6 +256,13 @@ def forward_with_images(model: KimiForCausalLM, ids: torch.Tensor, images: Seque
     The engine's `encode_images` is an ordinary differentiable forward (only `Session` wraps it in
     inference mode), so the loss's gradients reach the projector and the tower. `images` are in
     position order (row by row), matching `image_mask`'s True positions.
+
+    Train the tower only once the language model reads it: trained from the first step (even at
+    0.3x the learning rate), the tower learns to map every picture to nearly the same embeddings
+    (the answers cannot use the picture yet, so its variation is only noise to the loss) and the
+    model never reads images; its random init already separates colour, shape and position (a
+    linear probe reads them at 92-100%). Freeze it (`model.vision.requires_grad_(False)`) until
+    `image_accuracy` beats its `swap_images=True` control, then train it at ~0.1x (training/README.md).
     """
     if not images:
         return model(ids)
