@@ -129,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             cases = []
             for _ in range(n):
                 s = needle_prompt(tok, HELD_OUT, rng, length, depth)
-                before, ans, after = answer_ids(tok, s.answer)
+                before, ans, after = answer_ids(tok, s.response)   # `key: value`
                 target = before + ans + after[:1]
                 f = s.facts[0]
-                at = f.start + f.text.index(s.answer)   # byte-level: character offset = token offset
-                spans = {"needle": (f.start, f.end), "value": (at, at + len(ans))}
+                n_value = len(tok.encode(s.answer))
+                at = f.start + f.text.rindex(s.answer)  # byte-level: character offset = token offset
+                spans = {"needle": (f.start, f.end), "value": (at, at + n_value)}
+                # the answer tokens whose reads count: the value's, after the restated key
                 cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, spans,
-                              (len(before), len(before) + len(ans))))
+                              (len(before) + len(ans) - n_value, len(before) + len(ans))))
             for mode in modes:
                 model.runtime.dsa_force_dense = mode == "dense"
                 started = time.perf_counter()

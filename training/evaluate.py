@@ -20,7 +20,7 @@ from training.tasks import HELD_OUT, answer_ids, needle_prompt
 
 def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float) -> tuple[list[int], int, dict]:
     s = needle_prompt(tok, HELD_OUT, rng, length, depth)
-    before, ans, after = answer_ids(tok, s.answer)
+    before, ans, after = answer_ids(tok, s.response)
     prompt = s.ids[: s.prompt_len]
     target = before + ans + after[:1]
     return prompt + target, len(prompt), {"needle": [s.facts[0].start, s.facts[0].end], "answer": s.answer}

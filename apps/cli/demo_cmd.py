@@ -28,7 +28,7 @@ from engine.errors import InputError
 from engine.presets import get_preset
 from engine.tokenizer import parse_answer
 from engine.weights.write import write_checkpoint
-from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_value
 
 DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
@@ -70,8 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wording", choices=("train", "held-out"), default="train", help="needle and question in the "
                    "trained model's own wording (train) or in wording it never saw (held-out)")
     p.add_argument("--tokens", type=int, default=32768, help="context size in tokens (default 32768)")
-    p.add_argument("--new-tokens", type=int, default=40, help="most tokens the model generates for its answer "
-                   "(the response scaffold takes ~17 byte tokens; generation stops at the end of the message)")
+    p.add_argument("--new-tokens", type=int, default=64, help="most tokens the model generates for its answer "
+                   "(the response restates the key and takes ~40 byte tokens of scaffold; generation stops at the end of the message)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace directory (replaced if it holds a trace)")
     p.add_argument("--port", type=int, default=5006)
     p.add_argument("--no-browser", action="store_true", help="print the URL but do not open a browser")
@@ -193,7 +193,7 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
     text = "".join(pieces)
     response = parse_answer(text)
     return {"answer": response if response is not None else text, "scaffold_ok": response is not None,
-            "correct": response is not None and response.strip() == PASSCODE, "expected": PASSCODE,
+            "correct": response is not None and response_value(response) == PASSCODE, "expected": PASSCODE,
             "needle": needle, "seconds": elapsed, "tokens": len(session.tokens), "readers": readers}
 
 

@@ -73,12 +73,14 @@ def test_builtin_demo_answers_a_held_out_needle() -> None:
     model = load_model("builtin:demo")
     tok = Tokenizer.for_model("builtin:demo", model.config.vocab_size)
     s = needle_prompt(tok, HELD_OUT, random.Random(5), 2048, 0.5)
-    before, ans, after = answer_ids(tok, s.answer)
+    before, ans, after = answer_ids(tok, s.response)     # the response restates the key: `key: value`
     target = before + ans + after[:1]
     f = s.facts[0]
-    at = f.start + f.text.index(s.answer)
+    n_value = len(tok.encode(s.answer))
+    at = f.start + f.text.rindex(s.answer)
     result = run_case_spans(model, tok, s.ids[: s.prompt_len] + target, s.prompt_len, target,
-                            {"value": (at, at + len(ans))}, chunk=1024, value=(len(before), len(before) + len(ans)))
+                            {"value": (at, at + n_value)}, chunk=1024,
+                            value=(len(before) + len(ans) - n_value, len(before) + len(ans)))
     assert result["correct"]
     best = max((v["value"] for v in result["layers"].values()), key=lambda r: r["read"] / max(r["chance"], 1e-12))
     # some DSA layer selects the passcode's own tokens for >= 95% of the answer's tokens; at 2K
@@ -94,7 +96,7 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
     from apps.cli.demo_cmd import answer_queries, record_demo
 
     trace = tmp_path / "demo"
-    found = record_demo("builtin:demo", trace, 2048, 40, 1024)
+    found = record_demo("builtin:demo", trace, 2048, 64, 1024)
     t = workbench.open_trace(trace)
     start, end = t.session["demo"]["needle"]
     assert (start, end) == tuple(found["needle"]) and end - start == len(t.session["demo"]["needle_text"])
@@ -114,7 +116,7 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
 def test_recorded_demo_run_answers_and_reads_the_needle_above_chance(tmp_path) -> None:
     from apps.cli.demo_cmd import record_demo
 
-    found = record_demo("builtin:demo", tmp_path / "demo", 2048, 40, 1024)
+    found = record_demo("builtin:demo", tmp_path / "demo", 2048, 64, 1024)
     assert found["correct"], found["answer"]
     best = found["readers"].sort_values("ratio", ascending=False).iloc[0]
     assert best["read_share"] >= 0.95 and best["ratio"] > 1, found["readers"]
