@@ -53,9 +53,9 @@ class Stage:
 
 def schedule(scale: float) -> list[Stage]:
     """About 90 minutes on 2 free CPU cores at scale 1 (4,096 tokens per step)."""
-    base = [Stage("dense", 900, 8, 512), Stage("dense", 300, 4, 1024),
-            Stage("warmup", 80, 4, 1024),
-            Stage("sparse", 300, 4, 1024), Stage("sparse", 250, 2, 2048)]
+    base = [Stage("dense", 800, 8, 512), Stage("dense", 250, 4, 1024),
+            Stage("warmup", 60, 4, 1024),
+            Stage("sparse", 250, 4, 1024), Stage("sparse", 200, 2, 2048)]
     return [Stage(s.phase, max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
 
 

@@ -31,6 +31,7 @@ from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_te
 # mention), the answer's restated key and the fixed assistant scaffold, everything else (the filler)
 W_ANSWER, W_RESTATED, W_KEY, W_SCAFFOLD, W_CONTEXT = 1.0, 0.9, 0.5, 0.3, 0.05
 DRILL_SHARE = 0.4   # share of training rows that are recall drills (`build(drill=True)`)
+PSEUDO_KEY_SHARE = 0.6   # share of training keys with one or both words a `pseudo_word`
 
 
 @dataclass
@@ -71,10 +72,34 @@ def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[
     return before, tok.encode(answer), after
 
 
+def pseudo_word(rng: random.Random) -> str:
+    """A pronounceable nonsense word (`bavoki`): training keys made of these can only be answered by
+    copying them from the question, never from a memorised key vocabulary, so the copy generalises
+    to key names the model never saw (the held-out world's)."""
+    return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.randint(2, 3)))
+
+
+def _key(world: World, rng: random.Random) -> str:
+    adjective, noun = rng.choice(world.key_adjectives), rng.choice(world.key_nouns)
+    if world is TRAIN:
+        r = rng.random()
+        if r < PSEUDO_KEY_SHARE / 3:
+            adjective = pseudo_word(rng)
+        elif r < 2 * PSEUDO_KEY_SHARE / 3:
+            noun = pseudo_word(rng)
+        elif r < PSEUDO_KEY_SHARE:
+            adjective, noun = pseudo_word(rng), pseudo_word(rng)
+    return f"{adjective} {noun}"
+
+
 def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:
     facts: list[Fact] = []
-    keys = rng.sample([f"{a} {n}" for a in world.key_adjectives for n in world.key_nouns], len(kinds))
-    names = rng.sample(world.variables, 2 * len(kinds))
+    keys: list[str] = []
+    while len(keys) < len(kinds):   # distinct keys within a sample
+        k = _key(world, rng)
+        if k not in keys:
+            keys.append(k)
+    names = rng.sample(world.variables, min(len(world.variables), 2 * len(kinds)))
     for i, kind in enumerate(kinds):
         k = keys[i]
         if kind == "needle":
@@ -94,7 +119,8 @@ def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:
             facts.append(Fact(rng.choice(world.var_copy).format(a=a, b=b), rng.choice(world.var_questions).format(b=b),
                               v, kind=kind, key=b, after=first))
         else:  # quote
-            q = " ".join(rng.choice(world.quote_words) for _ in range(rng.randint(2, 4)))
+            q = " ".join(pseudo_word(rng) if world is TRAIN and rng.random() < 0.5 else rng.choice(world.quote_words)
+                         for _ in range(rng.randint(2, 4)))
             facts.append(Fact(rng.choice(world.quote_facts).format(k=k, q=q), rng.choice(world.quote_questions).format(k=k), q,
                               kind=kind, key=k))
     return facts
