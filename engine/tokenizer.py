@@ -144,6 +144,14 @@ class Tokenizer:
         ids.append(self.end_of_msg_id)  # type: ignore[arg-type]
         return ids
 
+    def response_prefix(self, text: str = "") -> list[int]:
+        """After the generation prompt: close the (empty) `think` section, open `response` and start it
+        with `text` (a prefilled answer start, e.g. the key the demo model restates)."""
+        ids: list[int] = []
+        self._tag(ids, False, "think")
+        self._tag(ids, True, "response")
+        return ids + self.encode(text)
+
     def chat_prompt(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the K3 chat format, built in code.
 

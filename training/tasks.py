@@ -71,7 +71,7 @@ def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[
     """(scaffold before, answer ids, scaffold after) of an assistant answer after the generation prompt.
 
     `answer` is the whole response text (`Sample.response`, `key: value`)."""
-    before = _tags(tok, False, "think") + _tags(tok, True, "response")
+    before = tok.response_prefix()
     after = _tags(tok, False, "response") + _tags(tok, False, "message") + [tok.end_of_msg_id]
     return before, tok.encode(answer), after
 
