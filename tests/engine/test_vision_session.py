@@ -186,7 +186,7 @@ def test_snapshot_thumbnails_are_checked_on_read(model, tokenizer, images, tmp_p
     elif case == "too_many_bytes":
         tensors["thumbnails.1"] = torch.zeros(MAX_THUMBNAIL_BYTES + 1, dtype=torch.uint8)
     elif case == "text_segment":
-        tensors["thumbnails.0"] = tensors["thumbnails.1"]
+        tensors["thumbnails.0"] = tensors["thumbnails.1"].clone()
     elif case == "bad_name":
         tensors["thumbnails.x"] = tensors.pop("thumbnails.1")
     else:
