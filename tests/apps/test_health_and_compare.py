@@ -113,7 +113,7 @@ def test_health_without_kda_records_is_an_empty_state(compared, tmp_path: Path) 
 
 def test_health_updates_live_while_the_trace_grows(compared, tmp_path: Path) -> None:
     path, _ = compared
-    replay = TraceReplay(path, tmp_path / "live", seconds=12.0, interval=0.2).start()
+    replay = TraceReplay(path, tmp_path / "live", seconds=30.0, interval=0.5).start()
     state = DashboardState(tmp_path / "live")
     seen = []
     deadline = time.monotonic() + 240
@@ -216,3 +216,21 @@ def test_cli_compare_flag(tmp_path: Path) -> None:
         dashboard_config(ns(compare=tmp_path / "b"))
     with pytest.raises(InputError, match="same directory"):
         dashboard_config(ns(trace=tmp_path / "a", compare=tmp_path / "a"))
+
+
+def test_health_series_stays_bounded_and_fills_missing_statistics() -> None:
+    from apps.dashboard.reducers.kda_health import MAX_POSITIONS, _LayerSeries
+
+    series = _LayerSeries()
+    step = 64
+    for chunk in range(6):
+        pos = np.arange(chunk * MAX_POSITIONS, (chunk + 1) * MAX_POSITIONS) * step
+        norms = np.ones((len(pos), 2), np.float32)
+        series.append(pos, {"norm": norms, "half_life": norms if chunk == 5 else None})
+        assert len(series.positions) <= 2 * MAX_POSITIONS + 1
+    assert series.positions[-1] == (6 * MAX_POSITIONS - 1) * step and series.positions[0] == 0
+    assert np.all(np.diff(series.positions) > 0)
+    half = series.values["half_life"]
+    assert half.shape == (len(series.positions), 2) and np.isnan(half[0]).all() and (half[-1] == 1).all()
+    frame = series.frame(3)
+    assert len(memory_health(frame)) == 2  # the analysis takes the thinned rows as it takes the table

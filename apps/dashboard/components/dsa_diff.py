@@ -38,6 +38,8 @@ def layers_table(rows: tuple[dict, ...]) -> str:
 
 
 def diff_summary(data: DSADiffData, trace: str) -> str:
+    if not data.other:
+        return "waiting for both traces…"
     dense = ", ".join(map(str, data.dense_layers)) if data.dense_layers else "not recorded"
     head = f"A = {trace}\nB = {data.other} (layers forced dense in B: {dense})"
     if data.note:

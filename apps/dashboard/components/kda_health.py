@@ -116,9 +116,10 @@ class KDAHealthView(ViewComponent):
                                   "colour": [SEGMENT_COLOURS.get(s["kind"], "#999") for s in segs]}
             if self._own_range:
                 self.figure.x_range.update(start=0, end=session.extent)
-        if data is None or not ({"ranked", "note", "measured", "heads", "layers", "last_position"} & changed):
+        if data is None or not ({"ranked", "note", "measured", "heads", "layers", "last_position", "status"} & changed):
             return
-        set_text(self.summary, summary_text(data))
+        waiting = not data.ranked and session.status == "waiting"
+        set_text(self.summary, "waiting for the trace…" if waiting else summary_text(data))
         rows = data.ranked
         labels = [row_label(r) for r in rows]
         self.source.data = {"label": labels, "position": [int(r["position"]) for r in rows],

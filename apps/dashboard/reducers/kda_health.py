@@ -108,14 +108,15 @@ def _recorded(series: dict[int, _LayerSeries], name: str) -> bool:
 
 
 def ranked_rows(health: pd.DataFrame, segments: pd.DataFrame, top: int = TOP_HEADS) -> tuple[dict, ...]:
-    """`heads_at_risk` as JSON-plain dicts, each with the segment's name beside its id."""
+    """`heads_at_risk` as JSON-plain dicts, each with the name of the segment holding its `position`
+    (a head that never lost norm is placed at its plateau, so that is where the view marks it)."""
     risk = heads_at_risk(health, top=top)
-    names = {int(i): str(n or "") for i, n in zip(segments["id"], segments["name"])} if len(segments) else {}
     rows = []
     for r in risk.to_dict(orient="records"):
         row = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in r.items()}
         row["segment"] = int(row["segment"]) if row.get("segment") is not None else -1
-        row["segment_name"] = names.get(row["segment"], "")
+        inside = segments[(segments["start"] <= row["position"]) & (row["position"] < segments["end"])]
+        row["segment_name"] = str(inside["name"].iloc[-1] or "") if len(inside) else ""
         rows.append(row)
     return tuple(rows)
 
