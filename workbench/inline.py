@@ -60,7 +60,9 @@ def trace_path(obj: Any) -> Path:
     if isinstance(observers, list):
         from workbench.recorders import Recorder
 
-        recorders = [o for o in observers if isinstance(o, Recorder) and o.writer is not None]
+        # a Recorder observes through a bound method (`Recorder._on_event`): its owner is the recorder
+        owners = {id(o): o for o in (getattr(ob, "__self__", ob) for ob in observers)}.values()
+        recorders = [o for o in owners if isinstance(o, Recorder) and o.writer is not None]
         if len(recorders) == 1:
             return recorders[0].writer.path
         if not recorders:

@@ -41,6 +41,7 @@ def test_show_follows_a_session_recorded_in_this_kernel(tmp_path: Path) -> None:
     with recorded_session("preset:tiny", tmp_path / "live", prefill_chunk=128, progress=False) as run:
         session = run.session
         session.append(workbench.haystack(400, session.tokenizer, seed=1), name="doc")
+        run.recorder.writer.flush()
         assert trace_path(session) == trace_path(run) == tmp_path / "live"
         view = workbench.show(session, views=["session"], interval=0.05)
         try:
