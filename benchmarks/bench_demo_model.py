@@ -61,7 +61,8 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
     chance: dict[tuple[int, str], list[float]] = {}
     topk = model.config.dsa.topk if model.config.dsa else 0
 
-    def sink(point, payload) -> None:
+    def sink(emission) -> None:
+        point, payload = emission.point, emission.data
         keep = (payload["positions"] >= q_lo) & (payload["positions"] < q_hi)
         if not bool(keep.any()):
             return
