@@ -1,7 +1,7 @@
 """Composition of the dashboard: the views, the source/drive sidebar, the server entry point.
 
     Dashboard(config)               one per browser session (or notebook cell): state + views + runner
-    SideBySide(config, a, b)        two traces side by side plus the DSA difference view (`side_by_side.py`)
+    side_by_side(config, a, b)      two traces side by side plus the DSA difference view (`side_by_side.py`)
     create_app(config)              what the server calls per session: access checks, then the template
     serve(config)                   `workbench dashboard`: pn.serve on 127.0.0.1 unless told otherwise
 
@@ -11,6 +11,7 @@ Layout only; the views live in `components/`, the data path in `state.py`, drive
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +31,7 @@ from apps.dashboard.components.text import alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
+from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
@@ -219,6 +221,13 @@ def compare_request(config: DashboardConfig, args: dict, trace: Path | None) -> 
     return Path(compare), ""
 
 
+def side_by_side(config: DashboardConfig, trace_a: str | Path, trace_b: str | Path, message: str = "") -> SideBySide:
+    """Dashboards of traces A and B (no drive controls) in two columns under the DSA difference view."""
+    follow_only = dataclasses.replace(config, drive=False, trace=None, compare=None)
+    return SideBySide(Dashboard(follow_only, trace=trace_a, compare=trace_b, message=message),
+                      Dashboard(follow_only, trace=trace_b))
+
+
 def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.viewable.Viewable:
     """The dashboard for one browser session: checks the token and the `trace` / `compare` URL parameters first.
 
@@ -226,8 +235,6 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
     parameter or an unreadable trace shows an error above the (still working) dashboard. With a
     `compare` trace, the two traces are shown side by side (`side_by_side.SideBySide`).
     """
-    from apps.dashboard.side_by_side import SideBySide  # it builds on Dashboard
-
     args = pn.state.session_args if session_args is None else session_args
     if not token_ok(_arg(args, "token"), config.token):
         return pn.pane.Alert("Access token missing or wrong: open the URL printed by `workbench dashboard`.",
@@ -243,7 +250,7 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
     message = "\n\n".join(m for m in (message, problem) if m)
     try:
         if compare is not None:
-            dash: Any = SideBySide(config, trace, compare, message=message)
+            dash: Any = side_by_side(config, trace, compare, message=message)
             title = "K3 Workbench · A vs B"
         else:
             dash = Dashboard(config, trace=trace, message=message)

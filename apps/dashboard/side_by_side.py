@@ -11,24 +11,20 @@ the difference (`reducers.dsa_diff`), so the event loop only draws.
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Any
 
 import panel as pn
 
-from apps.dashboard.app import Dashboard, DashboardConfig
 
 
 class SideBySide(pn.viewable.Viewer):
     """Dashboards of traces A and B in two columns, under the DSA difference view (A vs B)."""
 
-    def __init__(self, config: DashboardConfig, trace_a: str | Path, trace_b: str | Path, message: str = "",
-                 **params: Any) -> None:
+    def __init__(self, a: Any, b: Any, **params: Any) -> None:
+        """`a`, `b`: the two `Dashboard`s, built by `app.side_by_side` (A's follower also follows B for
+        the difference view); taking them built keeps this module below `app` (no import cycle)."""
         super().__init__(**params)
-        follow_only = dataclasses.replace(config, drive=False, trace=None, compare=None)
-        self.a = Dashboard(follow_only, trace=trace_a, compare=trace_b, message=message)
-        self.b = Dashboard(follow_only, trace=trace_b)
+        self.a, self.b = a, b
 
     @property
     def diff(self):

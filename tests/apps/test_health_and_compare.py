@@ -21,7 +21,7 @@ import pytest
 
 import workbench
 from apps.cli import main
-from apps.dashboard.app import Dashboard, DashboardConfig, create_app
+from apps.dashboard.app import Dashboard, DashboardConfig, create_app, side_by_side
 from apps.dashboard.reducers import DSADiffReducer, KDAHealthReducer, SessionMapReducer, ViewOptions
 from apps.dashboard.reducers.kda_health import NO_KDA
 from apps.dashboard.replay import TraceReplay
@@ -176,7 +176,7 @@ def test_side_by_side_app_from_url_parameters(compared) -> None:
     side = app.dashboard
     assert isinstance(side, SideBySide) and side.a.runner is None and side.b.runner is None
     side.close()
-    side = SideBySide(config, a, b)
+    side = side_by_side(config, a, b)
     side.sync()
     diff = side.diff
     assert diff.heat.source.data["image"][0].shape == (2, side.a.state.bins)
