@@ -41,7 +41,8 @@ def run_case(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int]
              chunk: int, value: tuple[int, int] | None = None) -> dict:
     """See `run_case_spans`; reads of the `needle` span only (as {layer: {read, chance}})."""
     out = run_case_spans(model, tok, ids, plen, target, {"needle": needle}, chunk, value)
-    return {"correct": out["correct"], "layers": {la: v["needle"] for la, v in out["layers"].items()}}
+    return {"correct": out["correct"], "value_correct": out["value_correct"],
+            "layers": {la: v["needle"] for la, v in out["layers"].items()}}
 
 
 def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int],
@@ -60,7 +61,8 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
     chance: dict[tuple[int, str], list[float]] = {}
     topk = model.config.dsa.topk if model.config.dsa else 0
 
-    def sink(point, payload) -> None:
+    def sink(emission) -> None:
+        point, payload = emission.point, emission.data
         keep = (payload["positions"] >= q_lo) & (payload["positions"] < q_hi)
         if not bool(keep.any()):
             return
@@ -86,7 +88,9 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
     layers: dict[int, dict[str, dict[str, float]]] = {}
     for (layer, name), r in reads.items():
         layers.setdefault(layer, {})[name] = {"read": float(np.mean(r)), "chance": float(np.mean(chance[(layer, name)]))}
-    return {"correct": pred == target, "layers": layers}
+    # full: the whole response (restated key and value) is the greedy output; value: the value is,
+    # given the key before it (what a response prefilled with `key: ` would produce)
+    return {"correct": pred == target, "value_correct": pred[lo:] == target[lo:], "layers": layers}
 
 
 def _best_layer(results: list[dict], span: str) -> tuple[int, float, float] | None:
@@ -129,20 +133,23 @@ def main(argv: list[str] | None = None) -> int:
             cases = []
             for _ in range(n):
                 s = needle_prompt(tok, HELD_OUT, rng, length, depth)
-                before, ans, after = answer_ids(tok, s.answer)
+                before, ans, after = answer_ids(tok, s.response)   # `key: value`
                 target = before + ans + after[:1]
                 f = s.facts[0]
-                at = f.start + f.text.index(s.answer)   # byte-level: character offset = token offset
-                spans = {"needle": (f.start, f.end), "value": (at, at + len(ans))}
+                n_value = len(tok.encode(s.answer))
+                at = f.start + f.text.rindex(s.answer)  # byte-level: character offset = token offset
+                spans = {"needle": (f.start, f.end), "value": (at, at + n_value)}
+                # the answer tokens whose reads count: the value's, after the restated key
                 cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, spans,
-                              (len(before), len(before) + len(ans))))
+                              (len(before) + len(ans) - n_value, len(before) + len(ans))))
             for mode in modes:
                 model.runtime.dsa_force_dense = mode == "dense"
                 started = time.perf_counter()
                 results = [run_case_spans(model, tok, ids, plen, target, spans, args.prefill_chunk, value)
                            for ids, plen, target, spans, value in cases]
-                good = [r for r in results if r["correct"]]
-                row = {"length": length, "depth": depth, "mode": mode, "correct": len(good), "total": n,
+                good = [r for r in results if r["value_correct"]]
+                row = {"length": length, "depth": depth, "mode": mode, "value_correct": len(good),
+                       "correct": sum(r["correct"] for r in results), "total": n,
                        "seconds": round(time.perf_counter() - started, 1)}
                 reads = ""
                 for span in ("needle", "value"):
@@ -154,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                         row[key] = {"layer": best[0], "read": best[1], "chance": best[2]}
                         reads += f"; {span} ({label}) layer {best[0]}: {format_read(best[1], best[2])}"
                 rows.append(row)
-                print(f"{length:>7,} tokens depth {depth:.0%} {mode:6s}: {len(good)}/{n} correct "
-                      f"({row['seconds']:.0f} s){reads}", flush=True)
+                print(f"{length:>7,} tokens depth {depth:.0%} {mode:6s}: value {len(good)}/{n}, whole response "
+                      f"{row['correct']}/{n} ({row['seconds']:.0f} s){reads}", flush=True)
     model.runtime.dsa_force_dense = False
-    print("\naccuracy (correct/total), held-out needle; sparse = DSA as trained, dense = dsa_force_dense")
+    print("\naccuracy, held-out needle: value given the key (whole response: key and value, both generated);"
+          " sparse = DSA as trained, dense = dsa_force_dense")
     header = "| tokens | " + " | ".join(f"{m} {d:.0%}" for m in modes for d in depths) + " |"
     print(header)
     print("|---:|" + "---:|" * (len(modes) * len(depths)))
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in modes:
             for d in depths:
                 r = next(r for r in rows if r["length"] == length and r["mode"] == m and r["depth"] == d)
-                cells.append(f"{r['correct']}/{r['total']}")
+                cells.append(f"{r['value_correct']}/{r['total']} ({r['correct']})")
         print(f"| {length:,} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

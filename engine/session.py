@@ -17,8 +17,10 @@ Images (spec section 8): `append(image=...)` preprocesses the picture (a bad one
 before anything changes), runs the vision tower once, and appends
 `<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_end|>`;
 prefill feeds the projector's outputs at those positions, whatever chunks split them. The segment's
-`image` dict records the picture (size, grids, token range, pixel hash); snapshots keep it, and need
-no pixels to resume (the image positions are in the state once consumed).
+`image` dict records the picture (size, grids, token range, pixel hash); snapshots keep it and the
+thumbnail (a small PNG, for viewers), and need no pixels to resume (the image positions are in the
+state once consumed). `append_message(role, text, images=[...])` puts images and text in ONE chat
+message (images first, then the text), the section-9 format a chat with pictures uses.
 
 Observers (`session.observers`) receive `(event, payload)` for progress and tokens, so the CLI,
 recorders and the dashboard follow a session without the session knowing them.
@@ -45,11 +47,12 @@ from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.snapshot import prefix_hash, read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
-from engine.vision import ImageSource, image_prompt_ids, merged_grid, preprocess_image
+from engine.vision import ImageSource, ProcessedImage, image_prompt_ids, merged_grid, preprocess_image
+from engine.vision.thumbnail import THUMBNAIL_PX, decode_thumbnail, encode_thumbnail
 
 Observer = Callable[[str, dict], None]
 PROGRESS_MIN_TOKENS = 8192
-THUMBNAIL_PX = 512  # longest side of the thumbnail an image segment keeps for viewers
+THUMBNAIL_TENSOR = "thumbnails."  # + segment id: a snapshot's PNG bytes of that image's thumbnail
 
 
 @dataclass
@@ -66,6 +69,19 @@ class Segment:
     # image segments: width/height (original pixels), patch_rows/patch_cols (tower grid), grid_rows/
     # grid_cols (merged grid = token layout), token_start/token_end (the image positions), sha256
     image: dict | None = None
+
+
+@dataclass
+class _PreparedImage:
+    """An image checked and turned into its media ids (`ids`: pads expanded), not yet in the session."""
+
+    processed: ProcessedImage
+    label: str | None
+    rows: int
+    cols: int
+    ids: list[int]
+    pad_at: int  # index in `ids` of the first image position
+    embeds: torch.Tensor | None = None  # projector outputs [rows * cols, hidden], once the tower ran
 
 
 @dataclass
@@ -105,7 +121,7 @@ class Session:
         self.observers: list[Observer] = []
         # images appended but not yet prefilled: (first position, projector outputs [n, hidden])
         self._pending_images: list[tuple[int, torch.Tensor]] = []
-        # segment id -> RGB thumbnail (longest side <= THUMBNAIL_PX), in memory only (never in snapshots)
+        # segment id -> RGB thumbnail (longest side <= THUMBNAIL_PX); snapshots carry it as a PNG
         self.image_thumbnails: dict[int, Any] = {}
         self._stop = False
         self.previous_deployments: list[dict] = []  # records of earlier runs this session was restored from
@@ -176,8 +192,77 @@ class Session:
         self._emit("segment", segment=seg)
         return seg
 
+    def append_message(self, role: str, text: str | None = None, *, images: Sequence[ImageSource] = (),
+                       image_names: Sequence[str | None] | None = None, name: str | None = None) -> list[Segment]:
+        """One chat message holding `images` (in order) and then `text` (spec sections 8-9):
+        `<|open|>message role="R"<|sep|>` image spans, text `<|close|>message<|sep|><|end_of_msg|>`.
+
+        Every image is preprocessed and run through the tower before anything changes (a bad one
+        raises ImageError naming it, and the session is as it was). Returns the segments, one per
+        image (kind "image") and one for the text (kind "turn", named `name` or "prompt"), all with
+        `role`; the opening tag lies in the first, the closing tag in the last.
+        """
+        if text is None and not images:
+            raise InputError("a message needs text or at least one image")
+        if text is not None and not text:
+            raise InputError("empty text: nothing to append")
+        if self.tokenizer is None:
+            raise InputError("chat messages need a tokenizer")
+        names = list(image_names) if image_names is not None else [None] * len(images)
+        if len(names) != len(images):
+            raise InputError(f"{len(images)} image(s) but {len(names)} image name(s)")
+        head, tail = self.tokenizer.message_frame(role)  # checks the role before the tower runs
+        # every image is checked (and the length limit) before any tower runs or anything is committed
+        parts: list[tuple[str, Any]] = [("image", self._prepare_image(im, label)) for im, label in zip(images, names)]
+        if text is not None:
+            parts.append(("text", self._encode(text)))
+        lengths = [len(part.ids) if kind == "image" else len(part) for kind, part in parts]
+        total = len(self.tokens) + len(head) + len(tail) + sum(lengths)
+        limit = self.config.max_position_embeddings
+        if total > limit:
+            raise InputError(f"context would hold {total} tokens with this message; the model's limit is {limit}")
+        for kind, part in parts:
+            if kind == "image":
+                self._run_tower(part)
+        out = []
+        for i, (kind, part) in enumerate(parts):
+            before = head if i == 0 else []
+            after = tail if i == len(parts) - 1 else []
+            if kind == "image":
+                out.append(self._commit_image(part, before, after, role=role, kind=None))
+            else:
+                ids = before + part + after
+                self.model.check_input_ids(torch.tensor([ids]))
+                out.append(self._add_segment(ids, kind="turn", name=name or "prompt", role=role))
+        return out
+
+    def _add_segment(self, ids: list[int], *, kind: str, name: str, role: str | None, modality: str = "text",
+                     image: dict | None = None) -> Segment:
+        start = len(self.tokens)
+        self.tokens.extend(ids)
+        seg = Segment(id=len(self.segments), kind=kind, name=name, start=start, end=len(self.tokens), role=role,
+                      modality=modality, image=image)
+        self.segments.append(seg)
+        self._emit("segment", segment=seg)
+        return seg
+
     def _append_image(self, image: ImageSource, *, role: str | None, name: str | None,
                       kind: str | None) -> Segment:
+        prepared = self._prepare_image(image, name)
+        head: list[int] = []
+        tail: list[int] = []
+        if role is not None:  # the image alone is a whole chat message
+            assert self.tokenizer is not None
+            head, tail = self.tokenizer.message_frame(role)
+        total = len(self.tokens) + len(head) + len(tail) + len(prepared.ids)
+        limit = self.config.max_position_embeddings
+        if total > limit:
+            raise InputError(f"context would hold {total} tokens with this image; the model's limit is {limit}")
+        self._run_tower(prepared)
+        return self._commit_image(prepared, head, tail, role=role, kind=kind)
+
+    def _prepare_image(self, image: ImageSource, name: str | None) -> "_PreparedImage":
+        """Preprocess `image` into its media ids; changes nothing (ImageError / InputError first)."""
         vision = self.model.vision
         label = name or (Path(image).name if isinstance(image, (str, Path)) else None)
         if vision is None:
@@ -185,38 +270,38 @@ class Session:
         if self.tokenizer is None:
             raise InputError("images need a tokenizer (for the media tokens around them)")
         c = vision.config
-        processed = preprocess_image(image, name=label, patch=c.patch_size, merge=c.merge_kernel,
-                                     thumbnail=THUMBNAIL_PX)  # ImageError before anything changes
+        processed: ProcessedImage = preprocess_image(image, name=label, patch=c.patch_size, merge=c.merge_kernel,
+                                                     thumbnail=THUMBNAIL_PX)
         rows, cols = merged_grid(processed.grid, c.merge_kernel)
         body = image_prompt_ids(self.tokenizer, *processed.original_size)
-        new = self.tokenizer.message_ids(role, body) if role is not None else body
         pad = self.config.media_placeholder_token_id
-        if pad is None or new.count(pad) != 1:
+        if pad is None or body.count(pad) != 1:
             raise InputError(f"the tokenizer's <|media_pad|> is not the model's media_placeholder_token_id ({pad})")
-        pad_at = new.index(pad)
-        limit = self.config.max_position_embeddings
-        total = len(self.tokens) + len(new) - 1 + rows * cols
-        if total > limit:
-            raise InputError(f"context would hold {total} tokens with this image; the model's limit is {limit}")
+        pad_at = body.index(pad)
+        ids = body[:pad_at] + [pad] * (rows * cols) + body[pad_at + 1:]
+        return _PreparedImage(processed, label, rows, cols, ids, pad_at)
+
+    def _run_tower(self, prepared: "_PreparedImage") -> None:
         with torch.inference_mode():
-            embeds = self.model.encode_images([processed])[0]  # [rows * cols, hidden]
-        start = len(self.tokens)
-        first = start + pad_at
-        expanded = new[:pad_at] + [pad] * (rows * cols) + new[pad_at + 1:]
-        self.tokens.extend(expanded)
+            prepared.embeds = self.model.encode_images([prepared.processed])[0]  # [rows * cols, hidden]
+
+    def _commit_image(self, prepared: "_PreparedImage", head: list[int], tail: list[int], *, role: str | None,
+                      kind: str | None) -> Segment:
+        """Append a prepared image (with the chat tags `head` before and `tail` after it) as one segment."""
+        processed, rows, cols = prepared.processed, prepared.rows, prepared.cols
+        assert prepared.embeds is not None, "the tower runs before an image is committed"
+        first = len(self.tokens) + len(head) + prepared.pad_at
         info = {"width": processed.original_size[0], "height": processed.original_size[1],
                 "resized_width": processed.resized_size[0], "resized_height": processed.resized_size[1],
                 "patch_rows": processed.grid[0], "patch_cols": processed.grid[1], "grid_rows": rows,
                 "grid_cols": cols, "token_start": first, "token_end": first + rows * cols,
                 "sha256": processed.sha256, "frames": processed.frames}
-        seg = Segment(id=len(self.segments), kind=kind or "image", name=label or f"image {len(self.segments)}",
-                      start=start, end=len(self.tokens), role=role, modality="image", image=info)
-        self._pending_images.append((first, embeds))
+        self._pending_images.append((first, prepared.embeds))
         if processed.thumbnail is not None:
-            self.image_thumbnails[seg.id] = processed.thumbnail
-        self.segments.append(seg)
-        self._emit("segment", segment=seg)
-        return seg
+            self.image_thumbnails[len(self.segments)] = processed.thumbnail
+        return self._add_segment(head + prepared.ids + tail, kind=kind or "image",
+                                 name=prepared.label or f"image {len(self.segments)}", role=role,
+                                 modality="image", image=info)
 
     def _image_inputs(self, start: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(projector rows, [1, n] mask) of the pending images that fall in positions [start, start + n)."""
@@ -327,7 +412,9 @@ class Session:
             raise InputError("the session is empty: append a prompt first")
         last = self.segments[-1] if self.segments else None
         if add_generation_prompt is None:
-            add_generation_prompt = last is not None and last.kind == "turn" and last.role not in (None, "assistant")
+            # a chat message ends in its text (a "turn") or, for a message of images only, in an image
+            add_generation_prompt = (last is not None and last.kind in ("turn", "image")
+                                     and last.role not in (None, "assistant"))
         if add_generation_prompt:
             if self.tokenizer is None:
                 raise InputError("a generation prompt needs a tokenizer")
@@ -388,10 +475,12 @@ class Session:
         hash, segments, sampling, step, deployment record). `engine.snapshot` writes it to disk.
 
         Image segments are kept (their `image` dict, with the pixel hash) but never their pixels:
-        an image must be prefilled before a snapshot is taken (InputError otherwise)."""
+        an image must be prefilled before a snapshot is taken (InputError otherwise). Their
+        thumbnails go along as PNG bytes (`thumbnails.<segment id>`, uint8), so viewers of a
+        resumed session still draw the picture."""
         return self._state_dict()
 
-    def _state_dict(self, *, pending_images_ok: bool = False) -> dict[str, Any]:
+    def _state_dict(self, *, pending_images_ok: bool = False, thumbnails: bool = True) -> dict[str, Any]:
         if self._pending_images and not pending_images_ok:
             raise InputError(f"{len(self._pending_images)} image(s) are appended but not prefilled; snapshots hold no "
                              "pixels: run prefill() first")
@@ -402,6 +491,10 @@ class Session:
         if self.last_logits is not None:
             tensors["last_logits"] = self.last_logits.float()
         tensors.update(self.state.to_tensors())
+        if thumbnails:
+            for seg_id, picture in sorted(self.image_thumbnails.items()):
+                png = bytearray(encode_thumbnail(picture))
+                tensors[f"{THUMBNAIL_TENSOR}{seg_id}"] = torch.frombuffer(png, dtype=torch.uint8)
         return {
             "tensors": tensors,
             "model": {"config_hash": self.config.fingerprint(), "weights_hash": model_fingerprint(self.model),
@@ -449,6 +542,7 @@ class Session:
         if type(consumed) is not int or not 0 <= consumed <= len(tokens):
             raise InputError(f"invalid consumed-token count {consumed!r:.40} (expected an integer in [0, {len(tokens)}])")
         segments = _segments_from_json(state.get("segments", []), len(tokens))
+        thumbnails = _thumbnails_from_tensors(tensors, segments)
         step = state.get("step", 0)
         if type(step) is not int or step < 0:
             raise InputError(f"invalid step {step!r:.40} (expected a non-negative integer)")
@@ -467,7 +561,7 @@ class Session:
         self.state = layers
         self.tokens = tokens
         self.segments = segments
-        self._pending_images, self.image_thumbnails = [], {}
+        self._pending_images, self.image_thumbnails = [], thumbnails
         self.step = step
         self.sampling = sampling
         if generator is not None:
@@ -480,7 +574,7 @@ class Session:
         """An independent copy (same model) that continues from exactly this point."""
         other = type(self)(self.model, self.tokenizer, prefill_chunk=self.prefill_chunk,
                            model_name=self.deployment.model, progress=self.progress)
-        other.load_state_dict(self._state_dict(pending_images_ok=True))
+        other.load_state_dict(self._state_dict(pending_images_ok=True, thumbnails=False))
         other._pending_images = list(self._pending_images)  # embeddings are never modified: share them
         other.image_thumbnails = dict(self.image_thumbnails)
         # a branch continues this run: it inherits the record so far and the sampling filters
@@ -535,6 +629,26 @@ def _segments_from_json(raw: Any, n_tokens: int) -> list[Segment]:
             raise InputError(f"snapshot segment {i}: range [{seg['start']}, {seg['end']}) is outside the "
                              f"{n_tokens} tokens")
         out.append(Segment(**seg))
+    return out
+
+
+def _thumbnails_from_tensors(tensors: dict[str, torch.Tensor], segments: list[Segment]) -> dict[int, Any]:
+    """A snapshot's `thumbnails.<id>` PNG bytes -> {segment id: RGB picture}, each checked (InputError)."""
+    images = {seg.id for seg in segments if seg.image is not None}
+    out: dict[int, Any] = {}
+    for key in sorted(k for k in tensors if k.startswith(THUMBNAIL_TENSOR)):
+        where = f"snapshot thumbnail {key[:60]!r}"
+        digits = key[len(THUMBNAIL_TENSOR):]
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 9:
+            raise InputError(f"{where}: the name must be thumbnails.<segment id>")
+        seg_id = int(digits)
+        if seg_id not in images:
+            raise InputError(f"{where}: segment {seg_id} is not an image segment")
+        t = tensors[key]
+        if t.dtype != torch.uint8 or t.ndim != 1:
+            raise InputError(f"{where}: must be PNG bytes (uint8 [n]), got {str(t.dtype).removeprefix('torch.')} "
+                             f"{list(t.shape)}")
+        out[seg_id] = decode_thumbnail(t.numpy().tobytes(), where)  # byte count, format and size checked first
     return out
 
 

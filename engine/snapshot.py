@@ -11,7 +11,9 @@ good snapshot loadable; the next save or load recovers it and removes stale temp
 
 Layout of `state.safetensors` (version 1): `tokens` int64 [n]; `generator` uint8 (sampler RNG
 state); `last_logits` fp32 [V]; per layer `layers.{i}.recurrent` / `.conv` (KDA) or `.latent` /
-`.k_rope` / `.index_keys` (MLA, rows [0, consumed) only).
+`.k_rope` / `.index_keys` (MLA, rows [0, consumed) only); `thumbnails.{segment id}` uint8 [n] per
+image segment: its thumbnail's PNG bytes (longest side <= 512 px; checked by `engine.session` on
+read), so viewers of a resumed session draw the picture without the source pixels.
 """
 
 from __future__ import annotations

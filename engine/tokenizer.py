@@ -131,18 +131,32 @@ class Tokenizer:
         ids.extend(self.encode(name))
         ids.append(self.sep_id)
 
-    def message_ids(self, role: str, body: Sequence[int]) -> list[int]:
-        """One chat message around already-built `body` ids (text, or an image's media tokens)."""
+    def message_frame(self, role: str) -> tuple[list[int], list[int]]:
+        """(opening, closing) ids of one chat message: `<|open|>message role="R"<|sep|>` and
+        `<|close|>message<|sep|><|end_of_msg|>`; a message's body (text, image spans) goes between."""
         if None in (self.open_id, self.close_id, self.sep_id, self.end_of_msg_id):
             raise InputError("this tokenizer has no chat control tokens (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>)")
         if role not in ("system", "user", "assistant", "tool"):
             raise InputError(f"unknown chat role {role!r}")
+        opening: list[int] = []
+        closing: list[int] = []
+        self._tag(opening, True, f'message role="{role}"')
+        self._tag(closing, False, "message")
+        closing.append(self.end_of_msg_id)  # type: ignore[arg-type]
+        return opening, closing
+
+    def message_ids(self, role: str, body: Sequence[int]) -> list[int]:
+        """One chat message around already-built `body` ids (text, or an image's media tokens)."""
+        opening, closing = self.message_frame(role)
+        return opening + list(body) + closing
+
+    def response_prefix(self, text: str = "") -> list[int]:
+        """After the generation prompt: close the (empty) `think` section, open `response` and start it
+        with `text` (a prefilled answer start, e.g. the key the demo model restates)."""
         ids: list[int] = []
-        self._tag(ids, True, f'message role="{role}"')
-        ids.extend(body)
-        self._tag(ids, False, "message")
-        ids.append(self.end_of_msg_id)  # type: ignore[arg-type]
-        return ids
+        self._tag(ids, False, "think")
+        self._tag(ids, True, "response")
+        return ids + self.encode(text)
 
     def chat_prompt(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the K3 chat format, built in code.

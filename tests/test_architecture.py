@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders",)),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
-    ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions",
+    ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.__main__")),
     ("apps dashboard", ("apps.dashboard",)),
     # the top floor: the command line wires engine, workbench and dashboard together

@@ -53,9 +53,9 @@ class Stage:
 
 def schedule(scale: float) -> list[Stage]:
     """About 90 minutes on 2 free CPU cores at scale 1 (4,096 tokens per step)."""
-    base = [Stage("dense", 200, 16, 256), Stage("dense", 250, 8, 512), Stage("dense", 150, 4, 1024),
-            Stage("warmup", 80, 4, 1024),
-            Stage("sparse", 300, 4, 1024), Stage("sparse", 180, 2, 2048)]
+    base = [Stage("dense", 800, 8, 512), Stage("dense", 250, 4, 1024),
+            Stage("warmup", 60, 4, 1024),
+            Stage("sparse", 250, 4, 1024), Stage("sparse", 200, 2, 2048)]
     return [Stage(s.phase, max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
 
 
@@ -292,18 +292,22 @@ def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dic
 
 
 def eval_table(rows: list[dict]) -> str:
-    """Markdown table: one row per (length, mode), one column per depth, cells `correct/total`."""
+    """Markdown table: one row per (length, mode), one column per depth; cells `v/n (w)`: the value
+    right given the key in v of n prompts, the whole response (key and value) in w."""
     depths = sorted({r["depth"] for r in rows})
-    lines = ["| tokens | DSA | " + " | ".join(f"depth {d:.0%}" for d in depths) + " | all |",
-             "|---:|---|" + "---:|" * (len(depths) + 1)]
+    lines = ["| tokens | DSA | " + " | ".join(f"depth {d:.0%}" for d in depths) + " | value | whole response |",
+             "|---:|---|" + "---:|" * (len(depths) + 2)]
     for length in sorted({r["length"] for r in rows}):
         for mode in ("sparse", "dense"):
             sel = {r["depth"]: r for r in rows if r["length"] == length and r["mode"] == mode}
             if not sel:
                 continue
-            cells = [f"{sel[d]['correct']}/{sel[d]['total']}" if d in sel else "-" for d in depths]
-            c, t = sum(r["correct"] for r in sel.values()), sum(r["total"] for r in sel.values())
-            lines.append(f"| {length:,} | {mode} | " + " | ".join(cells) + f" | {c / t:.0%} |")
+            cells = [f"{sel[d].get('value_correct', sel[d]['correct'])}/{sel[d]['total']} ({sel[d]['correct']})"
+                     if d in sel else "-" for d in depths]
+            t = sum(r["total"] for r in sel.values())
+            v = sum(r.get("value_correct", r["correct"]) for r in sel.values())
+            c = sum(r["correct"] for r in sel.values())
+            lines.append(f"| {length:,} | {mode} | " + " | ".join(cells) + f" | {v / t:.0%} | {c / t:.0%} |")
     return "\n".join(lines)
 
 

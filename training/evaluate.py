@@ -1,6 +1,9 @@
 """Held-out exact-answer accuracy: needle prompts the training generator never produces.
 
-A prompt's answer is exactly right when greedy decoding would emit the whole assistant response
+The model answers `key: value`. Two exact measures per prompt, from one teacher-forced pass:
+the value given the key before it (what greedy decoding emits after a response prefilled with
+`key: `), and the whole response (restated key and value). A prompt's answer is exactly right
+when greedy decoding would emit the whole assistant response
 (`<|close|>think<|sep|><|open|>response<|sep|>{answer}<|close|>`): one teacher-forced forward pass
 shows that, since greedy decoding emits a sequence iff every token of it is the argmax after its
 prefix. Prompts use `workbench.retrieval_text.HELD_OUT` (other filler, key names and needle wording).
@@ -20,10 +23,12 @@ from training.tasks import HELD_OUT, answer_ids, needle_prompt
 
 def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float) -> tuple[list[int], int, dict]:
     s = needle_prompt(tok, HELD_OUT, rng, length, depth)
-    before, ans, after = answer_ids(tok, s.answer)
+    before, ans, after = answer_ids(tok, s.response)
     prompt = s.ids[: s.prompt_len]
     target = before + ans + after[:1]
-    return prompt + target, len(prompt), {"needle": [s.facts[0].start, s.facts[0].end], "answer": s.answer}
+    value_at = len(before) + len(ans) - len(tok.encode(s.answer))   # the value's offset in `target`
+    return prompt + target, len(prompt), {"needle": [s.facts[0].start, s.facts[0].end], "answer": s.answer,
+                                          "value_at": value_at}
 
 
 @torch.no_grad()
@@ -45,7 +50,7 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
                 for mode in modes:
                     model.runtime.dsa_force_dense = mode == "dense"
                     started = time.perf_counter()
-                    correct = 0
+                    correct = value_correct = 0
                     per = max(1, batch_tokens // max(len(c[0]) for c in cases))
                     for i in range(0, n, per):
                         group = cases[i:i + per]
@@ -55,11 +60,16 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
                         for b, (seq, _, _) in enumerate(group):
                             ids[b, : len(seq) - 1] = torch.tensor(seq[:-1])
                         logits = model(ids)
-                        for b, (seq, plen, _) in enumerate(group):
+                        for b, (seq, plen, meta) in enumerate(group):
                             pred = logits[b, plen - 1: len(seq) - 1].argmax(-1)
-                            correct += int(torch.equal(pred, torch.tensor(seq[plen:])))
-                    rows.append({"length": length, "depth": depth, "mode": mode, "correct": correct, "total": n,
-                                 "accuracy": correct / n, "seconds": round(time.perf_counter() - started, 2)})
+                            want = torch.tensor(seq[plen:])
+                            correct += int(torch.equal(pred, want))
+                            at = meta["value_at"]
+                            value_correct += int(torch.equal(pred[at:], want[at:]))
+                    rows.append({"length": length, "depth": depth, "mode": mode, "correct": correct,
+                                 "value_correct": value_correct, "total": n, "accuracy": correct / n,
+                                 "value_accuracy": value_correct / n,
+                                 "seconds": round(time.perf_counter() - started, 2)})
     finally:
         model.runtime.dsa_force_dense = saved
         model.train(was_training)
@@ -67,14 +77,15 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
 
 
 def summary(rows: list[dict]) -> str:
-    """'1024: sparse 83% dense 75% | ...' (accuracy over depths per length and mode)."""
+    """'1024: sparse 83% (0%) dense 75% (8%) | ...': value given the key (whole response) over depths."""
     parts = []
     for length in sorted({r["length"] for r in rows}):
         bits = []
         for mode in ("sparse", "dense"):
             sel = [r for r in rows if r["length"] == length and r["mode"] == mode]
             if sel:
-                acc = sum(r["correct"] for r in sel) / sum(r["total"] for r in sel)
-                bits.append(f"{mode} {acc:.0%}")
+                total = sum(r["total"] for r in sel)
+                acc = sum(r.get("value_correct", r["correct"]) for r in sel) / total
+                bits.append(f"{mode} {acc:.0%} ({sum(r['correct'] for r in sel) / total:.0%})")
         parts.append(f"{length}: " + " ".join(bits))
     return " | ".join(parts)

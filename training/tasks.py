@@ -25,10 +25,17 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.tokenizer import Message, Tokenizer, parse_answer
-from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, value_string
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_text, response_value, value_string
 
-# loss weight of the answer value, the fixed assistant scaffold and everything else (the filler)
-W_ANSWER, W_SCAFFOLD, W_CONTEXT = 1.0, 0.3, 0.05
+# loss weights: the answer's value, a value restated in the document (retrievable from its first
+# mention), the answer's restated key and the fixed assistant scaffold, everything else (the filler)
+W_ANSWER, W_RESTATED, W_KEY, W_SCAFFOLD, W_CONTEXT = 1.0, 0.9, 0.5, 0.3, 0.05
+# From this step on the restated key weighs W_KEY_LATE: by then values are retrieved well but copying
+# a key never seen (a pseudo-word, or a held-out name) from the question lags behind (measured on
+# the run's states at step 650: key-copy loss 0.76 on training keys, 4.9 on held-out ones).
+KEY_WEIGHT_STEP, W_KEY_LATE = 700, 0.95
+DRILL_SHARE = 0.4   # share of training rows that are recall drills (`build(drill=True)`)
+PSEUDO_KEY_SHARE = 0.6   # share of training keys with one or both words a `pseudo_word`
 
 
 @dataclass
@@ -36,7 +43,10 @@ class Fact:
     text: str
     question: str
     answer: str
-    after: "Fact | None" = None   # a fact that must come earlier (variable tracking)
+    kind: str = ""               # needle | kv | var | quote
+    key: str = ""                # what the question names (echoed before the value in the answer)
+    after: "Fact | None" = None   # a fact that must come earlier (variable tracking, restatements)
+    restated: bool = False       # a later mention of an earlier fact: its value is weighted W_RESTATED
     start: int = -1              # token span in the sample, filled in by `build`
     end: int = -1
 
@@ -47,7 +57,8 @@ class Sample:
     weights: list[float]
     facts: list[Fact] = field(default_factory=list)
     prompt_len: int = 0          # tokens up to and including the first generation prompt
-    answer: str = ""             # first question's answer
+    answer: str = ""             # first question's answer (the value)
+    response: str = ""           # first question's whole response text (`key: value`)
 
 
 def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
@@ -57,37 +68,74 @@ def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
 
 
 def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[int]]:
-    """(scaffold before, answer ids, scaffold after) of an assistant answer after the generation prompt."""
-    before = _tags(tok, False, "think") + _tags(tok, True, "response")
+    """(scaffold before, answer ids, scaffold after) of an assistant answer after the generation prompt.
+
+    `answer` is the whole response text (`Sample.response`, `key: value`)."""
+    before = tok.response_prefix()
     after = _tags(tok, False, "response") + _tags(tok, False, "message") + [tok.end_of_msg_id]
     return before, tok.encode(answer), after
 
 
+def pseudo_word(rng: random.Random) -> str:
+    """A pronounceable nonsense word (`bavoki`): training keys made of these can only be answered by
+    copying them from the question, never from a memorised key vocabulary, so the copy generalises
+    to key names the model never saw (the held-out world's)."""
+    return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.randint(2, 3)))
+
+
+def _key(world: World, rng: random.Random) -> str:
+    adjective, noun = rng.choice(world.key_adjectives), rng.choice(world.key_nouns)
+    if world is TRAIN:
+        r = rng.random()
+        if r < PSEUDO_KEY_SHARE / 3:
+            adjective = pseudo_word(rng)
+        elif r < 2 * PSEUDO_KEY_SHARE / 3:
+            noun = pseudo_word(rng)
+        elif r < PSEUDO_KEY_SHARE:
+            adjective, noun = pseudo_word(rng), pseudo_word(rng)
+    return f"{adjective} {noun}"
+
+
 def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:
     facts: list[Fact] = []
-    keys = rng.sample([f"{a} {n}" for a in world.key_adjectives for n in world.key_nouns], len(kinds))
-    names = rng.sample(world.variables, 2 * len(kinds))
+    keys: list[str] = []
+    while len(keys) < len(kinds):   # distinct keys within a sample
+        k = _key(world, rng)
+        if k not in keys:
+            keys.append(k)
+    names = rng.sample(world.variables, min(len(world.variables), 2 * len(kinds)))
     for i, kind in enumerate(kinds):
         k = keys[i]
         if kind == "needle":
             v = value_string(rng)
             t = rng.randrange(len(world.needles))
             q = world.needle_questions[t] if rng.random() < 0.7 else rng.choice(world.needle_questions)
-            facts.append(Fact(world.needles[t].format(k=k, v=v), q.format(k=k), v))
+            facts.append(Fact(world.needles[t].format(k=k, v=v), q.format(k=k), v, kind=kind, key=k))
         elif kind == "kv":
             v = str(rng.randint(10, 99999))
-            facts.append(Fact(rng.choice(world.kv_facts).format(k=k, v=v), rng.choice(world.kv_questions).format(k=k), v))
+            facts.append(Fact(rng.choice(world.kv_facts).format(k=k, v=v), rng.choice(world.kv_questions).format(k=k), v,
+                              kind=kind, key=k))
         elif kind == "var":
             a, b = names[2 * i], names[2 * i + 1]
             v = str(rng.randint(1, 999))
             first = Fact(rng.choice(world.var_set).format(a=a, v=v), "", v)
             facts.append(first)
             facts.append(Fact(rng.choice(world.var_copy).format(a=a, b=b), rng.choice(world.var_questions).format(b=b),
-                              v, after=first))
+                              v, kind=kind, key=b, after=first))
         else:  # quote
-            q = " ".join(rng.choice(world.quote_words) for _ in range(rng.randint(2, 4)))
-            facts.append(Fact(rng.choice(world.quote_facts).format(k=k, q=q), rng.choice(world.quote_questions).format(k=k), q))
+            q = " ".join(pseudo_word(rng) if world is TRAIN and rng.random() < 0.5 else rng.choice(world.quote_words)
+                         for _ in range(rng.randint(2, 4)))
+            facts.append(Fact(rng.choice(world.quote_facts).format(k=k, q=q), rng.choice(world.quote_questions).format(k=k), q,
+                              kind=kind, key=k))
     return facts
+
+
+def _restate(world: World, rng: random.Random, f: Fact) -> Fact:
+    """A later mention of fact `f` in another of its kind's templates (dense retrieval practice: the value
+    is predictable only from the first mention)."""
+    pools = {"needle": world.needles, "kv": world.kv_facts, "quote": world.quote_facts}
+    text = rng.choice(pools[f.kind]).format(k=f.key, v=f.answer, q=f.answer)
+    return Fact(text, "", f.answer, kind=f.kind, key=f.key, after=f, restated=True)
 
 
 def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | None) -> list[tuple[float, Fact]]:
@@ -102,7 +150,7 @@ def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | 
 
 
 def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
-           layout: str) -> tuple[list[int], list[tuple[list[int], float]]]:
+           layout: str, key_weight: float = W_KEY) -> tuple[list[int], list[tuple[list[int], float]]]:
     """The ids before the document (head) and the (ids, loss weight) pieces after it (tail)."""
     tail: list[tuple[list[int], float]] = []
     for i, f in enumerate(asked):
@@ -112,8 +160,9 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
             q_ids = tok.chat_prompt([Message("user", f.question)], add_generation_prompt=False)
         tail.append((q_ids, W_CONTEXT))
         tail.append((tok.chat_prompt([], add_generation_prompt=True), W_CONTEXT))
-        before, ans, after = answer_ids(tok, f.answer)
-        tail += [(before, W_SCAFFOLD), (ans, W_ANSWER), (after, W_SCAFFOLD)]
+        before, _, after = answer_ids(tok, "")
+        key_part = tok.encode(response_text(f.key, f.answer)[: -len(f.answer)])
+        tail += [(before, W_SCAFFOLD), (key_part, key_weight), (tok.encode(f.answer), W_ANSWER), (after, W_SCAFFOLD)]
     if layout == "plain":
         head = tok.chat_prompt([Message("system", rng.choice(world.systems))], add_generation_prompt=False)
     else:
@@ -122,7 +171,8 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
 
 
 def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kinds: list[str] | None = None,
-          depths: list[float] | None = None, questions: int | None = None, layout: str | None = None) -> Sample:
+          depths: list[float] | None = None, questions: int | None = None, layout: str | None = None,
+          drill: bool = False, key_weight: float = W_KEY) -> Sample:
     """One sample of about `length` tokens (exactly `length` unless the fixed parts are longer).
 
     Args:
@@ -130,18 +180,28 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         depths: depth of each fact in the document (fraction of the filler), default random.
         questions: how many facts are asked about (default 1-3, at most the askable facts).
         layout: "plain" (system turn, plain document, question turn) or "message" (one user message).
+        drill: a recall drill instead of a document: as many facts as fit, little filler, every fact
+            restated in the second half in random order (dense practice for the retrieval circuit).
     """
-    if kinds is None:
-        n = rng.randint(1, 6)
+    restate = kinds is None
+    if drill:
+        n = max(1, (length - 200) // 75)
+        kinds = [rng.choice(("needle", "kv", "kv", "quote")) for _ in range(n)]
+    elif kinds is None:
+        # denser documents when there is room: every fact and restatement is retrieval practice
+        n = rng.randint(1, max(2, min(12, length // 96)))
         kinds = [rng.choices(("needle", "kv", "var", "quote"), weights=(4, 3, 2, 1))[0] for _ in range(n)]
     layout = layout or rng.choice(("plain", "message"))
     n_questions = questions
     for attempt in range(8):
         facts = _facts(world, rng, kinds)
-        askable = [f for f in facts if f.question]
+        if restate:
+            facts += [_restate(world, rng, f) for f in facts
+                      if f.kind in ("needle", "kv", "quote") and (drill or rng.random() < 0.6)]
+        askable = [f for f in facts if f.question and not f.restated]
         rng.shuffle(askable)
         asked = askable[: n_questions or rng.randint(1, min(3, len(askable)))]
-        head, tail = _frame(tok, world, rng, asked, layout)
+        head, tail = _frame(tok, world, rng, asked, layout, key_weight)
         fact_ids = [tok.encode(f.text) for f in facts]
         fixed = len(head) + sum(len(i) for i in fact_ids) + sum(len(i) for i, _ in tail)
         if fixed <= length:
@@ -159,12 +219,17 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
     ids: list[int] = list(head)
     weights: list[float] = [W_CONTEXT] * len(head)
     cursor = 0
+    if drill:
+        depths = [rng.uniform(0.5, 1.0) if f.restated else rng.uniform(0.0, 0.5) for f in facts]
     for depth, f in _place(rng, facts, budget, depths):
         cut = max(cursor, min(budget, int(depth * budget)))
-        # move the cut to the next sentence end so a fact never lands inside a filler sentence
+        # move the cut to a sentence end so a fact never lands inside a filler sentence
         dot = text.find(". ", cut)
-        if 0 <= dot < cut + 200:
-            cut = min(budget, dot + 2)
+        if 0 <= dot < cut + 200 and dot + 2 <= budget:
+            cut = dot + 2
+        else:
+            back = text.rfind(". ", cursor, cut)
+            cut = back + 2 if back >= 0 else cursor
         piece = tok.encode(text[cursor:cut])
         ids += piece
         weights += [W_CONTEXT] * len(piece)
@@ -172,7 +237,11 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         f.start = len(ids)
         f_ids = tok.encode(f.text)
         ids += f_ids
-        weights += [W_CONTEXT] * len(f_ids)
+        f_w = [W_CONTEXT] * len(f_ids)
+        if f.restated:
+            at = len(tok.encode(f.text[: f.text.rindex(f.answer)]))
+            f_w[at: at + len(tok.encode(f.answer))] = [W_RESTATED] * len(tok.encode(f.answer))
+        weights += f_w
         f.end = len(ids)
     rest = tok.encode(text[cursor:])
     ids += rest
@@ -183,7 +252,8 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         weights += [w] * len(piece)
         if i == 1:
             prompt_len = len(ids)
-    return Sample(ids=ids, weights=weights, facts=facts, prompt_len=prompt_len, answer=asked[0].answer)
+    return Sample(ids=ids, weights=weights, facts=facts, prompt_len=prompt_len, answer=asked[0].answer,
+                  response=response_text(asked[0].key, asked[0].answer))
 
 
 def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +266,8 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int) -> tuple
     ids = torch.zeros(size, length, dtype=torch.long)
     weights = torch.zeros(size, length)
     for b in range(size):
-        s = build(tok, TRAIN, rng, length)
+        s = build(tok, TRAIN, rng, length, drill=rng.random() < DRILL_SHARE,
+                  key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY)
         n = min(length, len(s.ids))
         # long fixed parts can overshoot a short length: keep the end (the question and answer)
         row, w = s.ids[len(s.ids) - n:], s.weights[len(s.ids) - n:]
@@ -210,4 +281,5 @@ def needle_prompt(tok: Tokenizer, world: World, rng: random.Random, length: int,
     return build(tok, world, rng, length, kinds=["needle"], depths=[depth], questions=1, layout="plain")
 
 
-__all__ = ["HELD_OUT", "TRAIN", "Fact", "Sample", "answer_ids", "batch", "build", "needle_prompt", "parse_answer"]
+__all__ = ["HELD_OUT", "TRAIN", "Fact", "Sample", "answer_ids", "batch", "build", "needle_prompt", "parse_answer",
+           "response_value"]

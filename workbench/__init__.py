@@ -13,6 +13,8 @@ Public API:
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
+- `show(trace_or_session, views=None)`: the dashboard's live views inline in a notebook cell
+  (`workbench.inline`; found through the entry point group `k3_workbench.views`).
 - `chart_picture(values, labels, title, caption)`: a bar chart drawn with Pillow, for image sessions
   (`workbench.pictures`).
 
@@ -29,7 +31,7 @@ _EXPORTS = {
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
     "TraceWriter": "workbench.trace", "haystack": "workbench.text", "plant": "workbench.text",
     "chart_picture": "workbench.pictures",
-    "recorded_session": "workbench.sessions",
+    "recorded_session": "workbench.sessions", "show": "workbench.inline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -135,3 +135,18 @@ def filler(world: World, rng: random.Random, n_bytes: int) -> str:
         parts.append(s)
         size += len(s.encode())
     return "".join(parts)
+
+
+def response_text(key: str, value: str) -> str:
+    """The trained demo model's answer: the key it was asked about, then the value (`amber tower: 4821`).
+
+    Restating the key first puts the key phrase right before the value, as it stands in the document,
+    so retrieving the value is a match on the words just before it (what DSA's top-k can select).
+    """
+    return f"{key}: {value}"
+
+
+def response_value(response: str) -> str:
+    """The value in a `response_text` answer (everything after the first ': '; the whole text without one)."""
+    _, sep, value = response.partition(": ")
+    return (value if sep else response).strip()

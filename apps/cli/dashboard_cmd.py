@@ -3,9 +3,11 @@
     workbench dashboard --trace traces/run1            # follow a trace (finished, or being written elsewhere)
     workbench dashboard --model preset:demo            # drive sessions from the browser
     workbench dashboard --host 0.0.0.0 --port 5006     # reachable from other machines: needs the printed token
+    workbench dashboard --trace traces/a --compare traces/b   # two traces side by side + DSA difference view
 
 The server binds to 127.0.0.1 unless told otherwise; any other host gets a random access token that
-every URL must carry (`?token=...`). `?trace=NAME` picks a trace inside `--root` only.
+every URL must carry (`?token=...`). `?trace=NAME` picks a trace inside `--root` only; `&compare=NAME`
+(inside `--root` too) shows a second trace beside it.
 Panel is imported only when this command runs, so the other commands start without it.
 """
 
@@ -22,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dashboard", help="serve the live memory-inspector dashboard")
     p.add_argument("--model", help="checkpoint directory, builtin:demo or preset:NAME offered first in drive mode (default builtin:demo)")
     p.add_argument("--trace", type=Path, help="trace directory to follow (it may still be being written)")
+    p.add_argument("--compare", type=Path, help="a second trace shown beside --trace (same layout) with a DSA "
+                   "difference view, e.g. the two traces of `workbench compare`; drive mode is off then")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, default=5006)
     p.add_argument("--root", type=Path, help="the only directory tree ?trace= may point into; driven sessions are "
@@ -43,8 +47,14 @@ def dashboard_config(args: argparse.Namespace):
     if root.exists() and not root.is_dir():
         raise InputError(f"--root {root} is not a directory")
     root.mkdir(parents=True, exist_ok=True)
-    return DashboardConfig(trace=args.trace, model=args.model, root=root, host=args.host, port=args.port,
-                           drive=not args.no_drive)
+    compare = getattr(args, "compare", None)
+    if compare is not None:
+        if args.trace is None:
+            raise InputError("--compare needs --trace: the trace to compare it with")
+        if compare.resolve() == args.trace.resolve():
+            raise InputError("--compare names the same directory as --trace; pick two different traces")
+    return DashboardConfig(trace=args.trace, compare=compare, model=args.model, root=root, host=args.host,
+                           port=args.port, drive=not args.no_drive and compare is None)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -57,8 +67,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.trace is not None and not args.trace.exists():
-        print(f"note: {args.trace} does not exist yet; the dashboard will wait for it")
+    for given in (args.trace, config.compare):
+        if given is not None and not given.exists():
+            print(f"note: {given} does not exist yet; the dashboard will wait for it")
     try:
         server = serve(config, show=False, start=False)  # binds the port
     except OSError as exc:

@@ -28,7 +28,7 @@ from engine.errors import InputError
 from engine.presets import get_preset
 from engine.tokenizer import parse_answer
 from engine.weights.write import write_checkpoint
-from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_text, response_value
 
 DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
@@ -69,9 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where --model preset:demo's random-weight checkpoint is written (first run only)")
     p.add_argument("--wording", choices=("train", "held-out"), default="train", help="needle and question in the "
                    "trained model's own wording (train) or in wording it never saw (held-out)")
-    p.add_argument("--tokens", type=int, default=32768, help="context size in tokens (default 32768)")
-    p.add_argument("--new-tokens", type=int, default=40, help="most tokens the model generates for its answer "
-                   "(the response scaffold takes ~17 byte tokens; generation stops at the end of the message)")
+    p.add_argument("--tokens", type=int, default=2048, help="context size in tokens (default 2048: the trained demo "
+                   "model retrieves at its trained length and breaks by 8K, see its MODEL_CARD.md; larger shows where)")
+    p.add_argument("--new-tokens", type=int, default=64, help="most tokens the model generates for its answer "
+                   "(the response restates the key and takes ~40 byte tokens of scaffold; generation stops at the end of the message)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace directory (replaced if it holds a trace)")
     p.add_argument("--port", type=int, default=5006)
     p.add_argument("--no-browser", action="store_true", help="print the URL but do not open a browser")
@@ -123,17 +124,18 @@ def build_documents(tokens: int, count_tokens, seed: int = 0, words: Wording | N
     return docs, needle_doc, needle_at
 
 
-def answer_queries(pieces: list[str], first: int, value: str) -> tuple[int, int] | None:
+def answer_queries(pieces: list[str], first: int, value: str, prefilled: bool = False) -> tuple[int, int] | None:
     """Inclusive query positions of the answer tokens (query t predicts token t + 1): those that produced
     `value` when the response holds it, else those that produced the response's text; None when the
     generated turn has no response text (then the caller counts every generated token).
 
-    Generated token i sits at position `first + i`.
+    Generated token i sits at position `first + i`. `prefilled`: the prompt already opened the
+    response (and restated the key), so the generated text is the rest of the response.
     """
     text = "".join(pieces)
     head = "<|open|>response<|sep|>"
-    at = text.find(head)
-    if at < 0:
+    at = -len(head) if prefilled else text.find(head)
+    if at < 0 and not prefilled:
         return None
     lo = at + len(head)
     close = text.find("<|close|>", lo)
@@ -177,23 +179,30 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
         else:
             print(f"no image in this demo: {session.model.vision_unavailable}", flush=True)
         session.append(words.question, role="user", name="question")
+        # the response is prefilled with the key (`hidden cellar: `) as the model answers (`key: value`),
+        # so what it generates is the value: the tokens whose DSA reads the report counts
+        prefix = response_text(words.key, "")
+        session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
+                       name="answer prefix", kind="turn", role="assistant")
         run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": words.needle,
                                                  "question": words.question, "expected": PASSCODE})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
-        pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0)]
+        pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,
+                                                       add_generation_prompt=False)]
     elapsed = time.perf_counter() - started
     trace_obj = workbench.open_trace(trace)
     gen = [s for s in trace_obj.segments().itertuples() if s.kind == "generated"]
     first = int(gen[-1].start) if gen else len(session.tokens) - len(pieces)
     # the answer tokens: the passcode's (or the response text's) queries, else every generated token's
     # (the prompt's last position produced the first one)
-    queries = answer_queries(pieces, first, PASSCODE) or ((first - 1, first + len(pieces) - 2) if pieces else None)
+    queries = (answer_queries(pieces, first, PASSCODE, prefilled=True)
+               or ((first - 1, first + len(pieces) - 2) if pieces else None))
     readers = layers_reading(trace_obj.df("dsa_topk"), needle[0], needle[1], queries=queries)
     text = "".join(pieces)
-    response = parse_answer(text)
-    return {"answer": response if response is not None else text, "scaffold_ok": response is not None,
-            "correct": response is not None and response.strip() == PASSCODE, "expected": PASSCODE,
+    response = parse_answer("<|open|>response<|sep|>" + prefix + text) if "<|close|>" in text else None
+    return {"answer": response if response is not None else prefix + text, "scaffold_ok": response is not None,
+            "correct": response is not None and response_value(response) == PASSCODE, "expected": PASSCODE,
             "needle": needle, "seconds": elapsed, "tokens": len(session.tokens), "readers": readers}
 
 

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
     p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
-                   help="an image before the prompt (repeatable, in order; with --chat in the user turn)")
+                   help="an image before the prompt (repeatable, in order; --chat: one user message, images then text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (model card default 1.0)")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -101,10 +101,15 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                           overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,
                           parallel=ctx, device=ctx.device) as run:
         session = run.session
-        for path in args.image:  # a bad image fails here, before anything ran (and the trace keeps what it has)
-            session.append(image=path, role="user" if args.chat else None, name=path.name)
-        if prompt is not None:
-            session.append(prompt, role="user" if args.chat else None, name="prompt")
+        # a bad image fails here, before anything ran (and the trace keeps what it has)
+        if args.chat and (args.image or prompt is not None):  # one user message: the images, then the text
+            session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
+                                   name="prompt")
+        else:
+            for path in args.image:
+                session.append(image=path, name=path.name)
+            if prompt is not None:
+                session.append(prompt, name="prompt")
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out = sys.stdout if ctx.is_leader else io.StringIO()
         for token in session.generate(params=params):

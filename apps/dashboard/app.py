@@ -1,6 +1,7 @@
-"""Composition of the dashboard: the four views, the source/drive sidebar, the server entry point.
+"""Composition of the dashboard: the views, the source/drive sidebar, the server entry point.
 
     Dashboard(config)               one per browser session (or notebook cell): state + views + runner
+    side_by_side(config, a, b)      two traces side by side plus the DSA difference view (`side_by_side.py`)
     create_app(config)              what the server calls per session: access checks, then the template
     serve(config)                   `workbench dashboard`: pn.serve on 127.0.0.1 unless told otherwise
 
@@ -10,22 +11,27 @@ Layout only; the views live in `components/`, the data path in `state.py`, drive
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import panel as pn
 import param
 
+from apps.dashboard.components.dsa_diff import DSADiffView
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
+from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.text import alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
+from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
@@ -38,6 +44,8 @@ class DashboardConfig:
 
     Attributes:
         trace: trace directory followed at start (None: wait for a URL parameter or a driven session).
+        compare: a second trace shown beside `trace` (same layout) with a DSA difference view; drive
+            mode is off then.
         model: model offered first in drive mode (checkpoint directory, builtin:NAME or preset:NAME; default
             the shipped builtin:demo when installed).
         root: the only directory tree the `trace` URL parameter may point into; drive-mode runs are
@@ -53,6 +61,7 @@ class DashboardConfig:
     """
 
     trace: Path | None = None
+    compare: Path | None = None
     model: str | None = None
     root: Path = Path("traces")
     host: str = "127.0.0.1"
@@ -75,10 +84,12 @@ class Dashboard(pn.viewable.Viewer):
     state = param.ClassSelector(class_=DashboardState, doc="the state every view follows")
     message = param.String(default="", doc="an error about the request (bad URL parameter); shown on top")
 
-    def __init__(self, config: DashboardConfig | None = None, *, trace: str | Path | None = None, **params: Any) -> None:
+    def __init__(self, config: DashboardConfig | None = None, *, trace: str | Path | None = None,
+                 compare: str | Path | None = None, **params: Any) -> None:
         config = config or DashboardConfig()
         path = trace if trace is not None else config.trace
-        super().__init__(state=DashboardState(path, interval=config.interval, root=config.root), **params)
+        super().__init__(state=DashboardState(path, interval=config.interval, root=config.root, compare=compare),
+                         **params)
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -109,6 +120,15 @@ class Dashboard(pn.viewable.Viewer):
     @cached_property
     def experts(self) -> ExpertsView:
         return ExpertsView(state=self.state)
+
+    @cached_property
+    def health(self) -> KDAHealthView:
+        return KDAHealthView(state=self.state, session_map=self.session_map)
+
+    @cached_property
+    def diff(self) -> DSADiffView:
+        """The DSA difference view (meaningful when this dashboard follows its trace with `compare`)."""
+        return DSADiffView(state=self.state)
 
     def _width(self, event: param.parameterized.Event) -> None:
         self.state.bins = int(min(max(event.new - FIGURE_CHROME_PX, MIN_BINS), MAX_BINS))
@@ -157,7 +177,7 @@ class Dashboard(pn.viewable.Viewer):
 
     def views(self, defer: bool = False) -> list:
         """The main column; with `defer`, every view but the session map is built after the page has loaded."""
-        names = ["dsa", "kda", "experts"]
+        names = ["dsa", "kda", "health", "experts"]
         if defer:
             # the first paint carries the session map only; the other views are built and sent over the
             # websocket right after, so the page shows up before Bokeh has built ~400 more models
@@ -181,11 +201,39 @@ def _arg(args: dict, name: str) -> str | None:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.viewable.Viewable:
-    """The dashboard for one browser session: checks the token and the `trace` URL parameter first.
+def compare_request(config: DashboardConfig, args: dict, trace: Path | None) -> tuple[Path | None, str]:
+    """The trace to show beside `trace` (from `?compare=` or `config.compare`) and an error message ("" if none).
 
-    Bad input never stops the server: a wrong token gets only an error page; a bad `trace` parameter
-    or an unreadable trace shows an error above the (still working) dashboard.
+    `?compare=` is resolved inside the root like `?trace=`; asking to compare without a trace, or a
+    trace with itself, gives a message and the single-trace dashboard."""
+    compare, requested = config.compare, _arg(args, "compare")
+    if requested is not None:
+        try:
+            compare = resolve_trace(requested, config.root)
+        except AccessError as exc:
+            return None, f"error: compare: {exc}"
+    if compare is None:
+        return None, ""
+    if trace is None:
+        return None, "error: compare needs a trace to compare with: open ?trace=A&compare=B"
+    if Path(compare).resolve() == Path(trace).resolve():
+        return None, "error: compare names the same trace as trace; pick two different traces"
+    return Path(compare), ""
+
+
+def side_by_side(config: DashboardConfig, trace_a: str | Path, trace_b: str | Path, message: str = "") -> SideBySide:
+    """Dashboards of traces A and B (no drive controls) in two columns under the DSA difference view."""
+    follow_only = dataclasses.replace(config, drive=False, trace=None, compare=None)
+    return SideBySide(Dashboard(follow_only, trace=trace_a, compare=trace_b, message=message),
+                      Dashboard(follow_only, trace=trace_b))
+
+
+def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.viewable.Viewable:
+    """The dashboard for one browser session: checks the token and the `trace` / `compare` URL parameters first.
+
+    Bad input never stops the server: a wrong token gets only an error page; a bad `trace` or `compare`
+    parameter or an unreadable trace shows an error above the (still working) dashboard. With a
+    `compare` trace, the two traces are shown side by side (`side_by_side.SideBySide`).
     """
     args = pn.state.session_args if session_args is None else session_args
     if not token_ok(_arg(args, "token"), config.token):
@@ -198,8 +246,15 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
             trace = resolve_trace(requested, config.root)
         except AccessError as exc:
             message = f"error: {exc}"
+    compare, problem = compare_request(config, args, trace)
+    message = "\n\n".join(m for m in (message, problem) if m)
     try:
-        dash = Dashboard(config, trace=trace, message=message)
+        if compare is not None:
+            dash: Any = side_by_side(config, trace, compare, message=message)
+            title = "K3 Workbench · A vs B"
+        else:
+            dash = Dashboard(config, trace=trace, message=message)
+            title = "K3 Workbench · memory inspector"
     except Exception as exc:  # keep serving other sessions; show what went wrong in this one
         return pn.pane.Alert(alert_text(f"The dashboard could not start: {type(exc).__name__}: {exc}"),
                              alert_type="danger")
@@ -208,7 +263,7 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
         pn.state.on_session_destroyed(lambda _ctx: dash.close())
     # one root per template area: Bokeh re-walks every model of the document for each root it adds
     template = pn.template.BootstrapTemplate(
-        title="K3 Workbench · memory inspector", sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
+        title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
         main=[pn.Column(*dash.views(defer=True), sizing_mode="stretch_width")], sidebar_width=340)
     template.dashboard = dash  # reachable from tests and notebooks
     return template
@@ -229,10 +284,12 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
                     websocket_max_message_size=max(config.max_upload_bytes * 2, 8 << 20))
 
 
-def url(config: DashboardConfig, trace: str | None = None) -> str:
-    """The URL to open (with the token and a trace parameter when given)."""
+def url(config: DashboardConfig, trace: str | None = None, compare: str | None = None) -> str:
+    """The URL to open (with the token and the trace / compare parameters when given)."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     params = [f"token={config.token}"] if config.token else []
     if trace:
-        params.append(f"trace={trace}")
+        params.append(f"trace={quote(trace)}")
+    if compare:
+        params.append(f"compare={quote(compare)}")
     return f"http://{host}:{config.port}/" + ("?" + "&".join(params) if params else "")

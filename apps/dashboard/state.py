@@ -40,8 +40,8 @@ from typing import Any, Callable
 import param
 from panel.io.document import hold
 
-from apps.dashboard.reducers import (VIEW_REDUCERS, DSAMapData, ExpertsData, KDAStateData, Reducer, SessionMapData,
-                                     SessionMapReducer, ViewOptions)
+from apps.dashboard.reducers import (VIEW_REDUCERS, DSADiffData, DSADiffReducer, DSAMapData, ExpertsData, KDAHealthData,
+                                     KDAStateData, Reducer, SessionMapData, SessionMapReducer, ViewOptions)
 from apps.dashboard.reducers.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
 from apps.dashboard.reducers.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
@@ -66,6 +66,8 @@ class DashboardFrame:
     dsa: DSAMapData = DSAMapData()
     kda: KDAStateData = KDAStateData()
     experts: ExpertsData = ExpertsData()
+    health: KDAHealthData = KDAHealthData()
+    diff: DSADiffData = DSADiffData()  # filled only when the follower compares with a second trace
 
 
 def relative_to_root(text: str, root: str | Path | None) -> str:
@@ -92,10 +94,12 @@ class TraceFollower:
         maxsize (int): capacity of the frame queue; when full the oldest frame is dropped.
         root (str | Path, Optional): the dashboard's `--root`; paths on the page are shown relative
             to it (the server's directory layout is not the visitor's business).
+        compare (str | Path, Optional): a second trace of the same input; its DSA reads are compared
+            with this one's in the frame's `diff` (side-by-side mode).
     """
 
     def __init__(self, path: str | Path, *, interval: float = 0.5, maxsize: int = 2,
-                 root: str | Path | None = None) -> None:
+                 root: str | Path | None = None, compare: str | Path | None = None) -> None:
         self.path = Path(path)
         self.root = root
         self.interval = interval
@@ -107,6 +111,8 @@ class TraceFollower:
         self._trace: Trace | None = None
         self._session = SessionMapReducer()
         self._views: dict[str, Reducer] = {name: cls() for name, cls in VIEW_REDUCERS.items()}
+        if compare is not None:
+            self._views["diff"] = DSADiffReducer(compare, relative_to_root(str(compare), root))
         # on two cores, reducer threads would only take the GIL from the server's event loop while it sends
         # the page: there the views are reduced one after another (each still published as it is ready)
         workers = min(len(self._views), max(1, (os.cpu_count() or 1) - 1))
@@ -277,10 +283,11 @@ class DashboardState(param.Parameterized):
     bins = param.Integer(default=800, bounds=(MIN_BINS, MAX_BINS), doc="screen bins of the position axes")
 
     def __init__(self, path: str | Path | None = None, *, interval: float = 0.5, root: str | Path | None = None,
-                 **params: Any) -> None:
+                 compare: str | Path | None = None, **params: Any) -> None:
         super().__init__(**params)
         self.interval = interval
         self.root = root
+        self.compare = compare  # a second trace whose DSA reads the follower compares (frame.diff)
         self.follower: TraceFollower | None = None
         if path is not None:
             self.follow(path)
@@ -289,7 +296,7 @@ class DashboardState(param.Parameterized):
         """Follow another trace directory (stops the previous follower)."""
         if self.follower is not None:
             self.follower.stop(timeout=0)
-        self.follower = TraceFollower(path, interval=self.interval, root=self.root)
+        self.follower = TraceFollower(path, interval=self.interval, root=self.root, compare=self.compare)
         self.follower.set_options(bins=self.bins, position=self.position)
         self.trace_path = relative_to_root(str(path), self.root)
         self.position = None

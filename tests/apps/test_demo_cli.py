@@ -74,3 +74,6 @@ def test_answer_queries_are_the_passcode_tokens() -> None:
     wrong = pieces[:6] + list("77") + ["<|close|>"]
     assert answer_queries(wrong, 100, "4-7-1-9") == (105, 106)
     assert answer_queries(list("noise"), 100, "4-7-1-9") is None
+    # a prompt that prefilled the response (`hidden cellar: `): the generated text is the value on
+    prefilled = list("4-7-1-9") + ["<|close|>"]
+    assert answer_queries(prefilled, 100, "4-7-1-9", prefilled=True) == (99, 105)

@@ -138,3 +138,25 @@ def test_experts_view_counts_real_image_tokens(image_trace: Path) -> None:
     bars = view.bars_source.data
     assert abs(float(np.sum(bars["image"])) - 1.0) < 1e-6 and abs(float(np.sum(bars["text"])) - 1.0) < 1e-6
     state.close()
+
+
+def test_a_resumed_snapshot_still_shows_the_picture(tmp_path: Path) -> None:
+    """`run --image --save`, then `run --load --trace`: the resumed trace has no pixels to draw from,
+    the snapshot's thumbnail is what the DSA map shows."""
+    from apps.cli import main
+
+    workbench.chart_picture().save(tmp_path / "chart.png")
+    snap, trace = tmp_path / "snap", tmp_path / "resumed"
+    assert main(["run", "--model", "preset:tiny", "--image", str(tmp_path / "chart.png"), "--prompt",
+                 "Which pier unloaded the most crates?", "--chat", "--max-new-tokens", "2", "--temperature", "0",
+                 "--save", str(snap)]) == 0
+    (tmp_path / "chart.png").unlink()  # resuming needs no pixels
+    assert main(["run", "--model", "preset:tiny", "--load", str(snap), "--prompt", "And the least?", "--chat",
+                 "--max-new-tokens", "3", "--temperature", "0", "--trace", str(trace)]) == 0
+    seg = _image_segment(workbench.open_trace(trace))
+    assert seg["thumbnail"] == f"images/{seg['id']}.png"
+    state = DashboardState(trace)
+    image = state.sync().dsa.image
+    assert image is not None and image.image_id == seg["id"] and image.problem == ""
+    assert image.picture is not None and max(image.picture.shape) <= SCREEN_SIDE
+    state.close()

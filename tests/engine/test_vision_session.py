@@ -143,8 +143,95 @@ def test_snapshot_keeps_image_segments_and_resumes_without_pixels(model, tokeniz
     saved = next(seg for seg in meta["segments"] if seg["kind"] == "image")
     assert saved["image"]["sha256"] == s.segments[0].image["sha256"] and saved["modality"] == "image"
     again = Session.load(tmp_path / "snap", model, tokenizer)
-    assert again.segments == s.segments and again.image_thumbnails == {}
+    assert again.segments == s.segments
+    # the thumbnail travels in the snapshot (a small PNG), the pixels do not
+    assert list(again.image_thumbnails) == [0]
+    assert again.image_thumbnails[0].tobytes() == s.image_thumbnails[0].convert("RGB").tobytes()
     assert [t.id for t in again.generate(3, temperature=0)] == [t.id for t in s.generate(3, temperature=0)]
+
+
+def _png_bytes(im: Image.Image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format=im.format or "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not_png", "not a PNG"), ("too_big_side", "px is outside"), ("too_many_bytes", "bytes is over"),
+    ("text_segment", "not an image segment"), ("bad_name", "thumbnails.x"), ("bad_dtype", "uint8"),
+])
+def test_snapshot_thumbnails_are_checked_on_read(model, tokenizer, images, tmp_path, case, match):
+    from engine.snapshot import STATE_FILE
+    from engine.vision.thumbnail import MAX_THUMBNAIL_BYTES
+
+    s = Session(model, tokenizer, prefill_chunk=64)
+    s.append("a caption", name="doc")
+    s.append(image=images["odd.png"], name="odd.png")
+    s.prefill()
+    s.save(tmp_path / "snap")
+    state = tmp_path / "snap" / STATE_FILE
+    tensors = load_file(str(state))
+    assert tensors["thumbnails.1"].dtype == torch.uint8
+    if case == "not_png":
+        buf = __import__("io").BytesIO()
+        images["odd.png"].save(buf, format="JPEG")
+        tensors["thumbnails.1"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    elif case == "too_big_side":
+        big = Image.new("RGB", (4000, 3), "white")
+        buf = __import__("io").BytesIO()
+        big.save(buf, format="PNG")
+        tensors["thumbnails.1"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    elif case == "too_many_bytes":
+        tensors["thumbnails.1"] = torch.zeros(MAX_THUMBNAIL_BYTES + 1, dtype=torch.uint8)
+    elif case == "text_segment":
+        tensors["thumbnails.0"] = tensors["thumbnails.1"].clone()
+    elif case == "bad_name":
+        tensors["thumbnails.x"] = tensors.pop("thumbnails.1")
+    else:
+        tensors["thumbnails.1"] = tensors["thumbnails.1"].to(torch.int32)
+    save_file(tensors, str(state), metadata={"format": "k3-workbench-snapshot"})
+    with pytest.raises(InputError, match=match) as err:
+        Session.load(tmp_path / "snap", model, tokenizer)
+    assert "thumbnail" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_one_user_message_holds_the_images_then_the_text(model, tokenizer, images):
+    """Spec section 9 + 8: `<|open|>message role="user"<|sep|>` image spans, then the text, then one close."""
+    s = Session(model, tokenizer)
+    segs = s.append_message("user", "What differs?", images=[images["aligned.png"], images["odd.png"]],
+                            image_names=["aligned.png", "odd.png"])
+    assert [(g.kind, g.role, g.name) for g in segs] == [("image", "user", "aligned.png"), ("image", "user", "odd.png"),
+                                                       ("turn", "user", "prompt")]
+    sp, m = tokenizer.special, media_token_ids(tokenizer)
+
+    def media(w, h, n):
+        return ([m["<|media_begin|>"]] + list(f"image {w}x{h}".encode()) + [m["<|media_content|>"]]
+                + [m["<|media_pad|>"]] * n + [m["<|media_end|>"]])
+
+    expected = ([sp["<|open|>"]] + list(b'message role="user"') + [sp["<|sep|>"]] + media(224, 168, 6 * 8)
+                + media(150, 97, 4 * 6) + list(b"What differs?")
+                + [sp["<|close|>"]] + list(b"message") + [sp["<|sep|>"], sp["<|end_of_msg|>"]])
+    assert s.tokens == expected
+    ends = [g.end for g in segs]
+    assert [(g.start, g.end) for g in segs] == [(0, ends[0]), (ends[0], ends[1]), (ends[1], len(expected))]
+    assert segs[0].image["token_start"] == len(b'message role="user"') + 2 + 1 + len(b"image 224x168") + 1
+    # generation opens the assistant turn after the one user message
+    list(s.generate(1, temperature=0))
+    tail = [sp["<|open|>"]] + list(b'message role="assistant"') + [sp["<|sep|>"], sp["<|open|>"]] + list(b"think") \
+        + [sp["<|sep|>"]]
+    assert s.tokens[len(expected): len(expected) + len(tail)] == tail
+
+
+def test_a_bad_image_in_a_message_changes_nothing(model, tokenizer, images):
+    s = Session(model, tokenizer)
+    s.append("kept text", name="doc")
+    before = (list(s.tokens), list(s.segments))
+    with pytest.raises(ImageError, match="broken.png"):
+        s.append_message("user", "text", images=[images["odd.png"], b"\x89PNG\r\n\x1a\nbroken"],
+                         image_names=["odd.png", "broken.png"])
+    assert (s.tokens, s.segments) == before and not s._pending_images and not s.image_thumbnails
 
 
 @pytest.mark.parametrize("bad", [b"not an image", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20, "missing.png"])

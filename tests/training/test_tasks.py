@@ -9,7 +9,7 @@ import re
 import torch
 
 from engine.tokenizer import Tokenizer
-from training.tasks import HELD_OUT, TRAIN, answer_ids, batch, build, needle_prompt, parse_answer
+from training.tasks import HELD_OUT, TRAIN, answer_ids, batch, build, needle_prompt, parse_answer, response_value
 from workbench.retrieval_text import World
 
 TOK = Tokenizer.byte_level()
@@ -43,7 +43,7 @@ def test_samples_have_exact_length_and_fact_spans() -> None:
             for f in s.facts:
                 assert TOK.decode(s.ids[f.start:f.end]) == f.text
             # the first answer follows the generation prompt
-            before, ans, _ = answer_ids(TOK, s.answer)
+            before, ans, _ = answer_ids(TOK, s.response)
             assert s.ids[s.prompt_len:s.prompt_len + len(before) + len(ans)] == before + ans
 
 
@@ -53,7 +53,8 @@ def test_needle_prompt_depth_and_answer_parse() -> None:
         s = needle_prompt(TOK, HELD_OUT, rng, 4096, depth)
         assert abs(s.facts[0].start / 4096 - depth) < 0.08
         text = TOK.decode(s.ids[s.prompt_len:])
-        assert parse_answer(text) == s.answer
+        assert parse_answer(text) == s.response
+        assert response_value(parse_answer(text)) == s.answer
 
 
 def test_batches_are_deterministic() -> None:

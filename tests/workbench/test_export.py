@@ -131,3 +131,33 @@ def test_cli_exports_and_reports_bad_traces_in_one_line(trace_path, tmp_path, ca
     (bad / "session.json").write_text(json.dumps(session))
     code, _, err = _run(capsys, bad, "--format", "csv", "--out", tmp_path / "c2")
     assert code == 2 and "schema version 9" in err and "version 1" in err
+
+
+def test_an_image_trace_exports_with_its_thumbnails(tmp_path):
+    """The export copies the thumbnails session.json names (images/), so it opens with its pictures;
+    --overwrite replaces them with the new export's and keeps the user's own files."""
+    from tests.apps.conftest import record_image_session
+    from workbench.trace.thumbnail import read_thumbnail
+
+    trace = record_image_session(tmp_path / "trace", new_tokens=2)
+    out = tmp_path / "out"
+    manifest = export_trace(trace, out, "parquet", tables=["tokens"])
+    assert "images" in manifest["files"]
+    meta = json.loads((out / "session.json").read_text())
+    segs = [s for s in meta["segments"] if s["kind"] == "image"]
+    assert segs and sorted(p.name for p in (out / "images").iterdir()) == [f"{s['id']}.png" for s in segs]
+    for seg in segs:
+        assert read_thumbnail(out, seg).tobytes() == read_thumbnail(trace, seg).tobytes()
+    (out / "notes.txt").write_text("mine")
+    (out / "images" / "stale.png").write_bytes(b"old")  # inside the export's own directory: replaced
+    export_trace(trace, out, "csv", tables=["tokens"], overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (out / "images").iterdir()) == [f"{s['id']}.png" for s in segs]
+    assert not list(tmp_path.glob(".*"))  # no temporary left behind
+    # a thumbnail the segment names but the trace lacks: the strict export refuses, the old one is kept
+    broken = tmp_path / "broken"
+    shutil.copytree(trace, broken)
+    (broken / segs[0]["thumbnail"]).unlink()
+    with pytest.raises(TraceError, match="file missing.*previous export there is kept"):
+        export_trace(broken, out, "csv", tables=["tokens"], overwrite=True)
+    assert read_thumbnail(out, segs[0]) is not None

@@ -129,6 +129,33 @@ def test_cli_run_with_images(tmp_path, capsys):
     assert "nope.png" in capsys.readouterr().err
 
 
+def test_cli_chat_puts_the_images_and_the_prompt_in_one_user_message(tmp_path, capsys):
+    """`run --image A --image B --prompt P --chat`: the exact ids of spec sections 8-9, one message."""
+    from safetensors.torch import load_file
+
+    picture(56, 84, "green").save(tmp_path / "a.png")  # 4 x 6 patches -> 2 x 3 merged tokens
+    picture(61, 45, "red").save(tmp_path / "b.png")  # padded to 84 x 56: 4 x 6 patches -> 2 x 3
+    snap = tmp_path / "snap"
+    assert main(["run", "--model", "preset:tiny", "--image", str(tmp_path / "a.png"), "--image",
+                 str(tmp_path / "b.png"), "--prompt", "what is this?", "--chat", "--max-new-tokens", "1",
+                 "--temperature", "0", "--save", str(snap)]) == 0
+    tokens = load_file(str(snap / "state.safetensors"))["tokens"].tolist()
+    open_, close, sep, end = 256 + 3, 256 + 4, 256 + 5, 256 + 2  # <|open|> <|close|> <|sep|> <|end_of_msg|>
+    begin, content, end_media, pad = 256 + 18, 256 + 19, 256 + 20, 256 + 21  # <|media_*|>
+
+    def media(w, h, n):
+        return [begin, *f"image {w}x{h}".encode(), content] + [pad] * n + [end_media]
+
+    user = ([open_, *b'message role="user"', sep] + media(56, 84, 6) + media(61, 45, 6) + list(b"what is this?")
+            + [close, *b"message", sep, end])
+    assistant = [open_, *b'message role="assistant"', sep, open_, *b"think", sep]
+    assert tokens[:-1] == user + assistant and len(tokens) == len(user) + len(assistant) + 1
+    segs = json.loads((snap / "snapshot.json").read_text())["segments"]
+    assert [(s["kind"], s["role"], s["start"], s["end"]) for s in segs[:3]] == [
+        ("image", "user", 0, 21 + len(media(56, 84, 6))), ("image", "user", 21 + 20, 21 + 40),
+        ("turn", "user", 61, len(user))]
+
+
 def test_cli_logits_covers_the_expanded_sequence(tmp_path):
     from safetensors.torch import load_file
     import torch

@@ -7,6 +7,7 @@ read-out of one token), so a notebook can draw the same.
 
 from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.chance import chance_of_hit, expected_hits, format_hits, format_read
+from workbench.analysis.compare import read_changes, reads_vs_chance
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     rebin_counts, segment_reads, sink_eviction)
 from workbench.analysis.dsa_structure import (chance_jaccard, cross_layer_jaccard, faithfulness, jaccard, locality,
@@ -25,6 +26,7 @@ __all__ = [
     "expected_hits", "expert_imbalance", "expert_shares", "faithfulness", "format_hits", "format_patches",
     "format_read", "half_decay_tokens", "half_lives", "head_dynamics", "heads_at_risk", "image_grid",
     "image_patch_reads", "jaccard", "js_chance", "js_divergence", "layers_reading", "locality", "memory_health",
-    "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance", "rebin_counts", "segment_name",
+    "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance", "read_changes", "reads_vs_chance",
+    "rebin_counts", "segment_name",
     "segment_reads", "sink_eviction", "sink_over_time", "token_reads", "write_vs_forget",
 ]

@@ -5,6 +5,8 @@
 - `read_changes(topk_a, topk_b)`: per DSA layer and query recorded in both traces, whether (and how much)
   the selected set changed: Jaccard, keys only in A / only in B.
 - `summarize_reads(changes)`: per layer, the share of queries whose reads changed.
+- `reads_vs_chance(changes)`: per layer, the mean Jaccard of A's and B's selections beside the Jaccard
+  two random selections of the same sizes would give (hypergeometric, `chance_jaccard`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.analysis.common import Frame
-from workbench.analysis.dsa_structure import _rows_by_layer
+from workbench.analysis.dsa_structure import _rows_by_layer, chance_jaccard
 
 
 def relative_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -40,7 +42,7 @@ def read_changes(topk_a: Frame, topk_b: Frame) -> pd.DataFrame:
     """Which queries' reads changed between two traces (dsa_topk rows of each).
 
     Returns one row per (layer, position) recorded in both: layer, position, jaccard, only_a (keys read
-    in A but not B), only_b, changed (the sets differ).
+    in A but not B), only_b, changed (the sets differ), keys_a / keys_b (sizes of the two selections).
     """
     a, b = _rows_by_layer(topk_a), _rows_by_layer(topk_b)
     out = []
@@ -49,8 +51,10 @@ def read_changes(topk_a: Frame, topk_b: Frame) -> pd.DataFrame:
             sa, sb = set(a[layer][pos].tolist()), set(b[layer][pos].tolist())
             union = len(sa | sb)
             out.append({"layer": layer, "position": pos, "jaccard": len(sa & sb) / union if union else 1.0,
-                        "only_a": len(sa - sb), "only_b": len(sb - sa), "changed": sa != sb})
-    return pd.DataFrame(out, columns=["layer", "position", "jaccard", "only_a", "only_b", "changed"])
+                        "only_a": len(sa - sb), "only_b": len(sb - sa), "changed": sa != sb,
+                        "keys_a": len(sa), "keys_b": len(sb)})
+    return pd.DataFrame(out, columns=["layer", "position", "jaccard", "only_a", "only_b", "changed", "keys_a",
+                                      "keys_b"])
 
 
 def summarize_reads(changes: pd.DataFrame) -> pd.DataFrame:
@@ -62,3 +66,36 @@ def summarize_reads(changes: pd.DataFrame) -> pd.DataFrame:
                      "mean_jaccard": float(g["jaccard"].mean()),
                      "first_changed": int(changed["position"].min()) if len(changed) else -1})
     return pd.DataFrame(rows, columns=["layer", "queries", "changed_share", "mean_jaccard", "first_changed"])
+
+
+def reads_vs_chance(changes: pd.DataFrame) -> pd.DataFrame:
+    """Per DSA layer: how alike A's and B's reads are, beside what chance alone would give.
+
+    Takes `read_changes(...)`. A query at position p sees p + 1 keys; two independent uniform random
+    selections of keys_a and keys_b of them have the expected Jaccard `chance_jaccard(p + 1, keys_a,
+    keys_b)`. Returns layer, queries, changed_share, mean_jaccard, chance_jaccard (mean over the same
+    queries), ratio (mean_jaccard / chance_jaccard), first_changed (position, -1 if none).
+    """
+    cols = ["layer", "queries", "changed_share", "mean_jaccard", "chance_jaccard", "ratio", "first_changed"]
+    if len(changes) == 0:
+        return pd.DataFrame(columns=cols)
+    missing = {"keys_a", "keys_b"} - set(changes.columns)
+    if missing:
+        raise ValueError(f"reads_vs_chance needs the selection sizes {sorted(missing)} (from read_changes)")
+    cache: dict[tuple[int, int, int], float] = {}
+
+    def chance(visible: int, ka: int, kb: int) -> float:
+        key = (visible, ka, kb)
+        if key not in cache:
+            cache[key] = chance_jaccard(*key)
+        return cache[key]
+
+    rows = []
+    for layer, g in changes.groupby("layer", sort=True):
+        ch = [chance(int(p) + 1, int(a), int(b)) for p, a, b in zip(g["position"], g["keys_a"], g["keys_b"])]
+        mean, base = float(g["jaccard"].mean()), float(np.mean(ch))
+        changed = g[g["changed"]]
+        rows.append({"layer": int(layer), "queries": len(g), "changed_share": float(g["changed"].mean()),
+                     "mean_jaccard": mean, "chance_jaccard": base, "ratio": mean / base if base > 0 else np.nan,
+                     "first_changed": int(changed["position"].min()) if len(changed) else -1})
+    return pd.DataFrame(rows, columns=cols)

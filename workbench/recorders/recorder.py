@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, Sample, probe_points
 from engine.session import Segment, Session
+from engine.vision.thumbnail import encode_thumbnail
 from workbench.recorders import reduce
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
@@ -322,7 +322,7 @@ class Recorder:
         thumb = self.session.image_thumbnails.get(seg.id) if seg.image is not None else None
         if thumb is not None and seg.id not in self._thumbnails:
             # the file first, then the segment that names it: a follower never sees a missing thumbnail
-            self._thumbnails[seg.id] = self.writer.write_image(seg.id, _png(thumb))
+            self._thumbnails[seg.id] = self.writer.write_image(seg.id, encode_thumbnail(thumb))
         if announce:
             self.writer.add_segment(self._segment_json(seg))
         if seg.kind != "generated" and seg.end > seg.start:
@@ -384,12 +384,6 @@ def _segment_json(seg: Segment) -> dict:
     return {"id": seg.id, "kind": seg.kind, "name": seg.name, "start": seg.start, "end": seg.end,
             "modality": seg.modality, **({"role": seg.role} if seg.role else {}),
             **({"image": dict(seg.image)} if seg.image is not None else {})}
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _timings(session: Session) -> dict:

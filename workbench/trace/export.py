@@ -1,14 +1,15 @@
 """Export a trace to plain files: Parquet, CSV, JSON Lines or NumPy `.npz`, one file per table.
 
 Output directory layout: `<table>.<ext>` for each table (tokens included), a copy of session.json,
-and `export.json` (source, format, layers, rows and file per table). Conventions per format:
+`images/<segment id>.png` (the thumbnails session.json names, so the export opens with its
+pictures) and `export.json` (source, format, layers, rows and file per table). Conventions per format:
 - parquet: one file per table, same schema and encodings as the trace parts.
 - csv / jsonl: list columns as JSON arrays (`[12,40,977]`), nulls as empty fields / null.
 - npz: one array per column; a list column becomes `<col>.values` + `<col>.offsets` (row i is
   values[offsets[i]:offsets[i+1]]); strings become fixed-width unicode; a nullable column also gets
   `<col>.valid` (bool) with nulls stored as -1 / NaN. Loads with `np.load(path)` (no pickle).
 
-Safety: the trace is opened strictly (a corrupt or missing part is an error, not a silent hole); the
+Safety: the trace is opened strictly (a corrupt or missing part or thumbnail is an error, not a silent hole); the
 export is written to a temporary directory next to the target and moved into place only when
 complete; an existing non-empty target is refused unless `overwrite=True` and it holds a previous
 export and nothing else (its `export.json` lists every file); a trace or any other directory is
@@ -35,7 +36,8 @@ import pyarrow.parquet as pq
 from engine import atomic_dir
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace
-from workbench.trace.schema import EXPORT_MANIFEST, SESSION_FILE, TABLES, parquet_options
+from workbench.trace.schema import EXPORT_MANIFEST, IMAGES_DIR, SESSION_FILE, TABLES, parquet_options
+from workbench.trace.thumbnail import thumbnail_path
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl", "npz": "npz"}
 MANIFEST = EXPORT_MANIFEST
@@ -225,6 +227,11 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
             if progress:
                 progress(name, sink.rows)
         shutil.copyfile(trace.path / SESSION_FILE, tmp / SESSION_FILE)
+        try:
+            _copy_thumbnails(trace, tmp)
+        except TraceError as exc:
+            kept = "the previous export there is kept" if is_export(out) else "nothing was written"
+            raise type(exc)(f"{exc}; export aborted, {kept}") from None
         manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _move_into_place(tmp, out, foreign)
@@ -234,6 +241,24 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _copy_thumbnails(trace: Trace, tmp: Path) -> None:
+    """Copy the thumbnail of every image segment to the same relative path under `tmp`. Only the
+    files session.json names, each checked (inside the trace, a regular file, bounded size), so
+    nothing else in the trace's `images/` (nor what a link points to) leaves with the export."""
+    for seg in trace.session.get("segments", []):
+        if not isinstance(seg, dict):
+            continue
+        src = thumbnail_path(trace.path, seg)
+        if src is None:
+            continue
+        rel = src.relative_to(trace.path.resolve())
+        if rel.parts[0] != IMAGES_DIR:  # the recorder writes them nowhere else; keep the export's layout closed
+            raise TraceError(f"segment {seg.get('id')} thumbnail {str(rel)!r}: not under {IMAGES_DIR}/")
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
 
 
 def is_export(path: Path) -> bool:

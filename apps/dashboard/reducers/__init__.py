@@ -4,6 +4,8 @@
     dsa_map.DSAMapReducer         -> DSAMapData       selection heat map, read-out of the selected token
     kda_state.KDAStateReducer     -> KDAStateData     state norms per layer and per head of one layer
     experts.ExpertsReducer        -> ExpertsData      expert usage, text vs image, routes, EP rank load
+    kda_health.KDAHealthReducer   -> KDAHealthData    heads ranked by how fast they saturate / forget, and where
+    dsa_diff.DSADiffReducer       -> DSADiffData      where two traces' DSA reads differ (side-by-side mode only)
 
 Every reducer reads through the public trace API (`workbench.open_trace`), does its maths with
 `workbench.analysis`, and returns screen-sized, immutable data; nothing here knows Panel or Bokeh.
@@ -13,15 +15,18 @@ follower builds them in parallel threads (one after another on a two-core machin
 """
 
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.dsa_diff import DSADiffData, DSADiffReducer
 from apps.dashboard.reducers.dsa_map import DSAMapData, DSAMapReducer
 from apps.dashboard.reducers.image_reads import ImageReadsData
 from apps.dashboard.reducers.experts import ExpertsData, ExpertsReducer
+from apps.dashboard.reducers.kda_health import KDAHealthData, KDAHealthReducer
 from apps.dashboard.reducers.kda_state import KDAStateData, KDAStateReducer
 from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReducer
 
 # the views built from the session map's data (the frame field each one fills -> its reducer)
 # (in this order when they run one after another: cheapest first, so the slowest never delays the others)
-VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "experts": ExpertsReducer, "kda": KDAStateReducer}
+VIEW_REDUCERS: dict[str, type[Reducer]] = {"dsa": DSAMapReducer, "experts": ExpertsReducer, "kda": KDAStateReducer,
+                                           "health": KDAHealthReducer}
 
-__all__ = ["DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap", "ImageReadsData", "KDAStateData",
-           "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]
+__all__ = ["DSADiffData", "DSADiffReducer", "DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap",
+           "ImageReadsData", "KDAHealthData", "KDAHealthReducer", "KDAStateData", "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]

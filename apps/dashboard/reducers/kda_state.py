@@ -46,7 +46,7 @@ class _Series:
         return self.pieces[0] if self.pieces else empty
 
 
-def _flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
+def flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
     """A fixed-length list column as (flat float32 values, list length); (empty, 0) if ragged or empty."""
     lists = column.combine_chunks()
     if len(lists) == 0:
@@ -75,7 +75,7 @@ class KDANormFolder:
             return {}, None
         layer = table["layer"].to_numpy()
         pos = table["position"].to_numpy().astype(np.int64)
-        flat, heads = _flat_lists(table["norm"])
+        flat, heads = flat_lists(table["norm"])
         if heads == 0:
             return {}, None
         norms = flat.reshape(len(pos), heads)
@@ -140,7 +140,7 @@ class KDANormFolder:
             self._head_seen.add(path)
             table = trace.read_part("kda_norms", path, _COLUMNS, layers=[layer])
             table = table.filter(pc.equal(table["layer"], layer)) if table.num_rows else table
-            flat, n = _flat_lists(table["norm"]) if table.num_rows else (None, 0)
+            flat, n = flat_lists(table["norm"]) if table.num_rows else (None, 0)
             if n:
                 self._heads.pieces.append((table["position"].to_numpy().astype(np.int64),
                                            flat.reshape(table.num_rows, n)))

@@ -1,0 +1,137 @@
+"""View 5, KDA memory health: which heads saturate or forget fastest, and where in the document.
+
+- ranked bars on the position axis (shared with the session map's, so they line up with its
+  segments): one bar per ranked head, from 0 to where it saturated (its norm reached 90% of its peak)
+  or forgot (its largest norm drop, or the plateau when nothing fell), segments shaded behind;
+- the same positions marked on the session map itself (triangles: saturates, inverted: forgets);
+- a table of the ranked heads with the measures behind the ranking (escaped on the server);
+- an empty state that says why when the trace has no KDA records.
+The ranking is `workbench.analysis.heads_at_risk(memory_health(kda_norms))`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import panel as pn
+from bokeh.core.properties import field
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+from bokeh.plotting import figure
+
+from apps.dashboard.components.base import ViewComponent
+from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
+from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.reducers import KDAHealthData, SessionMapData
+
+KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
+KIND_MARKERS = {"saturates": "triangle", "forgets": "inverted_triangle"}
+
+
+def row_label(row: dict) -> str:
+    return f"{row['kind']} #{row['rank']}: L{row['layer']} h{row['head']}"
+
+
+def _num(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–" if value is None or math.isnan(value) else "∞"
+    return format(value, fmt)
+
+
+def summary_text(data: KDAHealthData) -> str:
+    """Two or three lines: what was measured, the fastest-saturating and the fastest-forgetting head."""
+    if not data.ranked:
+        return data.note
+    lines = [f"{data.heads} heads of {data.layers} KDA layers, measured up to position {data.last_position:,}; "
+             f"recorded: norm{''.join(', ' + m for m in data.measured)}"]
+    for kind, what in (("saturates", "saturates first"), ("forgets", "forgets fastest")):
+        top = next((r for r in data.ranked if r["kind"] == kind and r["rank"] == 1), None)
+        if top is not None:
+            where = f" in {top['segment_name']!r}" if top.get("segment_name") else ""
+            lines.append(f"{what}: layer {top['layer']} head {top['head']} at position {top['position']:,}{where}")
+    if "half_life" not in data.measured and "mean_decay" not in data.measured:
+        lines.append("forgetting is ranked by the largest norm drop (decay half-lives were not recorded: "
+                     "policy kda_extras)")
+    return "\n".join(lines)
+
+
+def ranked_table(rows: tuple[dict, ...]) -> str:
+    """The ranked heads as an escaped HTML table."""
+    head = ("<table class='k3-health' style='font-size:12px;width:100%'><tr><th>kind</th><th>#</th><th>layer</th>"
+            "<th>head</th><th>position</th><th>segment</th><th>saturates at</th><th>half-life</th>"
+            "<th>largest drop</th><th>min eff. rank</th><th>norm growth /1k</th></tr>")
+    body = "".join(
+        f"<tr><td><span style='color:{KIND_COLOURS[r['kind']]}'>&#9632;</span> {html.escape(r['kind'])}</td>"
+        f"<td>{int(r['rank'])}</td><td>{int(r['layer'])}</td><td>{int(r['head'])}</td>"
+        f"<td style='text-align:right'>{int(r['position']):,}</td><td>{html.escape(str(r.get('segment_name') or ''))}</td>"
+        f"<td>{_num(r.get('saturate_fraction', float('nan')) * 100, '.0f')}% of context</td>"
+        f"<td>{_num(r.get('half_life'), ',.0f')}</td><td>{_num(r.get('forget_drop', float('nan')) * 100, '.0f')}%</td>"
+        f"<td>{_num(r.get('min_eff_rank'), '.1f')}</td><td>{_num(r.get('norm_growth_per_1k'), '.3g')}</td></tr>"
+        for r in rows)
+    return head + body + "</table>"
+
+
+class KDAHealthView(ViewComponent):
+    """Heads ranked by how fast they saturate or forget, with where it happened on the context."""
+
+    view = "health"
+
+    def __init__(self, session_map: Any = None, **params: Any) -> None:
+        super().__init__(**params)
+        # the session map's own x range: the bars pan and zoom with its segments strip
+        x_range = session_map.figure.x_range if session_map is not None else Range1d(0, 1)
+        self._own_range = session_map is None
+        self.source = ColumnDataSource({"label": [], "position": [], "colour": [], "marker": [], "kind": [],
+                                        "layer": [], "head": [], "segment": []})
+        self.segments = ColumnDataSource({"x0": [], "x1": [], "colour": []})
+        self.figure = figure(title="KDA heads that saturate or forget fastest, and where", height=300,
+                             sizing_mode="stretch_width", x_range=x_range, y_range=FactorRange(factors=["-"]),
+                             tools="xpan,xwheel_zoom,reset,save", toolbar_location="above", x_axis_label="position")
+        self.figure.vstrip(x0="x0", x1="x1", source=self.segments, fill_color="colour", fill_alpha=0.12, line_color=None)
+        self.figure.hbar(y="label", left=0, right="position", height=0.6, source=self.source, fill_color="colour",
+                         fill_alpha=0.35, line_color=None)
+        marks = self.figure.scatter(x="position", y="label", marker=field("marker"), size=11, source=self.source,
+                                    fill_color="colour", line_color="black")
+        tips = [("head", "L@layer h@head"), ("", "@kind at @position{0,0}"), ("segment", "@segment")]
+        self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
+        self.figure.xaxis.formatter = position_format()
+        self.figure.grid.visible = False
+        if session_map is not None:
+            # the same positions on the session map's strip
+            on_map = session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
+                                                fill_color="colour", line_color="black")
+            session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
+        self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
+        self.table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
+        self.redraw()
+
+    def has_data(self, data: KDAHealthData, session: SessionMapData) -> bool:
+        return data is not None and bool(data.ranked)
+
+    def draw(self, data: KDAHealthData, session: SessionMapData, changed: set[str]) -> None:
+        if {"segments", "extent"} & changed:
+            segs = session.segments
+            self.segments.data = {"x0": [int(s["start"]) for s in segs], "x1": [int(s["end"]) for s in segs],
+                                  "colour": [SEGMENT_COLOURS.get(s["kind"], "#999") for s in segs]}
+            if self._own_range:
+                self.figure.x_range.update(start=0, end=session.extent)
+        if data is None or not ({"ranked", "note", "measured", "heads", "layers", "last_position", "status"} & changed):
+            return
+        waiting = not data.ranked and session.status == "waiting"
+        set_text(self.summary, "waiting for the trace…" if waiting else summary_text(data))
+        rows = data.ranked
+        labels = [row_label(r) for r in rows]
+        self.source.data = {"label": labels, "position": [int(r["position"]) for r in rows],
+                            "colour": [KIND_COLOURS[r["kind"]] for r in rows],
+                            "marker": [KIND_MARKERS[r["kind"]] for r in rows], "kind": [r["kind"] for r in rows],
+                            "layer": [int(r["layer"]) for r in rows], "head": [int(r["head"]) for r in rows],
+                            "segment": [str(r.get("segment_name") or "") for r in rows]}
+        # rank 1 on top: factors run bottom-up
+        self.figure.y_range.factors = list(reversed(labels)) or ["-"]
+        self.figure.visible = bool(rows)
+        self.table.object = ranked_table(rows) if rows else ""
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return pn.Card(self.summary, self.figure, self.table, self.drawn_marker, title="KDA memory health",
+                       sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-health"])

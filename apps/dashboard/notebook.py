@@ -1,0 +1,82 @@
+"""The dashboard's views inline in a notebook: what `workbench.show` loads (entry point `k3_workbench.views`).
+
+    inline_view(trace, views=["session", "kda"])  -> InlineView (a Panel Viewer; the cell displays it)
+
+The same components, reducers and follower as the served dashboard, without the sidebar or drive
+mode: one `Dashboard(drive=False)` per cell, whose follower thread tails the trace and whose periodic
+callback (an asyncio task on the kernel's event loop, so it runs while no cell is busy) applies new
+frames. The views redraw by changing their Bokeh models in place; in a notebook those changes reach
+the page only when pushed over the comm (`pn.io.push_notebook`, which the server does by itself),
+so the notebook dashboard pushes its layout after every frame it applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import panel as pn
+
+from apps.dashboard.app import Dashboard, DashboardConfig
+
+# the names `show(views=...)` accepts -> the Dashboard attribute holding that view
+VIEWS = {"session": "session_map", "dsa": "dsa", "kda": "kda", "experts": "experts"}
+
+
+def _load_extension() -> None:
+    # the JS of Panel/Bokeh must reach the page before the first view; once per kernel is enough
+    # (a reloaded page re-runs the cell that displays the view, which loads it again)
+    if not getattr(pn.extension, "_loaded", False):
+        pn.extension()
+
+
+class NotebookDashboard(Dashboard):
+    """The dashboard, pushing each applied frame to the notebook page (a no-op outside a notebook)."""
+
+    layout: pn.viewable.Viewable | None = None
+
+    def _tick(self) -> None:
+        before = self.state.frame
+        super()._tick()
+        if self.state.frame is not before and self.layout is not None:
+            pn.io.push_notebook(self.layout)
+
+
+class InlineView(pn.viewable.Viewer):
+    """Some of the dashboard's views over one trace, followed live. `close()` stops following."""
+
+    def __init__(self, trace: str | Path, views: Sequence[str] | None = None, *, refresh_ms: int = 300,
+                 interval: float = 0.5, **params: Any) -> None:
+        names = list(VIEWS) if views is None else list(views)
+        unknown = [n for n in names if n not in VIEWS]
+        if unknown or not names:
+            raise ValueError(f"views must be a non-empty list of {', '.join(VIEWS)}; got {names}")
+        super().__init__(**params)
+        config = DashboardConfig(trace=Path(trace), drive=False, refresh_ms=refresh_ms, interval=interval)
+        self.dashboard = NotebookDashboard(config)
+        self.names = names
+        self._layout: pn.Column | None = None
+
+    @property
+    def state(self) -> Any:
+        """The `DashboardState` every view follows (its `frame` is the latest shown)."""
+        return self.dashboard.state
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        if self._layout is None:
+            dash = self.dashboard
+            dash.start(sync=True)
+            views = [getattr(dash, VIEWS[n]) for n in self.names]
+            self._layout = pn.Column(dash.probe, dash.alert, dash.source, *views, sizing_mode="stretch_width",
+                                     css_classes=["k3-inline"])
+            dash.layout = self._layout
+        return self._layout
+
+    def close(self) -> None:
+        self.dashboard.close()
+
+
+def inline_view(trace: Path, *, views: Sequence[str] | None = None, **options: Any) -> InlineView:
+    """The provider `workbench.show` calls: load Panel's notebook extension, then the views of `trace`."""
+    _load_extension()
+    return InlineView(trace, views, **options)

@@ -1,0 +1,176 @@
+"""Reducer of the KDA memory health view: which heads saturate or forget fastest, and where.
+
+`workbench.analysis.memory_health` turns the `kda_norms` table into one row per (layer, head);
+`heads_at_risk` ranks the fastest-saturating and fastest-forgetting heads with the position where it
+happened. This reducer reads each new part of `kda_norms` once (only the columns the health needs,
+through `Trace.read_part`), keeps them as per-layer float32 matrices, and reruns the analysis when a
+part arrived, so a live trace updates the ranking without re-reading what it already read.
+
+Memory stays bounded on a long session: past `MAX_POSITIONS` measurements of a layer, every other
+one is dropped (the latest is always kept), so a 1M-token trace is ranked from ~1-2K evenly spaced
+measurements per layer instead of 16K; "largest drop" is then a drop between kept measurements.
+
+A trace without KDA records (recorded with `kda=False`, a model without KDA layers, or a session
+still before its first measured chunk) gives `KDAHealthData(ranked=(), note=...)`: the view shows
+that note instead of an empty chart, and nothing raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from workbench.analysis import heads_at_risk, memory_health
+from workbench.trace import Trace
+
+from apps.dashboard.reducers.base import Reducer, ViewOptions
+from apps.dashboard.reducers.kda_state import flat_lists
+from apps.dashboard.reducers.session_map import SessionMapData
+
+TOP_HEADS = 8  # heads listed per kind ("saturates", "forgets")
+MAX_POSITIONS = 2048  # measurements kept per layer before thinning (see the module docstring)
+_COLUMNS = ["layer", "position", "norm", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share"]
+_OPTIONAL = ("eff_rank", "half_life", "global_share", "mean_decay", "mean_beta")
+
+NO_KDA = "No KDA state records in this trace (recorded without KDA, or no KDA layer has been measured yet)."
+
+
+@dataclass(frozen=True, eq=False)
+class KDAHealthData:
+    """Ranked heads as plain rows (kind, rank, layer, head, position, segment, measures...)."""
+
+    ranked: tuple[dict, ...] = ()
+    layers: int = 0  # KDA layers measured
+    heads: int = 0  # (layer, head) pairs measured
+    measured: tuple[str, ...] = ()  # optional measures the trace recorded (eff_rank, half_life, ...)
+    last_position: int = -1  # the latest measured position (the ranking covers [0, last_position])
+    note: str = NO_KDA  # what to show instead of the ranking ("" when there is one)
+
+
+def _matrix(column: pa.ChunkedArray) -> np.ndarray | None:
+    """A fixed-length list column as float32 [rows, width]; null rows NaN; None when all null or ragged."""
+    if column.null_count == len(column):
+        return None
+    if column.null_count == 0:
+        flat, width = flat_lists(column)
+        return flat.reshape(len(column), width) if width else None
+    cells = column.to_pylist()
+    widths = {len(c) for c in cells if c is not None}
+    if len(widths) != 1 or 0 in widths:
+        return None
+    width = widths.pop()
+    return np.array([c if c is not None else [np.nan] * width for c in cells], dtype=np.float32)
+
+
+class _LayerSeries:
+    """One layer's measurements: positions [P] and, per statistic, a float32 [P, H] matrix (None: not recorded)."""
+
+    def __init__(self) -> None:
+        self.positions = np.zeros(0, np.int64)
+        self.values: dict[str, np.ndarray | None] = {}
+
+    def append(self, positions: np.ndarray, values: dict[str, np.ndarray | None]) -> None:
+        known, new_rows = len(self.positions), len(positions)
+        self.positions = np.concatenate([self.positions, positions])
+        for name, new in values.items():
+            old = self.values.get(name)
+            if old is None and new is None:
+                self.values[name] = None
+                continue
+            width = (new if new is not None else old).shape[1]
+            # a statistic missing from some parts (policy changed, decode rows) is NaN there
+            old = old if old is not None else np.full((known, width), np.nan, np.float32)
+            new = new if new is not None else np.full((new_rows, width), np.nan, np.float32)
+            self.values[name] = np.concatenate([old, new]) if old.shape[1] == new.shape[1] else None
+        if len(self.positions) > 2 * MAX_POSITIONS:
+            keep = np.zeros(len(self.positions), bool)
+            keep[::2] = True
+            keep[-1] = True
+            self.positions = self.positions[keep]
+            self.values = {k: (v[keep] if v is not None else None) for k, v in self.values.items()}
+
+    def frame(self, layer: int) -> pd.DataFrame:
+        """Rows as `trace.df("kda_norms")` gives them (list cells), sorted by position."""
+        order = np.argsort(self.positions, kind="stable")
+        data: dict = {"layer": np.full(len(order), layer), "position": self.positions[order]}
+        for name, v in self.values.items():
+            data[name] = list(v[order]) if v is not None else [None] * len(order)
+        return pd.DataFrame(data)
+
+
+def _recorded(series: dict[int, _LayerSeries], name: str) -> bool:
+    """Whether a statistic holds finite values in some layer (a policy that did not record it leaves nulls)."""
+    return any(s.values.get(name) is not None and np.isfinite(s.values[name]).any() for s in series.values())
+
+
+def ranked_rows(health: pd.DataFrame, segments: pd.DataFrame, top: int = TOP_HEADS) -> tuple[dict, ...]:
+    """`heads_at_risk` as JSON-plain dicts, each with the name of the segment holding its `position`
+    (a head that never lost norm is placed at its plateau, so that is where the view marks it)."""
+    risk = heads_at_risk(health, top=top)
+    rows = []
+    for r in risk.to_dict(orient="records"):
+        row = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in r.items()}
+        row["segment"] = int(row["segment"]) if row.get("segment") is not None else -1
+        inside = segments[(segments["start"] <= row["position"]) & (row["position"] < segments["end"])]
+        row["segment_name"] = str(inside["name"].iloc[-1] or "") if len(inside) else ""
+        rows.append(row)
+    return tuple(rows)
+
+
+class KDAHealthReducer(Reducer[KDAHealthData]):
+    """`kda_norms` parts -> `KDAHealthData` (each part read once; the analysis reruns when one arrives)."""
+
+    data_type = KDAHealthData
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._layers: dict[int, _LayerSeries] = {}
+        self._seen: set[Path] = set()
+
+    def _fold(self, trace: Trace) -> int:
+        for path in trace.parts("kda_norms"):
+            if path in self._seen:
+                continue
+            self._seen.add(path)
+            table: pa.Table = trace.read_part("kda_norms", path, _COLUMNS)
+            if table.num_rows:
+                self._fold_table(table)
+        return len(self._seen)
+
+    def _fold_table(self, table: pa.Table) -> None:
+        layer = table["layer"].to_numpy()
+        position = table["position"].to_numpy().astype(np.int64)
+        stats = {}
+        for name in _COLUMNS[2:]:
+            stats[name] = _matrix(table[name])
+        if stats["norm"] is None:
+            return
+        for l in np.unique(layer):
+            sel = layer == l
+            self._layers.setdefault(int(l), _LayerSeries()).append(
+                position[sel], {k: (v[sel] if v is not None else None) for k, v in stats.items()})
+
+    def _compute(self, trace: Trace, segments: tuple[dict, ...]) -> dict:
+        if not self._layers:
+            return {"ranked": (), "layers": 0, "heads": 0, "measured": (), "last_position": -1, "note": NO_KDA}
+        table = pd.concat([s.frame(l) for l, s in sorted(self._layers.items())], ignore_index=True)
+        segs = pd.DataFrame([{"id": int(s["id"]), "name": s.get("name") or "", "start": int(s["start"]),
+                              "end": int(s["end"])} for s in segments if s.get("id") is not None],
+                            columns=["id", "name", "start", "end"])
+        health = memory_health(table, segs)
+        if not len(health):
+            return {"ranked": (), "layers": 0, "heads": 0, "measured": (), "last_position": -1,
+                    "note": "KDA records are present but hold no per-head norms to rank."}
+        measured = tuple(name for name in _OPTIONAL if _recorded(self._layers, name))
+        return {"ranked": ranked_rows(health, segs), "layers": int(health["layer"].nunique()),
+                "heads": int(len(health)), "measured": measured,
+                "last_position": int(table["position"].max()), "note": ""}
+
+    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAHealthData:
+        parts = self._fold(trace)
+        values = self.memo("health", (parts, session.segments), lambda: self._compute(trace, session.segments))
+        return self.result(**values)
