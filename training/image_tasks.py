@@ -1,19 +1,21 @@
 """Image questions for the demo model's training, generated on the fly (issue 9).
 
 A sample is a conversation a `Session` could hold: an optional system turn, optional plain filler
-text (a document), the picture as its own user message (`Session.append(image=..., role="user")`:
-`<|open|>message role="user"<|sep|><|media_begin|>image 64x64<|media_content|>` + one
-`<|media_pad|>` per merged patch + `<|media_end|><|close|>message<|sep|><|end_of_msg|>`), maybe
-more filler, then one to three question turns about the picture (`training.image_drawing`), each
-answered in the scaffold of `training.tasks`: response text `{attribute}: {value}` ("colour: red").
+text (a document), the picture in a user message (`<|open|>message role="user"<|sep|><|media_begin|>
+image 64x64<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_end|>`, then either
+the first question, as `Session.append_message("user", question, images=[picture])` and `workbench
+demo --chat` build it, or nothing, as `Session.append(image=..., role="user")` does, and
+`<|close|>message<|sep|><|end_of_msg|>`), maybe more filler, then the (other) question turns about
+the picture (`training.image_drawing`), one to three in all, each answered in the scaffold of
+`training.tasks`: response text `{attribute}: {value}` ("colour: red").
 
 The ids are built with the engine's own helpers (`Tokenizer.message_ids`, `image_prompt_ids`,
 `expand_media_placeholders`, `preprocess_image` with the tower's patch size), so training ids are
 what a session produces at inference; `Sample.turns` replays the sample through a session.
 
 Loss weights (of each token as a prediction target): answer value 1.0, restated key ("colour: ")
-0.5, assistant scaffold 0.3, everything else 0.05, and 0 for the image positions (their "next
-token" is a placeholder the model never has to emit).
+`key_weight` (default `training.tasks.W_KEY`), assistant scaffold 0.3, everything else 0.05, and 0
+for the image positions (their "next token" is a placeholder the model never has to emit).
 
 `forward_with_images` runs the tower and the language model with gradients reaching the tower;
 `image_accuracy` is the held-out exact-response accuracy (as `training.evaluate.needle_accuracy`).
@@ -34,16 +36,9 @@ from engine.vision import (ProcessedImage, expand_media_placeholders, image_prom
                            preprocess_image)
 from training.image_drawing import ATTRIBUTE_VALUES, Picture, draw_picture
 from training.model_setup import trained_demo_vision_config
-from training.tasks import TRAIN, W_ANSWER, W_CONTEXT, W_SCAFFOLD, answer_ids
-from workbench.retrieval_text import filler
+from training.tasks import TRAIN, W_ANSWER, W_CONTEXT, W_KEY, W_SCAFFOLD, answer_ids
+from workbench.retrieval_text import filler, response_text
 
-try:
-    from workbench.retrieval_text import response_text
-except ImportError:  # a branch older than the `key: value` responses: the same format, spelled here
-    def response_text(key: str, value: str) -> str:
-        return f"{key}: {value}"
-
-W_KEY = 0.5      # the restated attribute name before the value ("colour: ")
 W_IMAGE = 0.0    # image positions: the next id is a placeholder, never generated
 
 QUESTIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -85,8 +80,10 @@ class Sample:
         image_start / image_stop: the image positions [start, stop).
         prompt_len: tokens up to and including the first question's generation prompt.
         questions: the asked questions in order (the first one is what `image_accuracy` scores).
-        turns: how a session builds the same ids: ("system" | "user", text), ("document", text) or
-            ("image", PIL image), in order; then the generation prompt before each answer.
+        turns: how a session builds the same ids, in order: ("system" | "user", text) chat turns,
+            ("document", text) plain text, ("image", PIL image) the picture as its own user message,
+            or ("message", (text, PIL image)) the picture and the first question in one user
+            message; then the generation prompt before each answer.
     """
 
     ids: list[int]
@@ -100,50 +97,53 @@ class Sample:
     turns: list[tuple[str, object]] = field(default_factory=list)
 
 
-def _image_message(tok: Tokenizer, image: ProcessedImage, kernel: tuple[int, int]) -> tuple[list[int], int, int]:
-    """The picture as a user message, placeholder expanded: (ids, image start, image stop)."""
-    body = image_prompt_ids(tok, *image.original_size)
-    unexpanded = tok.message_ids("user", body)
-    pad = tok.special["<|media_pad|>"]
-    layout = expand_media_placeholders(unexpanded, [merged_grid(image.grid, kernel)], pad)
+def _image_message(tok: Tokenizer, image: ProcessedImage, kernel: tuple[int, int],
+                   text: list[int]) -> tuple[list[int], int, int]:
+    """One user message holding the picture and then `text` ids (none: the picture alone), the
+    placeholder expanded: (ids, image start, image stop)."""
+    unexpanded = tok.message_ids("user", image_prompt_ids(tok, *image.original_size) + text)
+    layout = expand_media_placeholders(unexpanded, [merged_grid(image.grid, kernel)], tok.special["<|media_pad|>"])
     span = layout.spans[0]
     return layout.input_ids.tolist(), span.start, span.stop
 
 
-def _frame(tok: Tokenizer, layout: str, system: str,
-           qs: list[Question]) -> tuple[list[tuple[list[int], float]], list[tuple[list[int], float]]]:
-    """(ids, loss weight) pieces before the image (the system turn) and after it (the questions and
-    answers: per question six pieces, question, generation prompt, scaffold, key, value, scaffold)."""
-    head = [] if layout == "bare" else [
-        (tok.chat_prompt([Message("system", system)], add_generation_prompt=False), W_CONTEXT)]
+def _answers(tok: Tokenizer, qs: list[Question], joined: bool, key_weight: float) -> list[tuple[list[int], float]]:
+    """(ids, loss weight) pieces after the picture's message: per question six pieces (question turn,
+    generation prompt, scaffold, key, value, scaffold); with `joined` the first question is already
+    in the picture's message, so its question piece is empty."""
     tail: list[tuple[list[int], float]] = []
     gen_prompt = tok.chat_prompt([], add_generation_prompt=True)
-    for q in qs:
-        tail.append((tok.chat_prompt([Message("user", q.text)], add_generation_prompt=False), W_CONTEXT))
-        tail.append((gen_prompt, W_CONTEXT))
+    for i, q in enumerate(qs):
+        turn = [] if joined and i == 0 else tok.chat_prompt([Message("user", q.text)], add_generation_prompt=False)
+        tail += [(turn, W_CONTEXT), (gen_prompt, W_CONTEXT)]
         before, response, after = answer_ids(tok, q.response)
         key_len = len(tok.encode(q.response[: len(q.response) - len(q.value)]))
-        tail += [(before, W_SCAFFOLD), (response[:key_len], W_KEY), (response[key_len:], W_ANSWER),
+        tail += [(before, W_SCAFFOLD), (response[:key_len], key_weight), (response[key_len:], W_ANSWER),
                  (after, W_SCAFFOLD)]
-    return head, tail
+    return tail
 
 
 def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConfig | None = None,
-          layout: str | None = None, questions: int | None = None, picture: Picture | None = None,
-          image_size: int = 64) -> Sample:
+          layout: str | None = None, joined: bool | None = None, questions: int | None = None,
+          picture: Picture | None = None, image_size: int = 64, key_weight: float = W_KEY) -> Sample:
     """One image sample; "document" layouts are exactly `length` tokens (filler text fills the
-    room), "bare" (image message + questions) and "system" (a system turn first) ones are shorter.
+    room), "bare" (picture and questions only) and "system" (a system turn first) ones are shorter.
     When `length` is short, fewer questions are asked (then the system turn is dropped).
 
     Args:
         vision: the tower's config (patch size, merge kernel); default `trained_demo_vision_config()`.
         layout: "bare", "system" (system turn first) or "document" (system turn, filler before and
-            maybe after the image); default random.
+            maybe after the picture); default random.
+        joined: the picture and the first question in one user message (what
+            `Session.append_message("user", question, images=[picture])` and `workbench demo --chat`
+            build) instead of the picture as a message of its own (`Session.append(image=..., role=
+            "user")`); default random (half each).
         questions: how many questions (default 1 to all attributes of the picture, as many as fit).
         picture: what to show (default `draw_picture(rng, image_size)`).
+        key_weight: loss weight of the restated attribute name ("colour: ").
 
     Raises:
-        ValueError: `length` cannot hold the image, the questions and their answers.
+        ValueError: `length` cannot hold the picture, the questions and their answers.
     """
     vision = vision or trained_demo_vision_config()
     picture = picture or draw_picture(rng, image_size)
@@ -151,6 +151,7 @@ def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConf
     layout = layout or rng.choices(LAYOUTS, weights=(2, 2, 6))[0]
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    joined = rng.random() < 0.5 if joined is None else joined
     image = preprocess_image(picture.image, name=f"{picture.kind} picture", patch=vision.patch_size,
                              merge=vision.merge_kernel)
     templates = QUESTIONS[picture.kind]
@@ -159,12 +160,13 @@ def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConf
     asked = attributes[: questions or rng.randint(1, len(attributes))]
     qs = [Question(a, picture.attributes[a], rng.choice(templates[a]), response_text(a, picture.attributes[a]))
           for a in asked]
-
-    image_ids, image_lo, image_hi = _image_message(tok, image, vision.merge_kernel)
     system = rng.choice(SYSTEMS)
+    image_ids, image_lo, image_hi = _image_message(tok, image, vision.merge_kernel,
+                                                   tok.encode(qs[0].text) if joined else [])
     while True:
-        head, tail = _frame(tok, layout, system, qs)
-        fixed = sum(len(i) for i, _ in head) + len(image_ids) + sum(len(i) for i, _ in tail)
+        head = [] if layout == "bare" else tok.chat_prompt([Message("system", system)], add_generation_prompt=False)
+        tail = _answers(tok, qs, joined, key_weight)
+        fixed = len(head) + len(image_ids) + sum(len(i) for i, _ in tail)
         if fixed <= length:
             break
         # too long for `length`: fewer questions, then no system turn
@@ -173,15 +175,15 @@ def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConf
         elif layout != "bare" and not layout_given:
             layout = "bare"
         else:
-            raise ValueError(f"image sample needs {fixed} tokens (image, {len(qs)} question(s) and answers); "
+            raise ValueError(f"image sample needs {fixed} tokens (picture, {len(qs)} question(s) and answers); "
                              f"length {length} is too short")
     before_text = after_text = ""
     if layout == "document":
         budget = length - fixed
         text = filler(TRAIN, rng, budget + 64).encode()[:budget].decode("ascii")
         cut = budget
-        if rng.random() < 0.5:  # else all the filler before the image
-            # split at a sentence end, so the image never lands inside a filler sentence
+        if not joined and rng.random() < 0.5:  # else all the filler before the picture
+            # split at a sentence end, so the picture never lands inside a filler sentence
             dot = text.find(". ", int(budget * rng.random()))
             cut = budget if dot < 0 else dot + 2
         before_text, after_text = text[:cut], text[cut:]
@@ -194,23 +196,23 @@ def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConf
         weights.extend([w] * len(piece))
 
     turns: list[tuple[str, object]] = []
-    for piece, w in head:
-        put(piece, w)
+    if head:
+        put(head, W_CONTEXT)
         turns.append(("system", system))
     if before_text:
         put(tok.encode(before_text), W_CONTEXT)
         turns.append(("document", before_text))
     image_start = len(ids) + image_lo
     put(image_ids, W_CONTEXT)
-    weights[image_start: len(ids) - len(image_ids) + image_hi] = [W_IMAGE] * (image_hi - image_lo)
-    turns.append(("image", picture.image))
+    weights[image_start: image_start + image_hi - image_lo] = [W_IMAGE] * (image_hi - image_lo)
+    turns.append(("message", (qs[0].text, picture.image)) if joined else ("image", picture.image))
     if after_text:
         put(tok.encode(after_text), W_CONTEXT)
         turns.append(("document", after_text))
     prompt_len = 0
     for i, (piece, w) in enumerate(tail):
         j, part = divmod(i, 6)  # per question: question, generation prompt, before, key, value, after
-        if part == 0:
+        if part == 0 and piece:
             turns.append(("user", qs[j].text))
         if part == 3:
             qs[j].start = len(ids)
@@ -224,7 +226,7 @@ def build(tok: Tokenizer, rng: random.Random, length: int, *, vision: VisionConf
 
 
 def image_batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *,
-                vision: VisionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, list[ProcessedImage],
+                vision: VisionConfig | None = None, key_weight: float = W_KEY) -> tuple[torch.Tensor, torch.Tensor, list[ProcessedImage],
                                                               torch.Tensor]:
     """Training batch `step` of image questions: ids [size, length], loss weights [size, length] for
     the next-token targets (weights[:, t] weighs predicting ids[:, t + 1]; padding and the last
@@ -240,7 +242,7 @@ def image_batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *,
     mask = torch.zeros(size, length, dtype=torch.bool)
     images: list[ProcessedImage] = []
     for b in range(size):
-        s = build(tok, rng, length, vision=vision)
+        s = build(tok, rng, length, vision=vision, key_weight=key_weight)
         n = len(s.ids)
         ids[b, :n] = torch.tensor(s.ids)
         weights[b, : n - 1] = torch.tensor(s.weights[1:])

@@ -4,6 +4,7 @@ export of a model with its tower (loads with `engine.load_model`, encodes the sa
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -14,10 +15,9 @@ from engine import load_model
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from training.image_drawing import ATTRIBUTE_VALUES, COLOURS, DIGITS, POSITIONS, SHAPES, draw_digit, draw_shape
-from training.image_tasks import (W_IMAGE, W_KEY, build, forward_with_images, image_accuracy, image_batch,
-                                  response_text)
+from training.image_tasks import W_IMAGE, build, forward_with_images, image_accuracy, image_batch, response_text
 from training.model_setup import (export, trainable_model, trained_demo_config, trained_demo_vision_config)
-from training.tasks import W_ANSWER, W_CONTEXT, W_SCAFFOLD
+from training.tasks import W_ANSWER, W_CONTEXT, W_KEY, W_SCAFFOLD
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +70,9 @@ def test_image_batches_are_deterministic(tok) -> None:
 
 def test_answer_spans_and_weights(tok) -> None:
     rng = random.Random(11)
-    for layout in ("bare", "system", "document"):
-        for _ in range(4):
-            s = build(tok, rng, 640, layout=layout)
+    for layout, joined in itertools.product(("bare", "system", "document"), (False, True)):
+        for _ in range(3):
+            s = build(tok, rng, 640, layout=layout, joined=joined)
             assert layout != "document" or len(s.ids) == 640
             assert s.ids[s.image_start: s.image_stop] == [tok.special["<|media_pad|>"]] * 16
             assert set(s.weights[s.image_start: s.image_stop]) == {W_IMAGE}
@@ -89,25 +89,40 @@ def test_answer_spans_and_weights(tok) -> None:
             gen = tok.chat_prompt([], add_generation_prompt=True)
             assert s.ids[s.prompt_len - len(gen): s.prompt_len] == gen and s.prompt_len < first.start
             assert s.weights[s.prompt_len - 1] == W_CONTEXT
+    late = build(tok, random.Random(2), 640, key_weight=0.95)  # the lead's later key weight
+    q = late.questions[0]
+    assert late.weights[q.start: q.start + len(q.attribute) + 2] == [0.95] * (len(q.attribute) + 2)
     with pytest.raises(ValueError, match="too short"):
         build(tok, random.Random(0), 120)
 
 
-def test_sample_ids_and_logits_equal_a_sessions(model, tok) -> None:
-    """The same conversation appended to a Session (image through `append(image=..., role="user")`)
-    holds exactly the sample's ids, and its prefill logits equal `forward_with_images`'s."""
-    s = build(tok, random.Random(5), 600, layout="document", questions=2)
-    assert [k for k, _ in s.turns][:3] == ["system", "document", "image"]
+def _replay(model, tok, s) -> Session:
+    """The sample's conversation up to its first generation prompt, appended to a Session."""
     session = Session(model, tok)
-    for kind, x in s.turns[:-1]:  # up to the first question
+    for kind, x in s.turns:
         if kind == "image":
             session.append(image=x, role="user")
+        elif kind == "message":
+            session.append_message("user", x[0], images=[x[1]])
         elif kind == "document":
             session.append(x)
         else:
             session.append(x, role=kind)
-    assert s.turns[-2] == ("user", s.questions[0].text)
+        if kind == "message" or (kind == "user" and x == s.questions[0].text):
+            break
     session.append(ids=tok.chat_prompt([], add_generation_prompt=True))
+    return session
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_sample_ids_and_logits_equal_a_sessions(model, tok, joined) -> None:
+    """The same conversation appended to a Session (the picture through `append(image=...,
+    role="user")`, or with the first question through `append_message`) holds exactly the
+    sample's ids, and its prefill logits equal `forward_with_images`'s."""
+    s = build(tok, random.Random(5), 600, layout="document", questions=2, joined=joined)
+    kinds = [k for k, _ in s.turns]
+    assert kinds[:3] == ["system", "document", "message" if joined else "image"]
+    session = _replay(model, tok, s)
     assert session.tokens == s.ids[: s.prompt_len]
     seg = next(g for g in session.segments if g.kind == "image")
     assert (seg.image["token_start"], seg.image["token_end"]) == (s.image_start, s.image_stop)
