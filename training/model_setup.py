@@ -5,13 +5,19 @@ SiTU experts, Block Attention Residuals, MXFP4 routed experts on disk), scaled d
 a 2-core CPU. Training runs the engine's own `KimiForCausalLM` with `expert_format="dense"`, whose
 routed experts are ordinary parameters; `export` quantizes them to MXFP4 and writes the checkpoint
 with `engine.weights.write.write_checkpoint`, so what users load is exactly what was evaluated.
+
+With `trained_demo_config(vision=True)` the model carries a small MoonViT-V2 tower
+(`trained_demo_vision_config`: 8-px patches, so a 64 x 64 picture is 8 x 8 patches = 16 language-model
+tokens); it is trained, exported and loaded like every other tensor.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+import math
+
+from engine.config import ModelConfig, VisionConfig
 from engine.model import KimiForCausalLM
 from engine.presets import _k3_family
 from engine.ops.mxfp4 import reference as mxfp4
@@ -21,13 +27,23 @@ from engine.weights.random_init import RandomSource, storage_dtype
 from engine.weights.write import write_checkpoint
 
 
-def trained_demo_config(topk: int = 64) -> ModelConfig:
+def trained_demo_vision_config() -> VisionConfig:
+    """The trained demo's tower: width 64, 2 blocks of 2 heads (head dim 32), 8-px patches and an
+    8 x 8 position table, so the 64 x 64 training pictures (`training.image_tasks`) use the table
+    as is and take 4 x 4 = 16 merged tokens; larger images read the table resized, as usual."""
+    return VisionConfig(patch_size=8, hidden_size=64, num_layers=2, num_heads=2, qkv_hidden_size=64,
+                        intermediate_size=128, pos_emb_height=8, pos_emb_width=8, text_hidden_size=128)
+
+
+def trained_demo_config(topk: int = 64, vision: bool = False) -> ModelConfig:
     """6 layers (4 KDA + 2 gated DSA/MLA at layers 3 and 6, 1-indexed), hidden 128, 16 latent
-    experts (top-2) + 1 shared, AttnRes blocks of 2, byte-level vocabulary, MXFP4 experts."""
+    experts (top-2) + 1 shared, AttnRes blocks of 2, byte-level vocabulary, MXFP4 experts; with
+    `vision`, the `trained_demo_vision_config` tower."""
     return _k3_family(vocab_base=256, hidden=128, n_layers=6, full_attn_every=3, heads=4, q_lora=64, kv_lora=64,
                       nope=32, rope=16, v_dim=32, kda_heads=2, kda_dim=64, idx_heads=2, idx_dim=32, topk=topk,
                       experts=16, top_k=2, shared=1, moe_inter=64, latent=64, dense_inter=256, attn_res=2,
-                      max_pos=1048576, expert_format="mxfp4", vision=None)
+                      max_pos=1048576, expert_format="mxfp4",
+                      vision=trained_demo_vision_config() if vision else None)
 
 
 def trainable_model(config: ModelConfig, seed: int) -> KimiForCausalLM:
@@ -37,8 +53,23 @@ def trainable_model(config: ModelConfig, seed: int) -> KimiForCausalLM:
         model = KimiForCausalLM(dense)
     model.to_empty(device="cpu")
     fill(model, RandomSource(dense, seed, torch.float32), torch.float32)
+    if model.vision is not None:
+        _rescale_vision_init(model)
     model.train()
     return model
+
+
+@torch.no_grad()
+def _rescale_vision_init(model: KimiForCausalLM) -> None:
+    """Start the tower where it can learn positions. The random init draws every matrix with std
+    1/sqrt(last dim): for the patch convolution that is 1/sqrt(patch), so a patch's embedding has
+    RMS ~4, while the position table (std 1/sqrt(width)) adds ~0.1 and the blocks' RMSNorm all but
+    erases it. Rescale the convolution to its true fan-in (3 x patch x patch) and the table to 0.5."""
+    embed = model.vision.vision_tower.patch_embed
+    w = embed.proj.weight  # [D, 3, p, p]
+    w.mul_(math.sqrt(w.shape[-1] / (w.shape[1] * w.shape[2] * w.shape[3])))
+    table = embed.pos_emb.weight  # [H0, W0, D]
+    table.mul_(0.5 * math.sqrt(table.shape[-1]))
 
 
 class TrainedSource:
