@@ -16,7 +16,7 @@ import panel as pn
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
-from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.text import html_table, set_text, text_pane
 from apps.dashboard.reducers import DSADiffData, SessionMapData
 
 
@@ -26,15 +26,12 @@ def _ratio(value: float) -> str:
 
 def layers_table(rows: tuple[dict, ...]) -> str:
     """Per-layer comparison as an escaped HTML table (every Jaccard beside its chance value)."""
-    head = ("<table class='k3-dsa-diff' style='font-size:12px;width:100%'><tr><th>DSA layer</th><th>in B</th>"
-            "<th>queries</th><th>reads changed</th><th>mean Jaccard A/B</th><th>chance</th><th>ratio</th>"
-            "<th>first changed</th></tr>")
-    body = "".join(
-        f"<tr><td>{int(r['layer'])}</td><td>{'dense' if r.get('dense_in_b') else 'sparse'}</td>"
-        f"<td>{int(r['queries']):,}</td><td>{r['changed_share'] * 100:.0f}%</td><td>{r['mean_jaccard']:.2f}</td>"
-        f"<td>{r['chance_jaccard']:.2f}</td><td>{_ratio(r.get('ratio'))}</td>"
-        f"<td>{html.escape(str(r['first_changed']) if r['first_changed'] >= 0 else '–')}</td></tr>" for r in rows)
-    return head + body + "</table>"
+    headers = ["DSA layer", "in B", "queries", "reads changed", "mean Jaccard A/B", "chance", "ratio", "first changed"]
+    cells = [[str(int(r["layer"])), "dense" if r.get("dense_in_b") else "sparse", f"{int(r['queries']):,}",
+              f"{r['changed_share'] * 100:.0f}%", f"{r['mean_jaccard']:.2f}", f"{r['chance_jaccard']:.2f}",
+              _ratio(r.get("ratio")), html.escape(str(r["first_changed"]) if r["first_changed"] >= 0 else "–")]
+             for r in rows]
+    return html_table("k3-dsa-diff", headers, cells)
 
 
 def diff_summary(data: DSADiffData, trace: str) -> str:

@@ -22,7 +22,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
-from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.text import html_table, set_text, text_pane
 from apps.dashboard.reducers import KDAHealthData, SessionMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
@@ -58,18 +58,15 @@ def summary_text(data: KDAHealthData) -> str:
 
 def ranked_table(rows: tuple[dict, ...]) -> str:
     """The ranked heads as an escaped HTML table."""
-    head = ("<table class='k3-health' style='font-size:12px;width:100%'><tr><th>kind</th><th>#</th><th>layer</th>"
-            "<th>head</th><th>position</th><th>segment</th><th>saturates at</th><th>half-life</th>"
-            "<th>largest drop</th><th>min eff. rank</th><th>norm growth /1k</th></tr>")
-    body = "".join(
-        f"<tr><td><span style='color:{KIND_COLOURS[r['kind']]}'>&#9632;</span> {html.escape(r['kind'])}</td>"
-        f"<td>{int(r['rank'])}</td><td>{int(r['layer'])}</td><td>{int(r['head'])}</td>"
-        f"<td style='text-align:right'>{int(r['position']):,}</td><td>{html.escape(str(r.get('segment_name') or ''))}</td>"
-        f"<td>{_num(r.get('saturate_fraction', float('nan')) * 100, '.0f')}% of context</td>"
-        f"<td>{_num(r.get('half_life'), ',.0f')}</td><td>{_num(r.get('forget_drop', float('nan')) * 100, '.0f')}%</td>"
-        f"<td>{_num(r.get('min_eff_rank'), '.1f')}</td><td>{_num(r.get('norm_growth_per_1k'), '.3g')}</td></tr>"
-        for r in rows)
-    return head + body + "</table>"
+    headers = ["kind", "#", "layer", "head", "position", "segment", "saturates at", "half-life", "largest drop",
+               "min eff. rank", "norm growth /1k"]
+    cells = [[f"<span style='color:{KIND_COLOURS[r['kind']]}'>&#9632;</span> {html.escape(r['kind'])}",
+              str(int(r["rank"])), str(int(r["layer"])), str(int(r["head"])), f"{int(r['position']):,}",
+              html.escape(str(r.get("segment_name") or "")),
+              f"{_num(r.get('saturate_fraction', float('nan')) * 100, '.0f')}% of context",
+              _num(r.get("half_life"), ",.0f"), f"{_num(r.get('forget_drop', float('nan')) * 100, '.0f')}%",
+              _num(r.get("min_eff_rank"), ".1f"), _num(r.get("norm_growth_per_1k"), ".3g")] for r in rows]
+    return html_table("k3-health", headers, cells)
 
 
 class KDAHealthView(ViewComponent):

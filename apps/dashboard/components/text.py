@@ -27,6 +27,14 @@ def set_text(pane: pn.pane.HTML, text: str) -> None:
     pane.object = pre(text)
 
 
+def html_table(css_class: str, headers: list[str], rows: list[list[str]]) -> str:
+    """An HTML table in the views' style. `headers` are escaped here; `rows` hold cells that are
+    already HTML (each caller escapes what came from a trace and may add its own markup)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table class='{css_class}' style='font-size:12px;width:100%'><tr>{head}</tr>{body}</table>"
+
+
 def alert_text(text: str) -> str:
     """Text for an Alert (a Markdown pane): escaped, so markup in it stays text."""
     return html.escape(text)
