@@ -32,7 +32,7 @@ import copy
 import hashlib
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -45,43 +45,15 @@ from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
+from engine.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumbnails_from_tensors
 from engine.snapshot import prefix_hash, read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
-from engine.vision import ImageSource, ProcessedImage, image_prompt_ids, merged_grid, preprocess_image
-from engine.vision.thumbnail import THUMBNAIL_PX, decode_thumbnail, encode_thumbnail
+from engine.vision import ImageSource
+from engine.session_images import PreparedImage, prepare_image
+from engine.vision.thumbnail import encode_thumbnail
 
 Observer = Callable[[str, dict], None]
 PROGRESS_MIN_TOKENS = 8192
-THUMBNAIL_TENSOR = "thumbnails."  # + segment id: a snapshot's PNG bytes of that image's thumbnail
-
-
-@dataclass
-class Segment:
-    """A labelled token range of the context: a document, a chat turn, generated text or an image."""
-
-    id: int
-    kind: str  # "document" | "turn" | "generated" | "image"
-    name: str
-    start: int
-    end: int
-    role: str | None = None
-    modality: str = "text"
-    # image segments: width/height (original pixels), patch_rows/patch_cols (tower grid), grid_rows/
-    # grid_cols (merged grid = token layout), token_start/token_end (the image positions), sha256
-    image: dict | None = None
-
-
-@dataclass
-class _PreparedImage:
-    """An image checked and turned into its media ids (`ids`: pads expanded), not yet in the session."""
-
-    processed: ProcessedImage
-    label: str | None
-    rows: int
-    cols: int
-    ids: list[int]
-    pad_at: int  # index in `ids` of the first image position
-    embeds: torch.Tensor | None = None  # projector outputs [rows * cols, hidden], once the tower ran
 
 
 @dataclass
@@ -261,31 +233,15 @@ class Session:
         self._run_tower(prepared)
         return self._commit_image(prepared, head, tail, role=role, kind=kind)
 
-    def _prepare_image(self, image: ImageSource, name: str | None) -> "_PreparedImage":
+    def _prepare_image(self, image: ImageSource, name: str | None) -> PreparedImage:
         """Preprocess `image` into its media ids; changes nothing (ImageError / InputError first)."""
-        vision = self.model.vision
-        label = name or (Path(image).name if isinstance(image, (str, Path)) else None)
-        if vision is None:
-            raise InputError(f"{label or 'image'}: images are unavailable: {self.model.vision_unavailable}")
-        if self.tokenizer is None:
-            raise InputError("images need a tokenizer (for the media tokens around them)")
-        c = vision.config
-        processed: ProcessedImage = preprocess_image(image, name=label, patch=c.patch_size, merge=c.merge_kernel,
-                                                     thumbnail=THUMBNAIL_PX)
-        rows, cols = merged_grid(processed.grid, c.merge_kernel)
-        body = image_prompt_ids(self.tokenizer, *processed.original_size)
-        pad = self.config.media_placeholder_token_id
-        if pad is None or body.count(pad) != 1:
-            raise InputError(f"the tokenizer's <|media_pad|> is not the model's media_placeholder_token_id ({pad})")
-        pad_at = body.index(pad)
-        ids = body[:pad_at] + [pad] * (rows * cols) + body[pad_at + 1:]
-        return _PreparedImage(processed, label, rows, cols, ids, pad_at)
+        return prepare_image(self.model, self.tokenizer, image, name)
 
-    def _run_tower(self, prepared: "_PreparedImage") -> None:
+    def _run_tower(self, prepared: PreparedImage) -> None:
         with torch.inference_mode():
             prepared.embeds = self.model.encode_images([prepared.processed])[0]  # [rows * cols, hidden]
 
-    def _commit_image(self, prepared: "_PreparedImage", head: list[int], tail: list[int], *, role: str | None,
+    def _commit_image(self, prepared: PreparedImage, head: list[int], tail: list[int], *, role: str | None,
                       kind: str | None) -> Segment:
         """Append a prepared image (with the chat tags `head` before and `tail` after it) as one segment."""
         processed, rows, cols = prepared.processed, prepared.rows, prepared.cols
@@ -541,8 +497,8 @@ class Session:
         consumed = state.get("consumed", -1)
         if type(consumed) is not int or not 0 <= consumed <= len(tokens):
             raise InputError(f"invalid consumed-token count {consumed!r:.40} (expected an integer in [0, {len(tokens)}])")
-        segments = _segments_from_json(state.get("segments", []), len(tokens))
-        thumbnails = _thumbnails_from_tensors(tensors, segments)
+        segments = segments_from_json(state.get("segments", []), len(tokens))
+        thumbnails = thumbnails_from_tensors(tensors, segments)
         step = state.get("step", 0)
         if type(step) is not int or step < 0:
             raise InputError(f"invalid step {step!r:.40} (expected a non-negative integer)")
@@ -598,58 +554,6 @@ class Session:
         except InputError as exc:
             raise InputError(f"{path}: {exc}") from None
         return session
-
-
-def _segments_from_json(raw: Any, n_tokens: int) -> list[Segment]:
-    """A snapshot's segment list, checked field by field (InputError naming the entry)."""
-    if not isinstance(raw, list):
-        raise InputError(f"snapshot segments must be a list, got {type(raw).__name__}")
-    names = {f.name: f for f in fields(Segment)}
-    out = []
-    for i, seg in enumerate(raw):
-        if not isinstance(seg, dict):
-            raise InputError(f"snapshot segment {i} must be an object, got {type(seg).__name__}")
-        unknown = sorted(map(str, set(seg) - set(names)))
-        missing = sorted(k for k in ("id", "kind", "name", "start", "end") if k not in seg)
-        if unknown or missing:
-            raise InputError(f"snapshot segment {i}: " + "; ".join(
-                ([f"unknown key(s) {', '.join(unknown)[:80]}"] if unknown else [])
-                + ([f"missing {', '.join(missing)}"] if missing else [])))
-        for key in ("id", "start", "end"):
-            if type(seg[key]) is not int:
-                raise InputError(f"snapshot segment {i}: {key} must be an integer, got {seg[key]!r:.40}")
-        for key in ("kind", "name", "modality"):
-            if key in seg and not isinstance(seg[key], str):
-                raise InputError(f"snapshot segment {i}: {key} must be a string, got {seg[key]!r:.40}")
-        if seg.get("role") is not None and not isinstance(seg["role"], str):
-            raise InputError(f"snapshot segment {i}: role must be a string or null")
-        if seg.get("image") is not None and not isinstance(seg["image"], dict):
-            raise InputError(f"snapshot segment {i}: image must be an object or null")
-        if not 0 <= seg["start"] <= seg["end"] <= n_tokens:
-            raise InputError(f"snapshot segment {i}: range [{seg['start']}, {seg['end']}) is outside the "
-                             f"{n_tokens} tokens")
-        out.append(Segment(**seg))
-    return out
-
-
-def _thumbnails_from_tensors(tensors: dict[str, torch.Tensor], segments: list[Segment]) -> dict[int, Any]:
-    """A snapshot's `thumbnails.<id>` PNG bytes -> {segment id: RGB picture}, each checked (InputError)."""
-    images = {seg.id for seg in segments if seg.image is not None}
-    out: dict[int, Any] = {}
-    for key in sorted(k for k in tensors if k.startswith(THUMBNAIL_TENSOR)):
-        where = f"snapshot thumbnail {key[:60]!r}"
-        digits = key[len(THUMBNAIL_TENSOR):]
-        if not (digits.isascii() and digits.isdigit()) or len(digits) > 9:
-            raise InputError(f"{where}: the name must be thumbnails.<segment id>")
-        seg_id = int(digits)
-        if seg_id not in images:
-            raise InputError(f"{where}: segment {seg_id} is not an image segment")
-        t = tensors[key]
-        if t.dtype != torch.uint8 or t.ndim != 1:
-            raise InputError(f"{where}: must be PNG bytes (uint8 [n]), got {str(t.dtype).removeprefix('torch.')} "
-                             f"{list(t.shape)}")
-        out[seg_id] = decode_thumbnail(t.numpy().tobytes(), where)  # byte count, format and size checked first
-    return out
 
 
 def model_fingerprint(model: KimiForCausalLM) -> str:
