@@ -26,7 +26,6 @@ from pathlib import Path
 
 from engine.errors import InputError
 from engine.presets import get_preset
-from engine.tokenizer import parse_answer
 from engine.weights.write import write_checkpoint
 from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_text, response_value
 
@@ -200,9 +199,10 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                or ((first - 1, first + len(pieces) - 2) if pieces else None))
     readers = layers_reading(trace_obj.df("dsa_topk"), needle[0], needle[1], queries=queries)
     text = "".join(pieces)
-    response = parse_answer("<|open|>response<|sep|>" + prefix + text) if "<|close|>" in text else None
-    return {"answer": response if response is not None else prefix + text, "scaffold_ok": response is not None,
-            "correct": response is not None and response_value(response) == PASSCODE, "expected": PASSCODE,
+    closed = "<|close|>" in text       # the response section ended, as the format requires
+    response = prefix + text.split("<|close|>", 1)[0]
+    return {"answer": response, "scaffold_ok": closed,
+            "correct": closed and response_value(response) == PASSCODE, "expected": PASSCODE,
             "needle": needle, "seconds": elapsed, "tokens": len(session.tokens), "readers": readers}
 
 
