@@ -1,0 +1,321 @@
+"""Second training run of the demo model: the vision tower and longer documents, continuing a
+finished text run: `python -m training.extend --base /work/train-state/demo3 --state S --out D`.
+
+Why a run of its own instead of more stages in `training.demo_model`: the tower must not train
+from the first step (it collapses to one embedding for every picture while the language model
+cannot read it yet; measured in training/README.md), and the text model must already retrieve at
+2K before longer documents pay off. So this run starts from the base run's last state (text model
+weights; the tower and projector from the seeded random init, the tower rescaled as
+`training.model_setup` does) and trains two stages, every step one text batch and one image batch:
+
+1. `frozen`: the tower is frozen, the projector learns to hand its (random but informative:
+   a linear probe reads colour/shape/position at 92-100%) features to the language model;
+   text rows at 2,048 tokens keep the retrieval the base run learned;
+2. `tower`: the tower trains at `--tower-lr-scale` (0.1) of the projector's rate; text rows at
+   4,096 tokens with every fourth at 8,192, to stretch retrieval past the base run's 2K.
+
+DSA selection stays on (sparse) throughout, the indexer keeps learning its KL target on text
+steps. Seeded and resumable as `training.demo_model` (its own state directory, `training.state`);
+batches are pure functions of (seed, step) in streams the base run never used. At the end the
+experts are quantized, the checkpoint (with the tower) is written, reloaded with
+`engine.load_model` and evaluated: held-out needle accuracy (`training.evaluate`) and held-out
+image questions with their swapped-image control (`training.image_tasks.image_accuracy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from engine.tokenizer import Tokenizer
+from training import state as state_io
+from training.demo_model import _git_commit, _truncate_csv, eval_table, shutil_copy
+from training.distill import ExpertBalance, IndexerDistill, query_rows
+from training.evaluate import needle_accuracy, summary
+from training.image_tasks import forward_with_images, image_accuracy, image_batch
+from training.model_setup import export, trainable_model, trained_demo_config
+from training.tasks import W_KEY_LATE, batch
+
+# Text batches of this run are `training.tasks.batch(step + TEXT_STREAM)`: the base run used
+# steps 0..1559 of the same generator, so its batches are never repeated.
+TEXT_STREAM = 1_000_000
+
+
+@dataclass(frozen=True)
+class Stage:
+    phase: str        # "frozen" (tower frozen) | "tower" (tower trained at a reduced rate)
+    steps: int
+    text_length: int  # one text row per step; "tower" steps stretch every fourth to 2x
+    image_batch: int
+    image_length: int
+
+
+def schedule(scale: float) -> list[Stage]:
+    """About 60 minutes on one free CPU core at scale 1."""
+    base = [Stage("frozen", 300, 2048, 8, 256), Stage("tower", 350, 4096, 8, 256)]
+    return [Stage(s.phase, max(1, round(s.steps * scale)), s.text_length, s.image_batch, s.image_length)
+            for s in base]
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    acc = 0
+    for s in stages:
+        if step < acc + s.steps:
+            return s
+        acc += s.steps
+    return stages[-1]
+
+
+def text_length_at(stage: Stage, step: int) -> int:
+    return stage.text_length * 2 if stage.phase == "tower" and step % 4 == 3 else stage.text_length
+
+
+def lr_scale(step: int, total: int, warmup: int = 30, floor: float = 0.2) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def load_base(base_dir: Path, model: torch.nn.Module) -> dict:
+    """The base run's last text-model weights into `model` (whose tower keeps its fresh init).
+    Every non-vision tensor must be there with its shape; nothing else may be."""
+    d = state_io.latest(base_dir)
+    if d is None:
+        raise SystemExit(f"{base_dir}: no saved step (no latest.json): train the base model first")
+    info = json.loads((d / "state.json").read_text())
+    weights = load_file(str(d / "model.safetensors"))
+    own = model.state_dict()
+    text = {k for k in own if not k.startswith("vision.")}
+    if set(weights) != text:
+        raise SystemExit(f"{d}: base weights do not match the text model "
+                         f"(first differences: {sorted(set(weights) ^ text)[:5]})")
+    for k, v in weights.items():
+        if own[k].shape != v.shape:
+            raise SystemExit(f"{d}: {k} has shape {list(v.shape)}, the model expects {list(own[k].shape)}")
+    model.load_state_dict(weights, strict=False)
+    return {"base_dir": str(d), "base_step": int(info["step"]), "base_commit": info.get("commit", ""),
+            "base_command": info.get("command", ""), "seed": int(info["seed"]), "topk": int(info["topk"])}
+
+
+COLUMNS = ["step", "phase", "text_length", "text_loss", "answer_loss", "image_loss", "image_answer_loss",
+           "indexer_kl", "lr_scale", "tokens_per_s"]
+
+
+def _weighted_ce(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    w = weights[:, :-1].flatten()
+    answer = w >= 0.99
+    answer_loss = float(ce.detach()[answer].mean()) if bool(answer.any()) else float("nan")
+    return (ce * w).sum() / w.sum(), answer_loss
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
+    p.add_argument("--state", type=Path, required=True, help="this run's resumable state directory")
+    p.add_argument("--out", type=Path, required=True, help="final checkpoint directory")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.01 = smoke test)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak rate of the text model")
+    p.add_argument("--projector-lr", type=float, default=3e-3, help="peak rate of the (new) projector")
+    p.add_argument("--tower-lr-scale", type=float, default=0.1, help="tower rate / projector rate in stage 2")
+    p.add_argument("--indexer-lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-lengths", type=str, default="2048,8192")
+    p.add_argument("--eval-samples", type=str, default="8,4")
+    p.add_argument("--image-eval", type=int, default=96, help="held-out image questions in the final evaluation")
+    p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--no-final", action="store_true")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    args.state.mkdir(parents=True, exist_ok=True)
+    stages = schedule(args.scale)
+    total = sum(s.steps for s in stages)
+    tok = Tokenizer.byte_level()
+    probe = state_io.latest(args.base)
+    if probe is None:
+        raise SystemExit(f"{args.base}: no saved step (no latest.json): train the base model first")
+    base_info = json.loads((probe / "state.json").read_text())
+    seed, topk = int(base_info["seed"]), int(base_info["topk"])
+    config = trained_demo_config(topk, vision=True)
+    model = trainable_model(config, seed)
+    distill = IndexerDistill(model)
+    balance = ExpertBalance(model)
+
+    params = dict(model.named_parameters())
+    groups = {"indexer": [n for n in params if ".indexer." in n],
+              "tower": [n for n in params if n.startswith("vision.vision_tower.")],
+              "projector": [n for n in params if n.startswith("vision.mm_projector.")]}
+    frozen = {n for n in params if n.endswith("e_score_correction_bias")}
+    grouped = set().union(*groups.values())
+    groups["text"] = [n for n in params if n not in grouped and n not in frozen]
+    for n in frozen:
+        params[n].requires_grad_(False)
+    peak = {"text": args.lr, "projector": args.projector_lr, "tower": args.projector_lr * args.tower_lr_scale,
+            "indexer": args.indexer_lr}
+    optimizers = {}
+    for g, names in groups.items():
+        decay = [params[n] for n in names if params[n].dim() >= 2 and "embed" not in n]
+        rest = [params[n] for n in names if not (params[n].dim() >= 2 and "embed" not in n)]
+        optimizers[g] = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01 if g != "indexer" else 0.0},
+                                           {"params": rest, "weight_decay": 0.0}], lr=peak[g], betas=(0.9, 0.95))
+
+    step = 0
+    metrics: dict = {"evals": []}
+    run_info = {"command": "python -m training.extend " + " ".join(sys.argv[1:] if argv is None else argv),
+                "scale": args.scale, "lr": peak, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
+    resumed = state_io.latest(args.state)
+    if resumed is not None:
+        info = state_io.load(resumed, model, optimizers)
+        if info.get("scale") != args.scale:
+            raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; pass the same or another --state")
+        step = int(info["step"])
+        metrics = info.get("metrics", metrics)
+        run_info["base"] = info.get("base", {})
+        print(f"resumed from {resumed} at step {step}/{total}", flush=True)
+    else:
+        run_info["base"] = load_base(args.base, model)
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
+    run_info.update(seed=seed, topk=topk)
+
+    loss_csv = args.state / "loss.csv"
+    _truncate_csv(loss_csv, step)
+    new_csv = not loss_csv.exists()
+    log = open(loss_csv, "a", newline="")
+    writer = csv.writer(log)
+    if new_csv:
+        writer.writerow(COLUMNS)
+    bar = tqdm(total=total, initial=step, desc="extend", unit="step", file=sys.stderr, ascii=not sys.stderr.isatty(),
+               mininterval=0.5 if sys.stderr.isatty() else 30)
+    gen = torch.Generator()
+    model.runtime.dsa_force_dense = False
+    ema = None
+    while step < total:
+        stage = stage_at(stages, step)
+        t0 = time.perf_counter()
+        scale = lr_scale(step, total)
+        for g, opt in optimizers.items():
+            for pg in opt.param_groups:
+                pg["lr"] = peak[g] * (scale if g != "indexer" else 1.0)
+        tower_on = stage.phase == "tower"
+        for n in groups["tower"]:
+            params[n].requires_grad_(tower_on)
+
+        # text: the model on the LM loss, the indexer on KL over its selected keys
+        length = text_length_at(stage, step)
+        ids, weights = batch(tok, seed, TEXT_STREAM + step, 1, length)
+        gen.manual_seed(seed * 1_000_003 + TEXT_STREAM + step)
+        distill.active, distill.sparse = True, True
+        distill.rows = query_rows(weights, 64, gen)
+        text_loss, text_answer = _weighted_ce(model(ids), ids, weights)
+        kl = distill.take()
+        (text_loss + (kl if kl is not None else 0.0)).backward()
+        n_tokens = ids.numel()
+
+        # images: plain LM loss on the answers (the indexer is not distilled on these short rows)
+        distill.active = False
+        ids, weights, images, mask = image_batch(tok, seed, step, stage.image_batch, stage.image_length,
+                                                 vision=config.vision, key_weight=W_KEY_LATE)
+        image_loss, image_answer = _weighted_ce(forward_with_images(model, ids, images, mask), ids, weights)
+        image_loss.backward()
+        n_tokens += ids.numel()
+
+        for g, opt in optimizers.items():
+            if g == "tower" and not tower_on:
+                continue
+            torch.nn.utils.clip_grad_norm_([params[n] for n in groups[g]], 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        balance.update()
+        distill.coverage = []
+        tps = n_tokens / (time.perf_counter() - t0)
+        ema = tps if ema is None else 0.9 * ema + 0.1 * tps
+        kl_value = float(kl.detach()) if kl is not None else float("nan")
+        writer.writerow([step, stage.phase, length, f"{float(text_loss):.5f}", f"{text_answer:.5f}",
+                         f"{float(image_loss):.5f}", f"{image_answer:.5f}", f"{kl_value:.5f}", f"{scale:.4f}",
+                         f"{tps:.1f}"])
+        step += 1
+        bar.set_postfix_str(f"{stage.phase} L={length} text {float(text_loss):.3f} image {float(image_loss):.3f} "
+                            f"ans {image_answer:.3f} {ema:.0f} tok/s", refresh=False)
+        bar.update(1)
+        if step % 10 == 0 or step == total:
+            log.flush()
+            print(f"step {step}/{total} {stage.phase} L={length} text {float(text_loss):.3f} answer {text_answer:.3f} "
+                  f"image {float(image_loss):.3f} image-answer {image_answer:.3f} kl {kl_value:.3f} {ema:.0f} tok/s",
+                  flush=True)
+        if step % args.save_every == 0 or step == total or step == args.stop_after:
+            state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})
+        if step == args.stop_after:
+            print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
+            return 0
+        if step % args.eval_every == 0 or step == total:
+            images_eval = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
+            control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
+            rows = needle_accuracy(model, tok, lengths=(2048,), samples=2, modes=("sparse",))
+            metrics["evals"].append({"step": step, "image": images_eval, "image_swapped": control, "needle": rows})
+            per = " ".join(f"{a} {r['correct']}/{r['total']}" for a, r in images_eval["by_attribute"].items())
+            print(f"eval step {step}: images {images_eval['correct']}/{images_eval['total']} ({per}; swapped control "
+                  f"{control['correct']}/{control['total']}); needle {summary(rows)}", flush=True)
+    bar.close()
+    log.close()
+    distill.remove()
+    if args.no_final:
+        return 0
+    return finalize(model, config, tok, args, run_info, metrics)
+
+
+def finalize(model, config, tok: Tokenizer, args, run_info: dict, metrics: dict) -> int:
+    """Quantize + write the checkpoint with its tower, reload it with the engine's loader, evaluate."""
+    from engine import load_model
+
+    out = export(model, config, args.out)
+    shutil_copy(args.state / "loss.csv", out / "loss_extend.csv")
+    shutil_copy(Path(run_info["base"]["base_dir"]).parent / "loss.csv", out / "loss.csv")
+    shipped = load_model(out)
+    lengths = [int(x) for x in args.eval_lengths.split(",") if x]
+    counts = [int(x) for x in args.eval_samples.split(",") if x]
+    samples = {n: counts[min(i, len(counts) - 1)] for i, n in enumerate(lengths)}
+    print(f"evaluating the written checkpoint {out} (MXFP4 experts) ...", flush=True)
+    rows = needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples, batch_tokens=8192)
+    images = image_accuracy(shipped, tok, args.image_eval, seed=7, vision=config.vision)
+    control = image_accuracy(shipped, tok, args.image_eval, seed=7, vision=config.vision, swap_images=True)
+    (out / "eval.json").write_text(json.dumps({"held_out_needle": rows, "held_out_images": images,
+                                               "held_out_images_swapped": control,
+                                               "during_training": metrics["evals"]}, indent=1) + "\n")
+    with open(out / "eval.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    (out / "training.json").write_text(json.dumps({**run_info, "config": config.summary(), "checkpoint_bytes": size},
+                                                  indent=1, default=str) + "\n")
+    image_lines = "\n".join(
+        f"| {a} | {r['correct']}/{r['total']} | {control['by_attribute'].get(a, {}).get('correct', 0)}/"
+        f"{control['by_attribute'].get(a, {}).get('total', 0)} | {r['chance']:.0%} |"
+        for a, r in images["by_attribute"].items())
+    (out / "EVAL.md").write_text(
+        "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"
+        "## Held-out needle retrieval (value given the key / prompts, whole response in brackets)\n\n"
+        f"{eval_table(rows)}\n\n## Held-out image questions (exact response)\n\n"
+        "| attribute | right | swapped-image control | chance |\n|---|---:|---:|---:|\n" + image_lines + "\n")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB); needle: {summary(rows)}; images {images['correct']}/"
+          f"{images['total']} (swapped control {control['correct']}/{control['total']})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
