@@ -41,7 +41,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine package", ("engine",)),
     # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures
     ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text",
-                         "workbench.pictures")),
+                         "workbench.pictures", "workbench.shape_pictures")),
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders",)),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`

@@ -242,20 +242,21 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
         balance.update()
         distill.coverage = []
+        text_loss, image_loss = float(text_loss.detach()), float(image_loss.detach())
         tps = n_tokens / (time.perf_counter() - t0)
         ema = tps if ema is None else 0.9 * ema + 0.1 * tps
         kl_value = float(kl.detach()) if kl is not None else float("nan")
-        writer.writerow([step, stage.phase, length, f"{float(text_loss):.5f}", f"{text_answer:.5f}",
-                         f"{float(image_loss):.5f}", f"{image_answer:.5f}", f"{kl_value:.5f}", f"{scale:.4f}",
+        writer.writerow([step, stage.phase, length, f"{text_loss:.5f}", f"{text_answer:.5f}",
+                         f"{image_loss:.5f}", f"{image_answer:.5f}", f"{kl_value:.5f}", f"{scale:.4f}",
                          f"{tps:.1f}"])
         step += 1
-        bar.set_postfix_str(f"{stage.phase} L={length} text {float(text_loss):.3f} image {float(image_loss):.3f} "
+        bar.set_postfix_str(f"{stage.phase} L={length} text {text_loss:.3f} image {image_loss:.3f} "
                             f"ans {image_answer:.3f} {ema:.0f} tok/s", refresh=False)
         bar.update(1)
         if step % 10 == 0 or step == total:
             log.flush()
-            print(f"step {step}/{total} {stage.phase} L={length} text {float(text_loss):.3f} answer {text_answer:.3f} "
-                  f"image {float(image_loss):.3f} image-answer {image_answer:.3f} kl {kl_value:.3f} {ema:.0f} tok/s",
+            print(f"step {step}/{total} {stage.phase} L={length} text {text_loss:.3f} answer {text_answer:.3f} "
+                  f"image {image_loss:.3f} image-answer {image_answer:.3f} kl {kl_value:.3f} {ema:.0f} tok/s",
                   flush=True)
         if step % args.save_every == 0 or step == total or step == args.stop_after:
             state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})

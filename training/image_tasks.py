@@ -6,7 +6,7 @@ image 64x64<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_
 the first question, as `Session.append_message("user", question, images=[picture])` and `workbench
 demo --chat` build it, or nothing, as `Session.append(image=..., role="user")` does, and
 `<|close|>message<|sep|><|end_of_msg|>`), maybe more filler, then the (other) question turns about
-the picture (`training.image_drawing`), one to three in all, each answered in the scaffold of
+the picture (`workbench.shape_pictures`), one to three in all, each answered in the scaffold of
 `training.tasks`: response text `{attribute}: {value}` ("colour: red").
 
 The ids are built with the engine's own helpers (`Tokenizer.message_ids`, `image_prompt_ids`,
@@ -34,7 +34,7 @@ from engine.model import KimiForCausalLM
 from engine.tokenizer import Message, Tokenizer
 from engine.vision import (ProcessedImage, expand_media_placeholders, image_prompt_ids, merged_grid,
                            preprocess_image)
-from training.image_drawing import ATTRIBUTE_VALUES, Picture, draw_picture
+from workbench.shape_pictures import ATTRIBUTE_VALUES, Picture, draw_picture
 from training.model_setup import trained_demo_vision_config
 from training.tasks import TRAIN, W_ANSWER, W_CONTEXT, W_KEY, W_SCAFFOLD, answer_ids
 from workbench.retrieval_text import filler, response_text
@@ -234,7 +234,7 @@ def image_batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *,
     (True at each row's image positions), as `forward_with_images` takes them.
 
     Deterministic in (seed, step), and a stream of its own: the text batches of `training.tasks.batch`
-    for the same (seed, step) are unaffected. `length` >= 160 holds every sample of the demo tower.
+    for the same (seed, step) are unaffected. `length` >= 224 holds every sample of the demo tower.
     """
     rng = random.Random(f"image-train:{seed}:{step}")
     ids = torch.zeros(size, length, dtype=torch.long)

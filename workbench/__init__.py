@@ -16,7 +16,8 @@ Public API:
 - `show(trace_or_session, views=None)`: the dashboard's live views inline in a notebook cell
   (`workbench.inline`; found through the entry point group `k3_workbench.views`).
 - `chart_picture(values, labels, title, caption)`: a bar chart drawn with Pillow, for image sessions
-  (`workbench.pictures`).
+  (`workbench.pictures`); `draw_shape(rng, colour=, shape=, position=)`, `draw_digit(rng, digit=)`: the
+  pictures the trained demo model answers questions about (`workbench.shape_pictures`).
 
 Names are imported lazily: reading a trace does not import torch.
 """
@@ -30,7 +31,8 @@ _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
     "open_trace": "workbench.trace", "Trace": "workbench.trace", "TraceError": "workbench.trace",
     "TraceWriter": "workbench.trace", "haystack": "workbench.text", "plant": "workbench.text",
-    "chart_picture": "workbench.pictures",
+    "chart_picture": "workbench.pictures", "draw_shape": "workbench.shape_pictures",
+    "draw_digit": "workbench.shape_pictures",
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
 }
 

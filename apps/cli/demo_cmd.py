@@ -156,7 +156,6 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                 words: Wording | None = None) -> dict:
     """Run the demo session under `workbench.record` into `trace`; returns what the demo found."""
     import workbench
-    from workbench.analysis import layers_reading
     from workbench.sessions import recorded_session
 
     words = words or wording()
@@ -172,53 +171,110 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
             if i == needle_doc:
                 start = seg.start + len(tokenizer.encode(text[:needle_at]))
                 needle = (start, start + len(tokenizer.encode(words.needle)))
-        # an image among the documents (the tower runs on it): the DSA map draws what the answer read in it
-        if session.model.vision is not None:
-            session.append(image=workbench.chart_picture(), name="chart.png")
+        # a picture among the documents, in a user message as sessions (and the model's training) hold
+        # one: the tower runs on it, the DSA map draws what each answer token read in it
+        picture = demo_picture() if session.model.vision is not None else None
+        image = None
+        if picture is not None:
+            seg = session.append(image=picture.image, name="picture.png", role="user")
+            image = (seg.image["token_start"], seg.image["token_end"])   # the picture's own positions
         else:
             print(f"no image in this demo: {session.model.vision_unavailable}", flush=True)
-        session.append(words.question, role="user", name="question")
-        # the response is prefilled with the key (`hidden cellar: `) as the model answers (`key: value`),
-        # so what it generates is the value: the tokens whose DSA reads the report counts
-        prefix = response_text(words.key, "")
-        session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
-                       name="answer prefix", kind="turn", role="assistant")
         run.recorder.writer.update_session(demo={"needle": list(needle), "needle_text": words.needle,
                                                  "question": words.question, "expected": PASSCODE})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
-        pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,
-                                                       add_generation_prompt=False)]
+        needle_answer = _ask(session, words.question, words.key, new_tokens, "question")
+        image_answer = None
+        if picture is not None:
+            _close_answer(session, needle_answer)
+            image_answer = _ask(session, IMAGE_QUESTION, IMAGE_ATTRIBUTE, new_tokens, "image question")
     elapsed = time.perf_counter() - started
-    trace_obj = workbench.open_trace(trace)
-    gen = [s for s in trace_obj.segments().itertuples() if s.kind == "generated"]
-    first = int(gen[-1].start) if gen else len(session.tokens) - len(pieces)
-    # the answer tokens: the passcode's (or the response text's) queries, else every generated token's
-    # (the prompt's last position produced the first one)
-    queries = (answer_queries(pieces, first, PASSCODE, prefilled=True)
-               or ((first - 1, first + len(pieces) - 2) if pieces else None))
-    readers = layers_reading(trace_obj.df("dsa_topk"), needle[0], needle[1], queries=queries)
-    text = "".join(pieces)
+    topk = workbench.open_trace(trace).df("dsa_topk")
+    found = _judge(needle_answer, PASSCODE, topk, needle)
+    found.update(needle=needle, seconds=elapsed, tokens=len(session.tokens))
+    if image_answer is not None and image is not None:
+        found["image"] = {**_judge(image_answer, picture.attributes[IMAGE_ATTRIBUTE], topk, image), "span": image}
+    return found
+
+
+# the demo's picture and the question asked about it (one of the trained model's image questions)
+IMAGE_QUESTION, IMAGE_ATTRIBUTE = "What colour is the shape?", "colour"
+
+
+def demo_picture():
+    """A red circle at the left of a 64 x 64 picture (`workbench.draw_shape`, fixed seed): the kind of
+    picture the trained demo model answers questions about."""
+    import workbench
+
+    return workbench.draw_shape(random.Random(7), 64, shape="circle", colour="red", position="left")
+
+
+@dataclass
+class _Answer:
+    prefix: str          # the response's prefilled start (the restated key)
+    pieces: list[str]    # the generated tokens' text
+    first: int           # position of the first generated token
+
+
+def _ask(session, question: str, key: str, new_tokens: int, name: str) -> _Answer:
+    """Ask `question` as a user turn and generate the answer greedily after a response prefilled
+    with `key: ` (the model answers `key: value`), up to the response's `<|close|>`."""
+    tokenizer = session.tokenizer
+    session.append(question, role="user", name=name)
+    prefix = response_text(key, "")
+    session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
+                   name=f"{name} answer prefix", kind="turn", role="assistant")
+    pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,
+                                                   add_generation_prompt=False, stop_ids=(tokenizer.close_id,))]
+    return _Answer(prefix, pieces, len(session.tokens) - len(pieces))
+
+
+def _close_answer(session, answer: _Answer) -> None:
+    """End the assistant message the answer is in (`response<|sep|><|close|>message<|sep|><|end_of_msg|>`
+    after its generated `<|close|>`), so the next question is a turn of its own, as in training."""
+    tokenizer = session.tokenizer
+    closed = "".join(answer.pieces).endswith("<|close|>")
+    ids = ([] if closed else [tokenizer.close_id]) + tokenizer.encode("response") + [tokenizer.sep_id]
+    session.append(ids=ids + tokenizer.message_frame("assistant")[1], name="answer end", kind="turn",
+                   role="assistant")
+
+
+def _judge(answer: _Answer, expected: str, topk, span: tuple[int, int]) -> dict:
+    """The response, whether its value is `expected`, and which DSA layers read `span` for the answer
+    tokens (those that produced the value, else every generated token's) beside chance."""
+    from workbench.analysis import layers_reading
+
+    queries = (answer_queries(answer.pieces, answer.first, expected, prefilled=True)
+               or ((answer.first - 1, answer.first + len(answer.pieces) - 2) if answer.pieces else None))
+    text = "".join(answer.pieces)
     closed = "<|close|>" in text       # the response section ended, as the format requires
-    response = prefix + text.split("<|close|>", 1)[0]
-    return {"answer": response, "scaffold_ok": closed,
-            "correct": closed and response_value(response) == PASSCODE, "expected": PASSCODE,
-            "needle": needle, "seconds": elapsed, "tokens": len(session.tokens), "readers": readers}
+    response = answer.prefix + text.split("<|close|>", 1)[0]
+    return {"answer": response, "scaffold_ok": closed, "correct": closed and response_value(response) == expected,
+            "expected": expected, "readers": layers_reading(topk, span[0], span[1], queries=queries)}
 
 
 def report_lines(found: dict) -> list[str]:
     """The demo's report: the answer, whether it is right, and which DSA layers read the needle for the
-    answer tokens beside what uniformly random selections would give (chance and ratio)."""
-    verdict = "right" if found["correct"] else f"wrong (the passcode is {found['expected']})"
+    answer tokens beside what uniformly random selections would give (chance and ratio); the same for
+    the question about the picture when the model has a vision tower."""
+    lines = _answer_lines(found, "answer", "the passcode is", "the needle")
+    if "image" in found:
+        lines += _answer_lines(found["image"], "image answer", "the picture shows", "the picture")
+    return lines
+
+
+def _answer_lines(found: dict, label: str, truth: str, span: str) -> list[str]:
+    verdict = "right" if found["correct"] else f"wrong ({truth} {found['expected']})"
     shown = found["answer"] if found["scaffold_ok"] else f"{found['answer']!r} (no response section)"
-    lines = [f"answer: {shown} - {verdict}"]
+    lines = [f"{label}: {shown} - {verdict}"]
     readers = found["readers"]
     if not len(readers):
-        return lines + ["no DSA selections were recorded for the answer tokens"]
-    lines.append("DSA layers reading the needle for the answer tokens (chance: uniformly random top-k picks):")
+        return lines + [f"no DSA selections were recorded for the {label} tokens"]
+    lines.append(f"DSA layers reading {span} for the {label} tokens (chance: uniformly random top-k picks):")
     for r in readers.sort_values("ratio", ascending=False, na_position="last").itertuples():
         ratio = "n/a" if r.chance <= 0 else f"{r.read_share / r.chance:.1f}x"
-        lines.append(f"  layer {r.layer}: {r.read_share:.0%} of {r.queries} answer tokens read the needle, "
+        lines.append(f"  layer {r.layer}: {r.read_share:.0%} of {r.queries} {label} tokens read {span}, "
                      f"chance {_pct(r.chance)}, {ratio}")
     return lines
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import load_model
 from engine.session import Session
 from engine.tokenizer import Tokenizer
-from training.image_drawing import ATTRIBUTE_VALUES, COLOURS, DIGITS, POSITIONS, SHAPES, draw_digit, draw_shape
+from workbench.shape_pictures import ATTRIBUTE_VALUES, COLOURS, DIGITS, POSITIONS, SHAPES, draw_digit, draw_shape
 from training.image_tasks import W_IMAGE, build, forward_with_images, image_accuracy, image_batch, response_text
 from training.model_setup import (export, trainable_model, trained_demo_config, trained_demo_vision_config)
 from training.tasks import W_ANSWER, W_CONTEXT, W_KEY, W_SCAFFOLD

@@ -1,4 +1,4 @@
-"""Simple pictures with known content for the demo model's image questions, drawn with Pillow.
+"""Simple pictures with known content (what the trained demo model was asked about), drawn with Pillow.
 
 Two kinds, each a pure function of a seeded `random.Random`:
 
