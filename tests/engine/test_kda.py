@@ -144,3 +144,22 @@ def test_layer_in_pieces_equals_at_once(variant: str) -> None:
     # without a state the layer is the same full causal forward
     with torch.no_grad():
         assert_close(attn(x), whole, "stateless output")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64])
+def test_short_conv_taps_equal_the_depthwise_conv(tokens: int) -> None:
+    """Short inputs (decode) take the multiply-sum path, long ones conv1d: both equal the float64
+    causal depthwise conv over [tail, x], and hand on the same tail."""
+    from engine.layers.kda import SHORT_CONV_TAPS_MAX_T, ShortConv
+
+    g = torch.Generator().manual_seed(tokens)
+    conv = ShortConv(24, 4)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+    x, tail = torch.randn(2, tokens, 24, generator=g), torch.randn(2, 24, 3, generator=g)
+    out, new_tail = conv(x, tail)
+    padded = torch.cat((tail, x.transpose(1, 2)), -1).double()
+    want = torch.stack([(padded[:, :, t:t + 4] * conv.weight.double()[:, 0]).sum(-1) for t in range(tokens)], -1)
+    assert_close(out, torch.nn.functional.silu(want).transpose(1, 2), 1e-6)
+    assert torch.equal(new_tail, padded[:, :, -3:].float())
+    assert (tokens <= SHORT_CONV_TAPS_MAX_T) == (tokens in (1, 3, 16))
