@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("engine/builtin/demo"), help="checkpoint directory (replaced)")
     p.add_argument("--eval-lengths", type=str, default="2048", help="held-out evaluation lengths")
     p.add_argument("--eval-samples", type=str, default="4", help="samples per depth for each length")
+    p.add_argument("--image-eval", type=int, default=96, help="held-out image questions (extension states)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if step_dir is None:
         raise SystemExit(f"{args.state}: no saved step (no latest.json)")
     info = json.loads((step_dir / "state.json").read_text())
+    if "base" in info:  # a `training.extend` state (the tower and longer documents): its own finalize
+        return _export_extended(args, step_dir, info)
     seed, scale, topk = int(info["seed"]), float(info["scale"]), int(info["topk"])
     stages = schedule(scale)
     total = sum(s.steps for s in stages)
@@ -88,6 +91,25 @@ def main(argv: list[str] | None = None) -> int:
         card = args.out / "MODEL_CARD.md"
         card.write_text(INTERIM_NOTE.format(step=step, total=total, table=table) + card.read_text())
         print(f"interim checkpoint (step {step}/{total}): {summary(rows)}", flush=True)
+    return 0
+
+
+def _export_extended(args, step_dir: Path, info: dict) -> int:
+    from training import extend
+
+    step, total = int(info["step"]), sum(s.steps for s in extend.schedule(float(info["scale"])))
+    config = trained_demo_config(int(info["topk"]), vision=True)
+    model = trainable_model(config, int(info["seed"]))
+    state_io.load(step_dir, model, {})
+    model.eval()
+    run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "stages", "base", "command", "commit") if k in info}
+    run_info["exported_step"], run_info["exported_from"] = step, str(step_dir)
+    print(f"exporting {step_dir} (extension step {step}/{total}) to {args.out} ...", flush=True)
+    eval_args = argparse.Namespace(out=args.out, eval_lengths=args.eval_lengths, eval_samples=args.eval_samples,
+                                   state=args.state, image_eval=args.image_eval)
+    extend.finalize(model, config, Tokenizer.byte_level(), eval_args, run_info, info.get("metrics", {"evals": []}))
+    if step < total:
+        print(f"interim checkpoint (extension step {step}/{total})", flush=True)
     return 0
 
 
