@@ -66,7 +66,10 @@ def main() -> None:
     ap.add_argument("--skip-projection", action="store_true")
     ap.add_argument("--skip-opt-in", action="store_true", help="only off / default / all")
     ap.add_argument("--compile", choices=["off", "static", "on"], default="off")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 spinning threads on a shared 2-core "
+                    "machine slow torch down many times)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     model = load_model("preset:demo")
     model.runtime.compile = {"off": False, "static": "static", "on": True}[args.compile]
     ids = filler_ids(args.tokens, Tokenizer.byte_level().encode)

@@ -43,14 +43,14 @@ def test_tower_frozen_then_trained_and_resumable(base, tmp_path, monkeypatch) ->
     tower = [k for k in first if k.startswith("vision.vision_tower.")]
     projector = [k for k in first if k.startswith("vision.mm_projector.")]
     assert tower and projector
-    # step 1 ("frozen"): the tower is its seeded init, the projector and the text model have moved
-    assert all(torch.equal(first[k], start[k]) for k in tower)
-    assert any(not torch.equal(first[k], start[k]) for k in projector)
+    # step 1 ("frozen"): tower and projector are their seeded init, the language model has moved
+    assert all(torch.equal(first[k], start[k]) for k in tower + projector)
     assert any(not torch.equal(first[k], base_w[k]) for k in base_w if not k.endswith("e_score_correction_bias"))
 
     assert extend.main(args) == 0  # resumes at step 1
     second = _weights(state, 2)
     assert any(not torch.equal(second[k], first[k]) for k in tower)
+    assert any(not torch.equal(second[k], first[k]) for k in projector)
     rows = list(csv.DictReader(open(state / "loss.csv")))
     assert [r["phase"] for r in rows] == ["frozen", "tower"]
     info = json.loads((state / "step-0000002" / "state.json").read_text())
