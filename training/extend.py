@@ -69,8 +69,10 @@ class Stage:
 def schedule(scale: float) -> list[Stage]:
     """About 60 minutes on one free CPU core at scale 1."""
     base = [Stage("frozen", 300, 2048, 8, 256), Stage("tower", 200, 4096, 8, 256)]
-    return [Stage(s.phase, max(1, round(s.steps * scale)), s.text_length, s.image_batch, s.image_length)
-            for s in base]
+    # scale 0: no steps, the base model with the tower's seeded init attached (a tower that runs
+    # but was never trained: what the shipped demo carries until an extension run reads pictures)
+    return [Stage(s.phase, 0 if scale == 0 else max(1, round(s.steps * scale)), s.text_length, s.image_batch,
+                  s.image_length) for s in base]
 
 
 def stage_at(stages: list[Stage], step: int) -> Stage:

@@ -118,7 +118,7 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
     start, end = t.session["demo"]["needle"]
     assert (start, end) == tuple(found["needle"]) and end - start == len(t.session["demo"]["needle_text"])
     rows = t.df("dsa_topk")
-    gen = [s for s in t.segments().itertuples() if s.kind == "generated"][-1]
+    gen = [s for s in t.segments().itertuples() if s.kind == "generated"][0]   # the needle's answer
     answer = rows[(rows["position"] >= gen.start - 1) & (rows["position"] < gen.end)]
     assert set(answer["layer"]) == set(t.layers("dsa_key_counts")), "every DSA layer's answer selections are kept raw"
     hits = {int(r.layer) for r in answer.itertuples() if ((np.asarray(r.selected) >= start) & (np.asarray(r.selected) < end)).any()}
@@ -127,6 +127,11 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
     readers = found["readers"]
     assert {int(la) for la in readers.loc[readers["queries_reading"] > 0, "layer"]} <= hits
     assert ((readers["chance"] > 0) & (readers["chance"] <= 1)).all()
+    # the picture among the documents, and the question about it: its reads beside chance too
+    image = next(s for s in t.session["segments"] if s["kind"] == "image")
+    assert (trace / image["thumbnail"]).is_file()
+    assert tuple(found["image"]["span"]) == (image["image"]["token_start"], image["image"]["token_end"])
+    assert len(found["image"]["readers"]) and (found["image"]["readers"]["chance"] > 0).all()
 
 
 @interim_xfail
