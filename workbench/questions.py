@@ -15,8 +15,9 @@ import numpy as np
 import pandas as pd
 
 from workbench.analysis.chance import chance_of_hit, format_read
-from workbench.analysis.dsa import dense_mass_summary, image_patch_reads, layers_reading
+from workbench.analysis.dsa import dense_mass_summary, layers_reading
 from workbench.analysis.dsa_structure import faithfulness, sink_over_time
+from workbench.analysis.image_reads import format_patches, patch_reads
 from workbench.analysis.kda_health import heads_at_risk, memory_health
 from workbench.analysis.moe import modality_divergence, rank_load_balance
 from workbench.trace import Trace
@@ -34,22 +35,29 @@ def _topk(trace: Trace) -> int:
     return int(trace.session["model"].get("dsa_topk") or 0)
 
 
-def _answer_span(trace: Trace) -> tuple[int, int] | None:
-    gen = [s for s in trace.segments().itertuples() if s.kind == "generated"]
-    return (int(gen[-1].start), int(gen[-1].end) - 1) if gen else None
+def _answer_span(trace: Trace, after: int = 0, first: bool = False) -> tuple[int, int] | None:
+    """Query positions of a generated segment that starts at or after position `after`: the last
+    one, or with `first` the first one (a demo trace answers the needle first, the picture last)."""
+    gen = [s for s in trace.segments().itertuples() if s.kind == "generated" and int(s.start) >= after]
+    if not gen:
+        return None
+    seg = gen[0] if first else gen[-1]
+    return int(seg.start), int(seg.end) - 1
 
 
 def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
                    queries: tuple[int, int] | None = None) -> Answer:
     """Q1: when the model answered, which DSA layers read the needle [start, end), and how far back?
 
-    Defaults: the needle of a `workbench demo` trace (session.json `demo.needle`) and the last
-    generated segment as the queries. Chance: P(random top-k picks hit the span) per query, averaged.
+    Defaults: the needle of a `workbench demo` trace (session.json `demo.needle`) and the first
+    generated segment after it as the queries (the demo's answer to the needle question; a later one
+    answers the question about the picture). Chance: P(random top-k picks hit the span) per query,
+    averaged.
     """
     needle = needle or tuple(trace.session.get("demo", {}).get("needle", ())) or None
     if not needle:
         return Answer(pd.DataFrame(), "Q1 needle: no needle given (pass needle=(start, end))")
-    queries = queries or _answer_span(trace)
+    queries = queries or _answer_span(trace, after=needle[1], first=True)
     topk = trace.table("dsa_topk", columns=["layer", "position", "selected"])
     df = layers_reading(topk, needle[0], needle[1], queries=queries)
     pos = topk["position"].to_numpy()
@@ -81,11 +89,15 @@ def image_reads(trace: Trace) -> Answer:
         return Answer(pd.DataFrame(), "Q3 image patches: no image in this trace")
     tokens = trace.tokens()
     seg = images[-1]
-    grid = tuple(trace.session["segments"][int(seg.id)].get("grid", (1, int(seg.end - seg.start))))
-    counts = image_patch_reads(trace.table("dsa_topk"), tokens, int(seg.id), grid, queries=_answer_span(trace))
+    queries = _answer_span(trace, after=int(seg.end))
+    if queries is None:
+        return Answer(pd.DataFrame(), f"Q3 image {seg.name}: nothing was generated after it")
+    reads = patch_reads(trace.table("dsa_topk", positions=queries), tokens, int(seg.id), queries=queries)
+    counts = reads.grid_of(None)
     top = np.dstack(np.unravel_index(np.argsort(counts, axis=None)[::-1][:3], counts.shape))[0]
-    return Answer(pd.DataFrame(counts), f"Q3 image {seg.name}: most-read patches (row, col) "
-                  f"{', '.join(map(str, map(tuple, top)))} of a {grid[0]}x{grid[1]} grid")
+    return Answer(reads.table(), f"Q3 image {seg.name} ({reads.grid[0]}x{reads.grid[1]} merged patches), answer "
+                  f"tokens {queries[0]}..{queries[1]}: {format_patches(reads.summary())}; most-read (row, col) "
+                  f"{', '.join(str(tuple(int(v) for v in c)) for c in top)}")
 
 
 def kda_heads(trace: Trace, top: int = 3) -> Answer:

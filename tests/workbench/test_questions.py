@@ -55,3 +55,26 @@ def test_cli_questions_prints_six_lines(trace_dir, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 6 and lines[0].startswith("Q1 needle [40, 60)")
     assert main(["questions", str(trace_dir), "--needle", "60:40"]) == 2
+
+
+def test_image_question_on_a_recorded_image_session(tmp_path):
+    """Q3 on a real image session: the merged grid from the token table, the reads of the answer
+    generated after the picture, each beside its chance value (as patch_reads computes them)."""
+    from workbench.analysis import patch_reads
+    from workbench.questions import image_reads
+    from workbench.sessions import recorded_session
+
+    with recorded_session("preset:tiny", tmp_path / "t", prefill_chunk=256, progress=False) as run:
+        session = run.session
+        session.append(workbench.haystack(200, session.tokenizer, seed=1), name="report")
+        seg = session.append(image=workbench.chart_picture(), name="chart.png", role="user")
+        session.append("What does the chart show?", role="user")
+        list(session.generate(6, temperature=0.0, stop_ids=()))
+    trace = workbench.open_trace(tmp_path / "t")
+    answer = image_reads(trace)
+    rows, cols = seg.image["grid_rows"], seg.image["grid_cols"]
+    assert f"({rows}x{cols} merged patches)" in answer.line and "chance" in answer.line, answer.line
+    gen = [s for s in trace.segments().itertuples() if s.kind == "generated"][-1]
+    queries = (int(gen.start), int(gen.end) - 1)
+    by_hand = patch_reads(trace.table("dsa_topk", positions=queries), trace.tokens(), seg.id, queries=queries)
+    assert answer.frame.equals(by_hand.table())
