@@ -89,7 +89,7 @@ def first_paint(trace: Path, repeats: int) -> dict:
         for _ in range(repeats):
             with Browser() as browser:
                 start = time.perf_counter()
-                browser.page.goto(url(config), wait_until="commit")
+                browser.page.goto(url(config), wait_until="commit", timeout=600_000)
                 browser.page.locator(".k3-view-session canvas").first.wait_for(state="visible", timeout=120_000)
                 first_view = time.perf_counter() - start
                 browser.page.get_by_text("complete").first.wait_for(timeout=120_000)
@@ -115,7 +115,7 @@ def bytes_to_browser(trace: Path) -> dict:
     try:
         with Browser() as browser:
             start = time.perf_counter()
-            browser.page.goto(url(config), wait_until="commit")
+            browser.page.goto(url(config), wait_until="commit", timeout=600_000)
             browser.page.get_by_text("complete").first.wait_for(timeout=600_000)
             browser.wait_views(600_000)
             loaded = time.perf_counter() - start
