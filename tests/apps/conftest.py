@@ -35,6 +35,18 @@ def hostile_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True, scope="session")
+def dashboard_summary_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The dashboard's on-disk summaries of finished traces go to a temporary directory, not ~/.cache."""
+    before = os.environ.get("K3WB_DASHBOARD_CACHE")
+    os.environ["K3WB_DASHBOARD_CACHE"] = str(tmp_path_factory.mktemp("summary-cache"))
+    yield
+    if before is None:
+        os.environ.pop("K3WB_DASHBOARD_CACHE", None)
+    else:
+        os.environ["K3WB_DASHBOARD_CACHE"] = before
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Run the tiny models here on one thread: on a busy 2-core machine two OpenMP threads can make a
