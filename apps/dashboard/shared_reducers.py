@@ -98,8 +98,14 @@ def release(shared: SharedReducers) -> None:
         if shared.users or _held.get(key) is not shared:
             return
         del _held[key]
-        with shared.lock:  # a poll still running must not change the trace while it is stat'ed
+        # a poll still running must not change the trace while it is stat'ed; this runs on the server's
+        # event loop, which must never wait for a poll: then the trace is simply not kept
+        if not shared.lock.acquire(blocking=False):
+            return
+        try:
             shared.files = shared.fingerprint()
+        finally:
+            shared.lock.release()
         _released[key] = shared
         while len(_released) > KEEP_RELEASED:
             _released.popitem(last=False)
