@@ -45,7 +45,7 @@ from panel.io.document import hold
 
 from apps.dashboard import shared_reducers
 from apps.dashboard.reducers import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
-                                     ViewOptions)
+                                     SessionMapReducer, ViewOptions)
 from apps.dashboard.reducers.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
 from apps.dashboard.reducers.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
@@ -127,6 +127,11 @@ class TraceFollower:
         self.completed = 0  # seq of the last complete frame (the end of a poll)
 
     # ---- control (any thread) -----------------------------------------------------------------
+    @property
+    def _session(self) -> SessionMapReducer:
+        """The session map's reducer (shared with the other followers of this trace; tests patch it)."""
+        return self._shared.session
+
     @property
     def options(self) -> ViewOptions:
         return self._options
