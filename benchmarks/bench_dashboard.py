@@ -184,7 +184,8 @@ def main() -> None:
     ap.add_argument("--sample-seconds", type=float, default=15.0)
     ap.add_argument("--skip-1m", action="store_true")
     ap.add_argument("--skip-live", action="store_true")
-    ap.add_argument("--reopen-1m", action="store_true", help="open the 1M trace again on a fresh server (warm summaries)")
+    ap.add_argument("--reopen-1m", action="store_true",
+                    help="open the 1M trace again on a fresh server (warm summaries)")
     ap.add_argument("--summary-cache", type=Path, help="the dashboard's summary cache (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench_dashboard.json"))
     args = ap.parse_args()

@@ -130,7 +130,8 @@ class KDANormFolder:
         cache_key = summary_cache.key(trace, ("kda_norms",))
         layers = summary_cache.load_arrow(cache_key, "kda_layers")
         heads = summary_cache.load_arrow(cache_key, "kda_heads")
-        if self._seen or layers is None or heads is None or layers.column_names != ["layer", "position", "mean", "max"] \
+        if self._seen or layers is None or heads is None \
+                or layers.column_names != ["layer", "position", "mean", "max"] \
                 or heads.column_names != ["position", "norms"] or not heads.schema.metadata \
                 or not pa.types.is_fixed_size_list(heads.schema.field("norms").type):
             return False
