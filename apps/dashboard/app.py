@@ -37,6 +37,11 @@ from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardSt
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
 FIGURE_CHROME_PX = 140
 
+# bins the last page of this process measured: a new page (a reload, the next tab) starts with them, so
+# its first frame is already binned to the screen instead of being reduced and sent again once the
+# page reports its width (`Dashboard._width`)
+_screen_bins: list[int] = []
+
 
 @dataclass
 class DashboardConfig:
@@ -88,8 +93,9 @@ class Dashboard(pn.viewable.Viewer):
                  compare: str | Path | None = None, **params: Any) -> None:
         config = config or DashboardConfig()
         path = trace if trace is not None else config.trace
-        super().__init__(state=DashboardState(path, interval=config.interval, root=config.root, compare=compare),
-                         **params)
+        bins = {"bins": _screen_bins[-1]} if _screen_bins else {}
+        super().__init__(state=DashboardState(path, interval=config.interval, root=config.root, compare=compare,
+                                              **bins), **params)
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -107,8 +113,8 @@ class Dashboard(pn.viewable.Viewer):
         self._callback = None
         self._show_status()
 
-    # the other views are built on first use: in the server that is after the page has loaded (see
-    # `views(defer=True)`), which keeps ~0.3 s of Bokeh model building out of the first paint
+    # the other views are built on first use (`views()`); a notebook cell showing only the session map
+    # never builds them
     @cached_property
     def dsa(self) -> DSAMemoryMap:
         return DSAMemoryMap(state=self.state)
@@ -132,6 +138,7 @@ class Dashboard(pn.viewable.Viewer):
 
     def _width(self, event: param.parameterized.Event) -> None:
         self.state.bins = int(min(max(event.new - FIGURE_CHROME_PX, MIN_BINS), MAX_BINS))
+        _screen_bins[:] = [self.state.bins]
 
     @param.depends("message", "state.frame", "state.trace_path", watch=True)
     def _show_status(self) -> None:
@@ -176,11 +183,17 @@ class Dashboard(pn.viewable.Viewer):
         return items
 
     def views(self, defer: bool = False) -> list:
-        """The main column; with `defer`, every view but the session map is built after the page has loaded."""
+        """The main column: the session map and the other views.
+
+        The server builds every view into the page it sends (`defer=False`): the browser then lays
+        the page out once, with whatever data the follower has reduced while the page's scripts
+        loaded, and the rest arrives as one websocket message per frame. Panel's deferred loading
+        (`defer=True`, each view built and sent after the page loaded) cost a round trip and about
+        five separate property messages per view, and a relayout of the whole page for each, which
+        was most of the time to the last view drawn (benchmarks/bench_dashboard.py).
+        """
         names = ["dsa", "kda", "health", "experts"]
         if defer:
-            # the first paint carries the session map only; the other views are built and sent over the
-            # websocket right after, so the page shows up before Bokeh has built ~400 more models
             lower = [pn.panel(lambda n=n: getattr(self, n), defer_load=True, sizing_mode="stretch_width")
                      for n in names]
         else:
@@ -264,7 +277,7 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
     # one root per template area: Bokeh re-walks every model of the document for each root it adds
     template = pn.template.BootstrapTemplate(
         title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
-        main=[pn.Column(*dash.views(defer=True), sizing_mode="stretch_width")], sidebar_width=340)
+        main=[pn.Column(*dash.views(), sizing_mode="stretch_width")], sidebar_width=340)
     template.dashboard = dash  # reachable from tests and notebooks
     return template
 

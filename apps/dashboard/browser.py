@@ -134,7 +134,7 @@ class Browser:
     def open(self, url: str, wait_for: str | None = ".k3-view-experts canvas", timeout_ms: int = 60_000) -> float:
         """Navigate and wait for `wait_for` to be visible; returns seconds from navigation to that point."""
         start = time.perf_counter()
-        self.page.goto(url, wait_until="commit")
+        self.page.goto(url, wait_until="commit", timeout=timeout_ms)
         if wait_for:
             self.page.locator(wait_for).first.wait_for(state="visible", timeout=timeout_ms)
         return time.perf_counter() - start

@@ -20,6 +20,9 @@ Why this shape:
   figure's pixel width, token lists are capped; 1M positions never leave the server;
 - the views say what they need through `ViewOptions` (bins, KDA layer, expert filter, selected
   token); a change wakes the follower at once, so a click is answered within one poll.
+- the trace and its reducers belong to the trace, not to the page (`shared_reducers`): every session
+  of this server following the same trace polls the same folded state (one poll at a time), so a
+  reload or a second viewer is answered from what the first one already read.
 
 Following a trace written by this process (drive mode) or by another one (a torchrun job) is the
 same code: drive mode only starts a recording thread and then follows its directory.
@@ -40,8 +43,9 @@ from typing import Any, Callable
 import param
 from panel.io.document import hold
 
-from apps.dashboard.reducers import (VIEW_REDUCERS, DSADiffData, DSADiffReducer, DSAMapData, ExpertsData, KDAHealthData,
-                                     KDAStateData, Reducer, SessionMapData, SessionMapReducer, ViewOptions)
+from apps.dashboard import shared_reducers
+from apps.dashboard.reducers import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
+                                     SessionMapReducer, ViewOptions)
 from apps.dashboard.reducers.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
 from apps.dashboard.reducers.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
@@ -108,14 +112,13 @@ class TraceFollower:
         self._wake = threading.Event()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
-        self._trace: Trace | None = None
-        self._session = SessionMapReducer()
-        self._views: dict[str, Reducer] = {name: cls() for name, cls in VIEW_REDUCERS.items()}
-        if compare is not None:
-            self._views["diff"] = DSADiffReducer(compare, relative_to_root(str(compare), root))
+        # the trace and its reducers are shared with the other sessions following it (`shared_reducers`)
+        self._shared = shared_reducers.acquire(self.path, compare,
+                                               relative_to_root(str(compare), root) if compare is not None else None)
+        self._released = False
         # on two cores, reducer threads would only take the GIL from the server's event loop while it sends
         # the page: there the views are reduced one after another (each still published as it is ready)
-        workers = min(len(self._views), max(1, (os.cpu_count() or 1) - 1))
+        workers = min(len(self._shared.views), max(1, (os.cpu_count() or 1) - 1))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"view-reducer:{self.path.name}") \
             if workers > 1 else None
         self._last = DashboardFrame(path=str(self.path))
@@ -124,6 +127,11 @@ class TraceFollower:
         self.completed = 0  # seq of the last complete frame (the end of a poll)
 
     # ---- control (any thread) -----------------------------------------------------------------
+    @property
+    def _session(self) -> SessionMapReducer:
+        """The session map's reducer (shared with the other followers of this trace; tests patch it)."""
+        return self._shared.session
+
     @property
     def options(self) -> ViewOptions:
         return self._options
@@ -148,6 +156,9 @@ class TraceFollower:
             self._thread.join(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._released:
+            self._released = True
+            shared_reducers.release(self._shared)
 
     @property
     def alive(self) -> bool:
@@ -164,7 +175,7 @@ class TraceFollower:
             try:
                 self.publish(self.compute(self.publish))
             except Exception as exc:  # noqa: BLE001 - the follower must outlive any bad trace: show it, retry
-                self._trace = None
+                self._shared.trace = None
                 frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")
                 self.completed = frame.seq
                 self.publish(frame)
@@ -205,29 +216,35 @@ class TraceFollower:
 
         With `partial`, every intermediate frame whose data changed (the session map, then each view as
         its reducer finishes) is handed to it as well, so a fast view is shown before a slow one.
+        The poll holds the shared reducers' lock: another session's poll of the same trace waits.
         """
+        with self._shared.lock:
+            return self._compute(partial)
+
+    def _compute(self, partial: Callable[[DashboardFrame], None] | None) -> DashboardFrame:
         opts = self._options
+        shared = self._shared
         try:
-            if self._trace is None:
-                self._trace = open_trace(self.path)
+            if shared.trace is None:
+                shared.trace = open_trace(self.path)
             else:
-                self._trace.refresh()
+                shared.trace.refresh()
         except TraceError as exc:
             # missing or corrupt trace: report it and keep polling (it may appear or be repaired)
-            self._trace = None
+            shared.trace = None
             status = "waiting" if "does not exist" in str(exc) else "failed"
             frame = self._next(error=str(exc), session=dataclasses.replace(self._last.session, status=status))
             self.completed = frame.seq
             return frame
-        trace = self._trace
+        trace = shared.trace
         try:
-            session = self._session.reduce(trace, opts, None)
+            session = shared.session.reduce(trace, opts, None)
             if partial is not None and session is not self._last.session:
                 partial(self._next(path=str(self.path), error=None, session=session))
             self._reduce_views(trace, opts, session, partial)
             frame = self._next(path=str(self.path), error=None, session=session, problems=tuple(trace.problems))
         except Exception as exc:  # noqa: BLE001 - e.g. a session.json field of the wrong shape: shown, retried
-            self._trace = None if not isinstance(exc, (TraceError, OSError, ValueError)) else self._trace
+            shared.trace = None if not isinstance(exc, (TraceError, OSError, ValueError)) else shared.trace
             frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")
         self._computed_options = opts
         self.completed = frame.seq
@@ -235,17 +252,18 @@ class TraceFollower:
 
     def _reduce_views(self, trace: Trace, opts: ViewOptions, session: SessionMapData,
                       partial: Callable[[DashboardFrame], None] | None) -> None:
+        views = self._shared.views
         if self._pool is None:
-            names = list(self._views)
+            names = list(views)
             for i, name in enumerate(names):
-                data = self._views[name].reduce(trace, opts, session)
+                data = views[name].reduce(trace, opts, session)
                 if data is not getattr(self._last, name):
                     frame = self._next(**{name: data})
                     if partial is not None and i < len(names) - 1:
                         partial(frame)
             return
         futures: dict[Future, str] = {self._pool.submit(r.reduce, trace, opts, session): name
-                                      for name, r in self._views.items()}
+                                      for name, r in views.items()}
         failure: BaseException | None = None
         pending = set(futures)
         try:

@@ -10,6 +10,9 @@ Memory stays bounded on a long session: past `MAX_POSITIONS` measurements of a l
 one is dropped (the latest is always kept), so a 1M-token trace is ranked from ~1-2K evenly spaced
 measurements per layer instead of 16K; "largest drop" is then a drop between kept measurements.
 
+For a finished trace the result is kept on disk (`summary_cache`, JSON, keyed by the parts of
+`kda_norms` and the segments), so opening it again does not read `kda_norms` at all.
+
 A trace without KDA records (recorded with `kda=False`, a model without KDA layers, or a session
 still before its first measured chunk) gives `KDAHealthData(ranked=(), note=...)`: the view shows
 that note instead of an empty chart, and nothing raises.
@@ -27,6 +30,7 @@ import pyarrow as pa
 from workbench.analysis import heads_at_risk, memory_health
 from workbench.trace import Trace
 
+from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import Reducer, ViewOptions
 from apps.dashboard.reducers.kda_state import flat_lists
 from apps.dashboard.reducers.session_map import SessionMapData
@@ -171,6 +175,39 @@ class KDAHealthReducer(Reducer[KDAHealthData]):
                 "last_position": int(table["position"].max()), "note": ""}
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAHealthData:
-        parts = self._fold(trace)
-        values = self.memo("health", (parts, session.segments), lambda: self._compute(trace, session.segments))
+        parts = tuple(trace.parts("kda_norms"))
+        values = self.memo("health", (parts, session.segments), lambda: self._values(trace, session.segments))
         return self.result(**values)
+
+    def _values(self, trace: Trace, segments: tuple[dict, ...]) -> dict:
+        """The health of what the trace holds now: from the summary cache when it is there (a finished
+        trace seen before), else folded and ranked here (and cached when the trace is finished)."""
+        cache_key = summary_cache.key(trace, ("kda_norms",), [_segment_key(s) for s in segments]) \
+            if not self._seen else None
+        cached = _from_json(summary_cache.load_json(cache_key, "kda_health"))
+        if cached is not None:
+            return cached
+        self._fold(trace)
+        values = self._compute(trace, segments)
+        try:
+            summary_cache.save_json(cache_key, "kda_health", {**values, "ranked": list(values["ranked"]),
+                                                              "measured": list(values["measured"])})
+        except (TypeError, ValueError):  # a value JSON cannot hold: not cached
+            pass
+        return values
+
+
+def _segment_key(segment: dict) -> list:
+    return [segment.get(k) for k in ("id", "name", "start", "end")]
+
+
+def _from_json(value: object) -> dict | None:
+    """A cached health result checked field by field (None: not usable, recompute)."""
+    if not isinstance(value, dict) or set(value) != {"ranked", "layers", "heads", "measured", "last_position", "note"}:
+        return None
+    ranked, measured = value["ranked"], value["measured"]
+    if not (isinstance(ranked, list) and all(isinstance(r, dict) for r in ranked) and isinstance(measured, list)
+            and all(isinstance(m, str) for m in measured) and isinstance(value["note"], str)
+            and all(type(value[k]) is int for k in ("layers", "heads", "last_position"))):
+        return None
+    return {**value, "ranked": tuple(ranked), "measured": tuple(measured)}

@@ -5,6 +5,9 @@ tokens on K3.1 Pro), so it is never held whole: `KDANormFolder` reads each new p
 `Trace.read_part` (three columns, uncached, parts in parallel threads: decoding releases the GIL)
 and keeps per layer only the head mean and head max at each position, plus every head of the one
 layer whose lines are shown, taken from the same read. Changing that layer re-reads only its rows.
+For a finished trace, what was folded (per layer: positions, head mean, head max; every head of the
+first layer) is kept on disk (`summary_cache`, Arrow), so opening it again reads a few MB, not
+every part of `kda_norms`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pyarrow.compute as pc
 from workbench.analysis import bin_mean, carry_forward
 from workbench.trace import Trace
 
+from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.session_map import SessionMapData
 
@@ -121,6 +125,60 @@ class KDANormFolder:
                     self._heads.pieces.append(head_rows)
         return any(per_layer for per_layer, _ in results)
 
+    def restore(self, trace: Trace) -> bool:
+        """Take a finished trace's fold from the summary cache (nothing folded yet); whether it was there."""
+        cache_key = summary_cache.key(trace, ("kda_norms",))
+        layers = summary_cache.load_arrow(cache_key, "kda_layers")
+        heads = summary_cache.load_arrow(cache_key, "kda_heads")
+        if self._seen or layers is None or heads is None \
+                or layers.column_names != ["layer", "position", "mean", "max"] \
+                or heads.column_names != ["position", "norms"] or not heads.schema.metadata \
+                or not pa.types.is_fixed_size_list(heads.schema.field("norms").type):
+            return False
+        try:
+            head_layer = int(heads.schema.metadata[b"layer"])
+        except (KeyError, ValueError):
+            return False
+        n_heads = heads.schema.field("norms").type.list_size
+        flat = pc.list_flatten(heads["norms"].combine_chunks()).to_numpy(zero_copy_only=False).astype(np.float32)
+        if n_heads <= 0 or len(flat) != heads.num_rows * n_heads:
+            return False
+        layer = layers["layer"].to_numpy()
+        pos, mean, peak = (layers[c].to_numpy() for c in ("position", "mean", "max"))
+        for l in np.unique(layer):
+            sel = layer == l
+            self.layers[int(l)] = _Series([(pos[sel].astype(np.int64), mean[sel], peak[sel])])
+        parts = set(trace.parts("kda_norms"))
+        self._seen = set(parts)
+        self._reset_heads(head_layer)
+        self._head_seen = set(parts)
+        self._heads.pieces.append((heads["position"].to_numpy().astype(np.int64), flat.reshape(-1, n_heads)))
+        return True
+
+    def store(self, trace: Trace) -> None:
+        """Put the fold of a finished trace in the summary cache (only a whole fold, with the first layer's heads)."""
+        span = trace.layer_range("kda_norms")
+        parts = set(trace.parts("kda_norms"))
+        if span is None or self.head_layer != span[0] or self._seen != parts or self._head_seen != parts:
+            return
+        cache_key = summary_cache.key(trace, ("kda_norms",))
+        if cache_key is None:
+            return
+        cols: dict[str, list] = {"layer": [], "position": [], "mean": [], "max": []}
+        for l in sorted(self.layers):
+            pos, mean, peak = self.arrays(l)
+            cols["layer"].append(np.full(len(pos), l, np.int16))
+            cols["position"].append(pos)
+            cols["mean"].append(mean)
+            cols["max"].append(peak)
+        pos, norms = self._heads.arrays((np.zeros(0, np.int64), np.zeros((0, 0), np.float32)))
+        if not cols["layer"] or norms.ndim != 2 or norms.shape[1] == 0:
+            return
+        summary_cache.save_arrow(cache_key, "kda_layers", pa.table({k: np.concatenate(v) for k, v in cols.items()}))
+        lists = pa.FixedSizeListArray.from_arrays(pa.array(norms.reshape(-1).astype(np.float32)), norms.shape[1])
+        heads = pa.table({"position": pos, "norms": lists}).replace_schema_metadata({"layer": str(self.head_layer)})
+        summary_cache.save_arrow(cache_key, "kda_heads", heads)
+
     def _reset_heads(self, layer: int) -> None:
         self.head_layer, self._heads, self._head_seen = layer, _Series(), set()
 
@@ -167,8 +225,10 @@ class KDAStateReducer(Reducer[KDAStateData]):
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
         folder = self.folder
+        restored = not folder.layers and folder.restore(trace)
         wanted = options.kda_layer if options.kda_layer in folder.layers else None
-        folder.update(trace, wanted)
+        if folder.update(trace, wanted) and not restored:
+            folder.store(trace)
         parts = len(trace.parts("kda_norms"))
         heat = self.memo("heat", (parts, session.extent, options.bins, options.kda_reduce),
                          lambda: layer_heat(folder, session.extent, options.bins, options.kda_reduce))

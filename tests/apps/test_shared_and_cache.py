@@ -1,0 +1,92 @@
+"""Opening a trace again is cheap: the reducers are shared by the sessions following one trace
+(`shared_reducers`), and a finished trace's KDA summaries are kept on disk (`summary_cache`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from apps.dashboard import shared_reducers, summary_cache
+from apps.dashboard.reducers import KDAHealthReducer, KDAStateReducer, SessionMapReducer, ViewOptions
+from apps.dashboard.state import TraceFollower
+from workbench.trace import open_trace
+
+BINS = 128
+
+
+def test_followers_of_one_trace_share_its_reducers(small_trace: Path, tmp_path: Path) -> None:
+    first = TraceFollower(small_trace)
+    frame = first.compute()
+    second = TraceFollower(small_trace)
+    again = second.compute()
+    # the second session's data comes from what the first one reduced: the same objects
+    assert again.kda is frame.kda and again.dsa is frame.dsa and again.health is frame.health
+    first.stop()
+    second.stop()
+    # released, then opened again (a page reload): still shared
+    third = TraceFollower(small_trace)
+    assert third.compute().kda is frame.kda
+    third.stop()
+    # a trace re-recorded into the same directory is read afresh
+    copy = tmp_path / "copy"
+    shutil.copytree(small_trace, copy)
+    a = TraceFollower(copy)
+    shown = a.compute().kda
+    a.stop()
+    part = open_trace(copy).parts("kda_norms")[0]
+    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))
+    b = TraceFollower(copy)
+    assert b.compute().kda is not shown
+    b.stop()
+
+
+def test_kda_summaries_come_back_from_disk_equal(small_trace: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    trace = open_trace(small_trace)
+    session = SessionMapReducer().reduce(trace, ViewOptions(bins=BINS))
+    opts = ViewOptions(bins=BINS)
+    cold_state = KDAStateReducer().reduce(trace, opts, session)
+    cold_health = KDAHealthReducer().reduce(trace, opts, session)
+    assert any((tmp_path / "cache").rglob("*.arrow")) and any((tmp_path / "cache").rglob("*.json"))
+    reducer = KDAStateReducer()
+    warm_state = reducer.reduce(trace, opts, session)
+    assert reducer.folder.restore(trace) is False  # already folded: restore changes nothing
+    warm_health = KDAHealthReducer().reduce(trace, opts, session)
+    np.testing.assert_array_equal(warm_state.heat.values, cold_state.heat.values)
+    np.testing.assert_array_equal(warm_state.heads.values, cold_state.heads.values)
+    assert warm_state.heat.rows == cold_state.heat.rows and warm_state.head_layer == cold_state.head_layer
+    # (NaN measures are equal as JSON text, not as floats)
+    assert json.dumps(warm_health.ranked) == json.dumps(cold_health.ranked) and warm_health.ranked
+    assert warm_health.measured == cold_health.measured and warm_health.heads == cold_health.heads
+    # another layer's lines are read from the parts, as without the cache
+    other = cold_state.heat.rows[1]
+    switched = reducer.reduce(trace, ViewOptions(bins=BINS, kda_layer=other), session)
+    fresh = KDAStateReducer()
+    fresh.reduce(trace, opts, session)
+    np.testing.assert_array_equal(switched.heads.values,
+                                  fresh.reduce(trace, ViewOptions(bins=BINS, kda_layer=other), session).heads.values)
+    # a damaged summary is recomputed, not trusted
+    for f in (tmp_path / "cache").rglob("*.json"):
+        f.write_text("{not json")
+    for f in (tmp_path / "cache").rglob("*.arrow"):
+        f.write_bytes(b"garbage")
+    assert json.dumps(KDAHealthReducer().reduce(trace, opts, session).ranked) == json.dumps(cold_health.ranked)
+    np.testing.assert_array_equal(KDAStateReducer().reduce(trace, opts, session).heat.values, cold_state.heat.values)
+
+
+def test_live_traces_are_not_cached(small_trace: Path, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    shutil.copytree(small_trace, live)
+    session = json.loads((live / "session.json").read_text())
+    (live / "session.json").write_text(json.dumps({**session, "status": "recording"}))
+    assert summary_cache.key(open_trace(live), ("kda_norms",)) is None
+    assert summary_cache.key(open_trace(small_trace), ("kda_norms",)) is not None
+
+
+def test_cache_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")
+    assert summary_cache.cache_root() is None
