@@ -31,10 +31,22 @@ def _load_extension() -> None:
     Panel library is missing" and every view stays an empty div. Inline, the bundle travels in the
     cell's output over the kernel connection, and the views' stylesheets are inlined too, so the page
     fetches nothing from outside the Jupyter server. A user who ran `pn.extension()` (CDN) before is
-    loaded again inline: harmless online, the fix offline.
+    loaded again inline: harmless online, the fix offline. Outside a kernel there is no page to load
+    into, and Panel's global `inline` setting is left alone (a dashboard served from the same process
+    keeps serving its resources as files).
     """
+    if not _in_kernel():
+        return
     if not getattr(pn.extension, "_loaded", False) or not pn.config.inline:
         pn.extension(inline=True)
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return hasattr(get_ipython(), "kernel")
 
 
 class NotebookDashboard(Dashboard):
