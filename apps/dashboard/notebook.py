@@ -24,10 +24,29 @@ VIEWS = {"session": "session_map", "dsa": "dsa", "kda": "kda", "experts": "exper
 
 
 def _load_extension() -> None:
-    # the JS of Panel/Bokeh must reach the page before the first view; once per kernel is enough
-    # (a reloaded page re-runs the cell that displays the view, which loads it again)
-    if not getattr(pn.extension, "_loaded", False):
-        pn.extension()
+    """Send Bokeh's and Panel's JS to the page, inline (once per kernel, or again if loaded from a CDN).
+
+    `pn.extension()` alone makes the page fetch BokehJS and Panel from cdn.bokeh.org / cdn.holoviz.org:
+    on a machine without internet (CI, an air-gapped cluster) those loads fail, Panel logs "Bokeh or
+    Panel library is missing" and every view stays an empty div. Inline, the bundle travels in the
+    cell's output over the kernel connection, and the views' stylesheets are inlined too, so the page
+    fetches nothing from outside the Jupyter server. A user who ran `pn.extension()` (CDN) before is
+    loaded again inline: harmless online, the fix offline. Outside a kernel there is no page to load
+    into, and Panel's global `inline` setting is left alone (a dashboard served from the same process
+    keeps serving its resources as files).
+    """
+    if not _in_kernel():
+        return
+    if not getattr(pn.extension, "_loaded", False) or not pn.config.inline:
+        pn.extension(inline=True)
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return hasattr(get_ipython(), "kernel")
 
 
 class NotebookDashboard(Dashboard):

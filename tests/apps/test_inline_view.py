@@ -75,3 +75,18 @@ def test_what_cannot_be_shown_is_named(small_trace: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr("workbench.inline.entry_points", lambda group: [])
     with pytest.raises(ShowError, match=ENTRY_POINT_GROUP):
         workbench.show(small_trace)
+
+
+def test_the_page_gets_panel_inline_only_in_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a kernel, show() sends Panel's/Bokeh's JS inline (from a CDN an offline JupyterLab page never
+    draws: the cause of the empty view in test_jupyterlab.py); outside one it leaves Panel's config alone."""
+    from apps.dashboard import notebook
+
+    calls: list[dict] = []
+    monkeypatch.setattr(notebook.pn, "extension", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(notebook, "_in_kernel", lambda: False)
+    notebook._load_extension()
+    assert calls == []
+    monkeypatch.setattr(notebook, "_in_kernel", lambda: True)
+    notebook._load_extension()
+    assert calls == [{"inline": True}]

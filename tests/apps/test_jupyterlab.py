@@ -7,10 +7,13 @@ session in a thread of the kernel, gated by events so the page can be checked at
 1. the prefill of a first document is recorded, `workbench.show(session)` is displayed: the session map
    and DSA views appear (drawn canvases) while the status reads "recording";
 2. the next cell lets the thread append a second document: the inline view changes by itself (more
-   tokens) while the session is still recording;
+   tokens in its status line, and both views' drawings differ) while the session is still recording;
 3. the last cell lets the session generate and finish: the view reads "complete".
 
 No console errors; nothing fetched from outside 127.0.0.1. A screenshot is left in $K3WB_ARTIFACTS.
+When the view does not render, the failure prints the page's console errors, the cells' outputs and
+the server's log: that is how the empty view of issue 10 was traced to BokehJS being fetched from
+cdn.bokeh.org (unreachable offline; `workbench.show` now sends it inline).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ pytestmark = [pytest.mark.browser,
                                         ".ci/run installs it)")]
 
 TOKEN = "k3wb-lab-token"
+CDN_CSS = "https://cdn.holoviz.org/panel/"
+FAILED_LOAD = "Failed to load resource: net::ERR_NAME_NOT_RESOLVED"
 # every wait below is sized for CI (< 90 s in all); a starved shared machine may stretch them
 SCALE = float(os.environ.get("K3WB_LAB_TIMEOUT_SCALE", "1"))
 
@@ -91,22 +96,26 @@ def _write_notebook(path: Path) -> None:
     nbformat.write(book, path)
 
 
-def _lab_share() -> Path:
-    """share/jupyter of the environment jupyterlab is installed in (its static assets and lab extensions)."""
+def _lab_prefix() -> Path:
+    """The environment jupyterlab is installed in: its share/jupyter (static assets, lab extensions such as
+    @pyviz/jupyterlab_pyviz from pyviz_comms) and etc/jupyter (server extensions the packages enabled)."""
     import jupyterlab
 
     for parent in Path(jupyterlab.__file__).resolve().parents:
-        share = parent / "share" / "jupyter"
-        if (share / "lab" / "static").is_dir():
-            return share
+        if (parent / "share" / "jupyter" / "lab" / "static").is_dir():
+            return parent
     pytest.skip("JupyterLab's application assets (share/jupyter/lab/static) are not installed")
 
 
 def _start_lab(root: Path, port: int) -> subprocess.Popen:
-    share = _lab_share()
+    prefix = _lab_prefix()
+    share = prefix / "share" / "jupyter"
+    # a fresh user config, but the environment's own data and config paths: the page gets what a user's
+    # install has (without etc/jupyter the lsp and panel server extensions are off and their probes 404)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter-config"),
            "JUPYTER_RUNTIME_DIR": str(root / ".jupyter-runtime"), "JUPYTER_DATA_DIR": str(root / ".jupyter-data"),
-           "JUPYTER_PATH": str(share), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "JUPYTER_PATH": str(share), "JUPYTER_CONFIG_PATH": str(prefix / "etc" / "jupyter"),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}", f"--LabApp.app_dir={share / 'lab'}",
            "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
@@ -151,7 +160,15 @@ def _kernel_idle(browser: Browser, timeout: float) -> None:
     browser.page.wait_for_function(
         "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
         " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
-        " return !!k && k.status === 'idle'; }", timeout=timeout * 1000)
+        " return !!k && k.status === 'idle'; }", timeout=timeout * 1000 * SCALE)
+
+
+def _diagnosis(browser: Browser, root: Path) -> str:
+    """What to read when a wait fails: the page's console errors, the cells' outputs, the server's log."""
+    log = (root / "lab.log").read_text(errors="replace")[-2000:] if (root / "lab.log").exists() else ""
+    outputs = [o[:300] for o in _outputs(browser)]
+    return (f"console errors: {browser.counters.errors}\nexternal requests: {browser.counters.external}\n"
+            f"cell outputs: {outputs}\njupyter lab log (tail):\n{log}")
 
 
 def _cell_done(browser: Browser, index: int, timeout: float) -> None:
@@ -171,8 +188,11 @@ def _outputs(browser: Browser) -> list[str]:
     return browser.page.locator(".jp-OutputArea-output").all_inner_texts()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 10 open: in a real JupyterLab page the inline view's session "
-                   "canvas never appears (60 s wait); the nbclient and Panel-level inline tests pass")
+def _view_pixels(browser: Browser, view: str) -> bytes:
+    """A PNG of one view as drawn now (its canvases included)."""
+    return browser.page.locator(f".k3-inline .k3-view-{view}").first.screenshot()
+
+
 def test_inline_view_in_jupyterlab_follows_a_live_session(tmp_path: Path, artifacts: Path) -> None:
     _write_notebook(tmp_path / "live.ipynb")
     port = free_port()
@@ -186,22 +206,43 @@ def test_inline_view_in_jupyterlab_follows_a_live_session(tmp_path: Path, artifa
             _cell_done(browser, 0, 120)
             _run_next_cell(browser)  # 2: the inline view
             _cell_done(browser, 1, 60)
-            for view in ("session", "dsa"):
-                browser.page.locator(f".k3-inline .k3-view-{view} canvas").first.wait_for(
-                    state="visible", timeout=60_000 * SCALE)
-            first = _wait_status(browser, lambda status, n: status == "recording" and n >= 600, 30)
+            try:
+                for view in ("session", "dsa"):
+                    browser.page.locator(f".k3-inline .k3-view-{view} canvas").first.wait_for(
+                        state="visible", timeout=60_000 * SCALE)
+                first = _wait_status(browser, lambda status, n: status == "recording" and n >= 600, 30)
+            except Exception as exc:
+                raise AssertionError(f"the inline view did not render: {exc}\n{_diagnosis(browser, tmp_path)}") from exc
+            external = {"rendered": list(browser.counters.external)}  # when outside fetches happened, if any
+            drawn = {view: _view_pixels(browser, view) for view in ("session", "dsa")}
             _run_next_cell(browser)  # 3: the second document is appended while the view is shown
             grown = _wait_status(browser, lambda status, n: status == "recording" and n > first[1], 60)
+            # the drawings themselves follow (not only the status line): the pushed frame redrew the canvases
+            browser.page.wait_for_timeout(1000)
+            changed = [view for view in drawn if _view_pixels(browser, view) != drawn[view]]
             _run_next_cell(browser)  # 4: generate and finish
+            external["grown"] = list(browser.counters.external)
             done = _wait_status(browser, lambda status, n: status == "complete", 60)
             _cell_done(browser, 3, 60)
             assert done[1] > grown[1] > first[1], (first, grown, done)
+            assert changed == ["session", "dsa"], f"views that did not redraw as the session grew: {changed}"
             browser.page.get_by_text("session done").first.wait_for(timeout=30_000 * SCALE)
             browser.page.screenshot(path=str(artifacts / "jupyterlab_inline_view.png"), full_page=True)
             (artifacts / "jupyterlab_inline_view.json").write_text(json.dumps(
                 {"first": first, "grown": grown, "done": done, "errors": browser.counters.errors}, indent=1))
-            assert browser.counters.errors == [], browser.counters.errors
-            assert browser.counters.external == [], browser.counters.external
+            # known remainder (issue 10): after the first frame, models Panel adds carry its stylesheets as
+            # links to cdn.holoviz.org (loading.css, theme/*.css), which an offline page fails to load. The
+            # views still draw and follow (asserted above); anything else fetched or logged fails the test.
+            cdn_css = [u for u in browser.counters.external
+                       if u.startswith(CDN_CSS) and u.split("?")[0].endswith(".css")]
+            other = [u for u in browser.counters.external if u not in cdn_css]
+            assert other == [], {**external, "done": browser.counters.external}
+            errors = [e for e in browser.counters.errors if not (cdn_css and e.endswith(FAILED_LOAD))]
+            assert errors == [], _diagnosis(browser, tmp_path)
+            if cdn_css:
+                pytest.xfail(f"issue 10 open: {len(cdn_css)} Panel stylesheets requested from cdn.holoviz.org after "
+                             f"the first frame (first at: {'grown' if external['grown'] else 'done'}); the view "
+                             "renders and follows the session")
     finally:
         lab.terminate()
         try:
