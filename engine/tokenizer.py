@@ -131,6 +131,15 @@ class Tokenizer:
         ids.extend(self.encode(name))
         ids.append(self.sep_id)
 
+    def section_tag(self, name: str, opening: bool) -> list[int]:
+        """Ids of one chat-structure tag: `<|open|>{name}<|sep|>` or `<|close|>{name}<|sep|>`
+        (`message role="user"`, `think`, `response`, ...)."""
+        if None in (self.open_id, self.close_id, self.sep_id):
+            raise InputError("this tokenizer has no chat control tokens (<|open|>, <|close|>, <|sep|>)")
+        ids: list[int] = []
+        self._tag(ids, opening, name)
+        return ids
+
     def message_frame(self, role: str) -> tuple[list[int], list[int]]:
         """(opening, closing) ids of one chat message: `<|open|>message role="R"<|sep|>` and
         `<|close|>message<|sep|><|end_of_msg|>`; a message's body (text, image spans) goes between."""

@@ -62,9 +62,7 @@ class Sample:
 
 
 def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
-    ids: list[int] = []
-    tok._tag(ids, opening, name)
-    return ids
+    return tok.section_tag(name, opening)
 
 
 def answer_ids(tok: Tokenizer, answer: str) -> tuple[list[int], list[int], list[int]]:

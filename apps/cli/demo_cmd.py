@@ -235,9 +235,9 @@ def _close_answer(session, answer: _Answer) -> None:
     after its generated `<|close|>`), so the next question is a turn of its own, as in training."""
     tokenizer = session.tokenizer
     closed = "".join(answer.pieces).endswith("<|close|>")
-    ids = ([] if closed else [tokenizer.close_id]) + tokenizer.encode("response") + [tokenizer.sep_id]
-    session.append(ids=ids + tokenizer.message_frame("assistant")[1], name="answer end", kind="turn",
-                   role="assistant")
+    tag = tokenizer.section_tag("response", opening=False)     # `<|close|>response<|sep|>`
+    ids = (tag[1:] if closed else tag) + tokenizer.message_frame("assistant")[1]
+    session.append(ids=ids, name="answer end", kind="turn", role="assistant")
 
 
 def _judge(answer: _Answer, expected: str, topk, span: tuple[int, int]) -> dict:

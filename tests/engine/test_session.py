@@ -188,6 +188,15 @@ def test_user_text_cannot_inject_chat_structure():
     assert chat.count(tok.end_of_msg_id) == 1
 
 
+def test_section_tags_are_the_frames_pieces():
+    tok = TOKENIZER
+    opening, closing = tok.message_frame("assistant")
+    assert opening == tok.section_tag('message role="assistant"', opening=True)
+    assert closing == tok.section_tag("message", opening=False) + [tok.end_of_msg_id]
+    assert tok.decode(tok.section_tag("response", opening=False)) == "<|close|>response<|sep|>"
+    assert tok.response_prefix() == tok.section_tag("think", False) + tok.section_tag("response", True)
+
+
 def test_tokenizer_files_round_trip(tmp_path):
     from engine.tokenizer import write_byte_level_tokenizer
 
