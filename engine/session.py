@@ -29,7 +29,6 @@ recorders and the dashboard follow a session without the session knowing them.
 from __future__ import annotations
 
 import copy
-import hashlib
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,12 +44,12 @@ from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
-from engine.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumbnails_from_tensors
-from engine.snapshot import prefix_hash, read_snapshot, write_snapshot
+from engine.segments import Segment
+from engine.session_state import model_fingerprint, restore, session_state_dict
+from engine.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
 from engine.vision import ImageSource
 from engine.session_images import PreparedImage, prepare_image
-from engine.vision.thumbnail import encode_thumbnail
 
 Observer = Callable[[str, dict], None]
 PROGRESS_MIN_TOKENS = 8192
@@ -440,91 +439,25 @@ class Session:
         if self._pending_images and not pending_images_ok:
             raise InputError(f"{len(self._pending_images)} image(s) are appended but not prefilled; snapshots hold no "
                              "pixels: run prefill() first")
-        tensors: dict[str, torch.Tensor] = {
-            "tokens": torch.tensor(self.tokens, dtype=torch.int64),
-            "generator": self.generator.get_state(),
-        }
-        if self.last_logits is not None:
-            tensors["last_logits"] = self.last_logits.float()
-        tensors.update(self.state.to_tensors())
-        if thumbnails:
-            for seg_id, picture in sorted(self.image_thumbnails.items()):
-                png = bytearray(encode_thumbnail(picture))
-                tensors[f"{THUMBNAIL_TENSOR}{seg_id}"] = torch.frombuffer(png, dtype=torch.uint8)
-        return {
-            "tensors": tensors,
-            "model": {"config_hash": self.config.fingerprint(), "weights_hash": model_fingerprint(self.model),
-                      "variant": self.config.variant, "name": self.deployment.model},
-            "tokens": len(self.tokens),
-            "consumed": self.state.length,
-            "prefix_sha256": prefix_hash(self.tokens),
-            "step": self.step,
-            "cache_dtype": str(self.dtype).removeprefix("torch."),
-            "segments": [asdict(seg) for seg in self.segments],
-            "sampling": self.sampling.to_json(),
-            # snapshot format v1 calls the deployment record "record"
-            "record": self.deployment.to_json(),
-        }
+        return session_state_dict(self, thumbnails=thumbnails)
 
     def load_state_dict(self, state: dict[str, Any], *, expect_tokens: Sequence[int] | None = None) -> None:
         """Continue from `state` (as `state_dict()` gives it); tensors are copied onto this session's device.
 
         Refuses (InputError) a state of another model or other weights, a token prefix other than
         `expect_tokens`, and any tensor whose name or shape the config does not imply: restoring
-        KDA state for the wrong prefix silently produces garbage, so it is never allowed.
+        KDA state for the wrong prefix silently produces garbage, so it is never allowed. Every
+        check runs before any field changes (`engine.session_state.restore`).
         """
-        config, model = self.config, self.model
-        recorded = state.get("model")
-        recorded = recorded if isinstance(recorded, dict) else {}
-        if recorded.get("config_hash") != config.fingerprint():
-            raise InputError(f"snapshot belongs to a different model (config hash {recorded.get('config_hash')}); "
-                             f"this model is {config.fingerprint()} ({config.variant})")
-        if recorded.get("weights_hash") != model_fingerprint(model):
-            raise InputError(f"snapshot was made with other weights of the same architecture (weights hash "
-                             f"{recorded.get('weights_hash')}, this model {model_fingerprint(model)})")
-        tensors = state.get("tensors", {})
-        if "tokens" not in tensors:
-            raise InputError("corrupt snapshot state (no token ids)")
-        if tensors["tokens"].ndim != 1 or tensors["tokens"].dtype != torch.int64:
-            raise InputError(f"corrupt snapshot state (token ids must be int64 [n], got "
-                             f"{str(tensors['tokens'].dtype).removeprefix('torch.')} {list(tensors['tokens'].shape)})")
-        tokens = tensors["tokens"].tolist()
-        if prefix_hash(tokens) != state.get("prefix_sha256") or len(tokens) != state.get("tokens"):
-            raise InputError("token ids do not match the recorded prefix hash: corrupt snapshot")
-        if expect_tokens is not None and list(expect_tokens) != tokens:
-            raise InputError(f"snapshot holds the state of a different token prefix ({len(tokens)} tokens, "
-                             f"sha256 {state['prefix_sha256'][:12]}); refusing to reuse it")
-        consumed = state.get("consumed", -1)
-        if type(consumed) is not int or not 0 <= consumed <= len(tokens):
-            raise InputError(f"invalid consumed-token count {consumed!r:.40} (expected an integer in [0, {len(tokens)}])")
-        segments = segments_from_json(state.get("segments", []), len(tokens))
-        thumbnails = thumbnails_from_tensors(tensors, segments)
-        step = state.get("step", 0)
-        if type(step) is not int or step < 0:
-            raise InputError(f"invalid step {step!r:.40} (expected a non-negative integer)")
-        sampling = SamplingParams.from_json(state.get("sampling", {}))
-        generator = tensors.get("generator")
-        if generator is not None:
-            try:
-                torch.Generator(device="cpu").set_state(generator.cpu())
-            except (RuntimeError, TypeError, ValueError) as exc:
-                raise InputError(f"invalid sampler generator state ({str(exc).splitlines()[0][:80]})") from None
-        try:
-            layers = ModelState.from_tensors(tensors, config, consumed, dtype=self.dtype, device=self.device,
-                                             kda_heads=model.parallel.split(config.kda_num_heads))
-        except InputError as exc:
-            raise InputError(f"{exc}: corrupt or foreign snapshot") from None
-        self.state = layers
-        self.tokens = tokens
-        self.segments = segments
-        self._pending_images, self.image_thumbnails = [], thumbnails
-        self.step = step
-        self.sampling = sampling
-        if generator is not None:
-            self.generator.set_state(generator.cpu())
-        self.last_logits = tensors["last_logits"].to(self.device, copy=True) if "last_logits" in tensors else None
+        r = restore(state, self.model, dtype=self.dtype, device=self.device, expect_tokens=expect_tokens)
+        self.state, self.tokens, self.segments = r.layers, r.tokens, r.segments
+        self._pending_images, self.image_thumbnails = [], r.thumbnails
+        self.step, self.sampling = r.step, r.sampling
+        if r.generator is not None:
+            self.generator.set_state(r.generator)
+        self.last_logits = r.last_logits
         # the deployment record describes a run (this process, this hardware): a restored session starts a new one
-        self.previous_deployments = [state["record"]] if isinstance(state.get("record"), dict) else []
+        self.previous_deployments = r.previous_deployments
 
     def fork(self) -> "Session":
         """An independent copy (same model) that continues from exactly this point."""
@@ -554,20 +487,3 @@ class Session:
         except InputError as exc:
             raise InputError(f"{path}: {exc}") from None
         return session
-
-
-def model_fingerprint(model: KimiForCausalLM) -> str:
-    """Config hash + a hash of strided samples of every weight: tells two checkpoints of one
-    config apart (e.g. different seeds) without reading every byte. Cached on the model."""
-    cached = getattr(model, "_snapshot_fingerprint", None)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256(model.config.fingerprint().encode())
-    with torch.no_grad():
-        for name, t in sorted(model.state_dict().items()):
-            flat = t.detach().reshape(-1)
-            step = max(1, flat.numel() // 64)
-            h.update(name.encode())
-            h.update(flat[::step][:64].float().cpu().numpy().tobytes())
-    model._snapshot_fingerprint = h.hexdigest()[:16]  # type: ignore[attr-defined]
-    return model._snapshot_fingerprint  # type: ignore[attr-defined]

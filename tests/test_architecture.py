@@ -36,7 +36,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the checkpoint: tensor table, shard slices, files, loading that builds a model, counts and plans from the table
     ("engine weights", ("engine.weights", "engine.census", "engine.plan")),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches
-    ("engine session", ("engine.session", "engine.segments", "engine.session_images", "engine.snapshot", "engine.sampling", "engine.batch")),
+    ("engine session", ("engine.session", "engine.segments", "engine.session_images", "engine.session_state", "engine.snapshot", "engine.sampling", "engine.batch")),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures
