@@ -83,17 +83,14 @@ def _git_commit() -> str:
         return ""
 
 
-def _truncate_csv(path: Path, step: int) -> None:
-    """Drop loss rows past `step` (a resumed run recomputes them)."""
-    if not path.exists():
-        return
-    with open(path) as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return
-    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) < step]
-    with open(path, "w", newline="") as f:
-        csv.writer(f).writerows(keep)
+def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Next-token cross-entropy weighted by `weights[:, t]` for predicting `ids[:, t + 1]`, and the
+    mean loss on answer tokens (weight >= 0.99) as a float (NaN when the batch has none)."""
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    w = weights[:, :-1].flatten()
+    answer = w >= 0.99
+    answer_loss = float(ce.detach()[answer].mean()) if bool(answer.any()) else float("nan")
+    return (ce * w).sum() / w.sum(), answer_loss
 
 
 LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s",
@@ -156,13 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         step = int(info["step"])
         metrics = info.get("metrics", metrics)
         print(f"resumed from {resumed} at step {step}/{total}", flush=True)
-    loss_csv = state_dir / "loss.csv"
-    _truncate_csv(loss_csv, step)
-    new_csv = not loss_csv.exists()
-    log = open(loss_csv, "a", newline="")
-    writer = csv.writer(log)
-    if new_csv:
-        writer.writerow(LOSS_COLUMNS)
+    log, writer = state_io.open_loss_log(state_dir / "loss.csv", step, LOSS_COLUMNS)
     run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:]), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
                 "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
 
@@ -207,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             opt_index.zero_grad(set_to_none=True)
         else:
             logits = model(ids)
-            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-            w = weights[:, :-1].flatten()
-            loss = (ce * w).sum() / w.sum()
-            answer = w >= 0.99
-            answer_value = float(ce.detach()[answer].mean()) if bool(answer.any()) else float("nan")
+            loss, answer_value = weighted_loss(logits, ids, weights)
             kl = distill.take()
             total_loss = loss + (kl if kl is not None else 0.0)
             total_loss.backward()

@@ -39,13 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import _git_commit, _truncate_csv, eval_table, shutil_copy
+from training.demo_model import _git_commit, eval_table, shutil_copy, weighted_loss
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import forward_with_images, image_accuracy, image_batch
@@ -120,14 +119,6 @@ COLUMNS = ["step", "phase", "text_length", "text_loss", "answer_loss", "image_lo
            "indexer_kl", "lr_scale", "tokens_per_s"]
 
 
-def _weighted_ce(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    w = weights[:, :-1].flatten()
-    answer = w >= 0.99
-    answer_loss = float(ce.detach()[answer].mean()) if bool(answer.any()) else float("nan")
-    return (ce * w).sum() / w.sum(), answer_loss
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
@@ -200,13 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
     run_info.update(seed=seed, topk=topk)
 
-    loss_csv = args.state / "loss.csv"
-    _truncate_csv(loss_csv, step)
-    new_csv = not loss_csv.exists()
-    log = open(loss_csv, "a", newline="")
-    writer = csv.writer(log)
-    if new_csv:
-        writer.writerow(COLUMNS)
+    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS)
     bar = tqdm(total=total, initial=step, desc="extend", unit="step", file=sys.stderr, ascii=not sys.stderr.isatty(),
                mininterval=0.5 if sys.stderr.isatty() else 30)
     gen = torch.Generator()
@@ -229,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         gen.manual_seed(seed * 1_000_003 + TEXT_STREAM + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
-        text_loss, text_answer = _weighted_ce(model(ids), ids, weights)
+        text_loss, text_answer = weighted_loss(model(ids), ids, weights)
         kl = distill.take()
         (text_loss + (kl if kl is not None else 0.0)).backward()
         n_tokens = ids.numel()
@@ -243,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         distill.sparse = tower_on
         distill.rows = query_rows(weights, 64, gen)
         try:
-            image_loss, image_answer = _weighted_ce(forward_with_images(model, ids, images, mask), ids, weights)
+            image_loss, image_answer = weighted_loss(forward_with_images(model, ids, images, mask), ids, weights)
         finally:
             model.runtime.dsa_force_dense = False
         image_kl = distill.take()

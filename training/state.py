@@ -14,6 +14,7 @@ directory is written and flushed first, then `latest.json` is replaced, then old
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -118,3 +119,28 @@ def load(d: Path, model: torch.nn.Module, optimizers: dict[str, torch.optim.Opti
                             "exp_avg": moments[f"{oname}.{pname}.exp_avg"].clone(),
                             "exp_avg_sq": moments[f"{oname}.{pname}.exp_avg_sq"].clone()}
     return info
+
+
+def _truncate_csv(path: Path, step: int) -> None:
+    """Drop loss rows past `step` (a resumed run recomputes them)."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return
+    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) < step]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(keep)
+
+
+def open_loss_log(path: Path, step: int, columns: list[str]):
+    """The run's per-step loss CSV opened for appending at `step` (a resumed run recomputes the rows
+    past it, so they are dropped first; a new file gets the header): (file, csv writer)."""
+    _truncate_csv(path, step)
+    new = not path.exists()
+    f = open(path, "a", newline="")
+    writer = csv.writer(f)
+    if new:
+        writer.writerow(columns)
+    return f, writer
