@@ -24,7 +24,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -251,20 +250,30 @@ def main(argv: list[str] | None = None) -> int:
     return finalize(model, config, tok, args, state_dir, run_info, metrics)
 
 
-def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dict, metrics: dict) -> int:
-    """Quantize + write the checkpoint, reload it with the engine's loader, evaluate, write data files."""
+def export_and_reload(model, config, out: Path, losses: dict[str, Path]):
+    """Quantize + write the checkpoint with its loss curves beside it; return (dir, the model reloaded by
+    the engine's loader): every evaluation runs on what users run (MXFP4 experts)."""
     from engine import load_model
 
-    out = export(model, config, args.out)
-    shutil_copy(state_dir / "loss.csv", out / "loss.csv")
-    shipped = load_model(out)
+    out = export(model, config, out)
+    for name, source in losses.items():
+        shutil_copy(source, out / name)
+    return out, load_model(out)
+
+
+def held_out_needle(shipped, tok: Tokenizer, args) -> list[dict]:
+    """Needle accuracy of the written checkpoint at `--eval-lengths` x depths 10/50/90%, held-out wording."""
     lengths = [int(x) for x in args.eval_lengths.split(",") if x]
     counts = [int(x) for x in args.eval_samples.split(",") if x]
     samples = {n: counts[min(i, len(counts) - 1)] for i, n in enumerate(lengths)}
-    print(f"evaluating the written checkpoint {out} (MXFP4 experts) at {lengths} ...", flush=True)
-    rows = needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples,
-                           batch_tokens=8192)
-    (out / "eval.json").write_text(json.dumps({"held_out_needle": rows, "during_training": metrics["evals"]},
+    print(f"evaluating the written checkpoint (MXFP4 experts) at {lengths} ...", flush=True)
+    return needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples, batch_tokens=8192)
+
+
+def write_eval_files(out: Path, config, run_info: dict, rows: list[dict], during_training: list, **extra) -> int:
+    """eval.json (held-out needle rows, `extra` results, the evals during training), eval.csv and
+    training.json beside the checkpoint; returns the checkpoint's size in bytes."""
+    (out / "eval.json").write_text(json.dumps({"held_out_needle": rows, **extra, "during_training": during_training},
                                               indent=1) + "\n")
     with open(out / "eval.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -273,6 +282,14 @@ def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dic
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     (out / "training.json").write_text(json.dumps({
         **run_info, "config": config.summary(), "checkpoint_bytes": size}, indent=1, default=str) + "\n")
+    return size
+
+
+def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dict, metrics: dict) -> int:
+    """Quantize + write the checkpoint, reload it with the engine's loader, evaluate, write data files."""
+    out, shipped = export_and_reload(model, config, args.out, {"loss.csv": state_dir / "loss.csv"})
+    rows = held_out_needle(shipped, tok, args)
+    size = write_eval_files(out, config, run_info, rows, metrics["evals"])
     write_model_card(out, config, run_info, rows, size, sum(q.numel() for q in model.parameters()))
     print(f"wrote {out} ({size / 2**20:.1f} MiB); held-out needle accuracy: {summary(rows)}", flush=True)
     return 0

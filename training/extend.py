@@ -30,7 +30,6 @@ image questions with their swapped-image control (`training.image_tasks.image_ac
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -44,11 +43,12 @@ from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import _git_commit, eval_table, shutil_copy, weighted_loss
+from training.demo_model import (_git_commit, eval_table, export_and_reload, held_out_needle, weighted_loss,
+                                 write_eval_files)
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import forward_with_images, image_accuracy, image_batch
-from training.model_setup import export, trainable_model, trained_demo_config
+from training.model_setup import trainable_model, trained_demo_config
 from training.tasks import W_KEY_LATE, batch
 
 # Text batches of this run are `training.tasks.batch(step + TEXT_STREAM)`: the base run used
@@ -283,29 +283,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def finalize(model, config, tok: Tokenizer, args, run_info: dict, metrics: dict) -> int:
     """Quantize + write the checkpoint with its tower, reload it with the engine's loader, evaluate."""
-    from engine import load_model
-
-    out = export(model, config, args.out)
-    shutil_copy(args.state / "loss.csv", out / "loss_extend.csv")
-    shutil_copy(Path(run_info["base"]["base_dir"]).parent / "loss.csv", out / "loss.csv")
-    shipped = load_model(out)
-    lengths = [int(x) for x in args.eval_lengths.split(",") if x]
-    counts = [int(x) for x in args.eval_samples.split(",") if x]
-    samples = {n: counts[min(i, len(counts) - 1)] for i, n in enumerate(lengths)}
-    print(f"evaluating the written checkpoint {out} (MXFP4 experts) ...", flush=True)
-    rows = needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples, batch_tokens=8192)
+    out, shipped = export_and_reload(model, config, args.out, {
+        "loss_extend.csv": args.state / "loss.csv",
+        "loss.csv": Path(run_info["base"]["base_dir"]).parent / "loss.csv"})
+    rows = held_out_needle(shipped, tok, args)
     images = image_accuracy(shipped, tok, args.image_eval, seed=7, vision=config.vision)
     control = image_accuracy(shipped, tok, args.image_eval, seed=7, vision=config.vision, swap_images=True)
-    (out / "eval.json").write_text(json.dumps({"held_out_needle": rows, "held_out_images": images,
-                                               "held_out_images_swapped": control,
-                                               "during_training": metrics["evals"]}, indent=1) + "\n")
-    with open(out / "eval.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    (out / "training.json").write_text(json.dumps({**run_info, "config": config.summary(), "checkpoint_bytes": size},
-                                                  indent=1, default=str) + "\n")
+    size = write_eval_files(out, config, run_info, rows, metrics["evals"], held_out_images=images,
+                            held_out_images_swapped=control)
     image_lines = "\n".join(
         f"| {a} | {r['correct']}/{r['total']} | {control['by_attribute'].get(a, {}).get('correct', 0)}/"
         f"{control['by_attribute'].get(a, {}).get('total', 0)} | {r['chance']:.0%} |"
