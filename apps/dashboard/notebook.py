@@ -12,6 +12,7 @@ so the notebook dashboard pushes its layout after every frame it applies.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,12 +50,32 @@ def _in_kernel() -> bool:
     return hasattr(get_ipython(), "kernel")
 
 
+# how long frames wait for the page to report that it drew the view, before they are applied anyway
+PAGE_WAIT_S = 10.0
+
+
 class NotebookDashboard(Dashboard):
-    """The dashboard, pushing each applied frame to the notebook page (a no-op outside a notebook)."""
+    """The dashboard, pushing each applied frame to the notebook page (a no-op outside a notebook).
+
+    Frames wait until the page has drawn the view. Until then pyviz_comms drops every message for it
+    (its handler returns while the view is not yet in Bokeh's index), and a push dropped in part leaves
+    the page's receiver in the middle of a message: "Expected binary fragment but received text
+    fragment", after which the page's patches fail. The width probe is the signal: the page sends its
+    width once the view is laid out. A notebook run without a page (nbclient) gets its frames after
+    `PAGE_WAIT_S`.
+    """
 
     layout: pn.viewable.Viewable | None = None
+    shown_at: float | None = None
+
+    def _page_ready(self) -> bool:
+        if self.probe.px > 0:
+            return True
+        return self.shown_at is not None and time.monotonic() - self.shown_at > PAGE_WAIT_S
 
     def _tick(self) -> None:
+        if not self._page_ready():
+            return
         before = self.state.frame
         super()._tick()
         if self.state.frame is not before and self.layout is not None:
@@ -89,6 +110,7 @@ class InlineView(pn.viewable.Viewer):
             self._layout = pn.Column(dash.probe, dash.alert, dash.source, *views, sizing_mode="stretch_width",
                                      css_classes=["k3-inline"])
             dash.layout = self._layout
+            dash.shown_at = time.monotonic()
         return self._layout
 
     def close(self) -> None:

@@ -4,6 +4,12 @@ Panel's `Str`, `Markdown` and `Alert` panes hand their text to the browser as HT
 `Str` holding `<img onerror=...>` runs the handler, and embedded `<script>` runs too), so anything
 that can come from a trace, a file name, a URL parameter or a token goes through `html.escape`
 here before it reaches a pane. Tests check this with hostile token text in a real browser.
+
+The views' HTML and Alert panes are `HTML` / `Alert` from here: Panel's own re-send every stylesheet
+link with each new text, resolved afresh, which inside a notebook kernel points at cdn.holoviz.org
+(the links inlined when the cell was drawn come back as links, and an offline page fails to load
+them). A pane's stylesheets are set when it is built and a change of its `stylesheets` parameter still
+reaches the page through Panel's parameter sync, so a text update sends the text only.
 """
 
 from __future__ import annotations
@@ -13,14 +19,41 @@ import html
 import panel as pn
 
 
+class _TextOnlyUpdates:
+    """Mixin for Panel's HTML-based panes: an `object` change sends the stylesheets only when the pane's
+    `stylesheets` parameter changed since they were last sent to that page (Panel sends a pane's
+    stylesheets only with its next re-render, so that is where the change goes)."""
+
+    def _get_model(self, doc, root=None, parent=None, comm=None):
+        model = super()._get_model(doc, root, parent, comm)
+        self._stylesheets_sent = {**getattr(self, "_stylesheets_sent", {}), (root or model).ref["id"]: list(self.stylesheets)}
+        return model
+
+    def _update(self, ref: str, model) -> None:
+        props = self._get_properties(model.document)
+        sent = getattr(self, "_stylesheets_sent", {})
+        if ref in sent and sent[ref] == list(self.stylesheets):
+            props.pop("stylesheets", None)
+        self._stylesheets_sent = {**sent, ref: list(self.stylesheets)}
+        model.update(**props)
+
+
+class HTML(_TextOnlyUpdates, pn.pane.HTML):
+    """`pn.pane.HTML` whose text updates leave the stylesheets the page already has."""
+
+
+class Alert(_TextOnlyUpdates, pn.pane.Alert):
+    """`pn.pane.Alert` whose text updates leave the stylesheets the page already has."""
+
+
 def pre(text: str) -> str:
     """`text` as preformatted, escaped HTML."""
     return f"<pre class='k3-pre' style='margin:0;white-space:pre-wrap'>{html.escape(text)}</pre>"
 
 
-def text_pane(text: str = "", **params) -> pn.pane.HTML:
+def text_pane(text: str = "", **params) -> HTML:
     """An HTML pane showing `text` verbatim (escaped); update it with `set_text`."""
-    return pn.pane.HTML(pre(text), **params)
+    return HTML(pre(text), **params)
 
 
 def set_text(pane: pn.pane.HTML, text: str) -> None:
