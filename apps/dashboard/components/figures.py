@@ -3,13 +3,17 @@
 A heat map is one `image` glyph fed a [rows, bins] float32 array (sent as binary), never one glyph
 per token; segment boundaries are `vspan`s from a small source. Updating replaces the source data
 of the existing models, so a live refresh sends a few kB and the browser keeps one set of objects.
+
+`trim(figure)` drops the models a figure carries but the views never show (hidden grids, the glyph
+copies drawn for "not selected" and "muted"): every Bokeh model costs the server time to build and
+serialise and the browser time to build a view of, on every page open.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from bokeh.models import (ColorBar, ColumnDataSource, FixedTicker, HoverTool, LinearColorMapper, NumeralTickFormatter,
-                          Range1d)
+from bokeh.models import (Axis, ColorBar, ColumnDataSource, FixedTicker, GlyphRenderer, Grid, HoverTool, LinearColorMapper,
+                          NumeralTickFormatter, Range1d)
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
@@ -51,6 +55,7 @@ class HeatFigure:
         self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title=value_label), "right")
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
+        trim(self.figure)
         self.rows: tuple[int, ...] = ()
 
     def update(self, heat: HeatMap | None, row_labels: list[str] | None = None) -> None:
@@ -81,6 +86,29 @@ class HeatFigure:
         """Mark segment starts (dashed vertical lines)."""
         if list(self.bounds.data.get("x", [])) != positions:
             self.bounds.data = {"x": positions}
+
+
+def lean(renderer: GlyphRenderer) -> GlyphRenderer:
+    """`renderer` without its own copies of the glyph for "not selected" and "muted" (no view selects or
+    mutes anything; BokehJS derives them itself when asked: "auto"): two models fewer per renderer."""
+    renderer.nonselection_glyph = "auto"
+    renderer.muted_glyph = "auto"
+    return renderer
+
+
+def trim(fig: figure) -> figure:
+    """`fig` with lean renderers and without hidden grids and axes (hidden, each is still a few models
+    to send and build: ticker, formatter, labels)."""
+    for renderer in fig.renderers:
+        if isinstance(renderer, GlyphRenderer):
+            lean(renderer)
+    fig.center = [c for c in fig.center if not (isinstance(c, Grid) and not c.visible)]
+    used = {id(c.axis) for c in fig.center if isinstance(c, Grid)}
+    for side in ("left", "right", "above", "below"):
+        kept = [a for a in getattr(fig, side) if not (isinstance(a, Axis) and not a.visible and id(a) not in used)]
+        if len(kept) != len(getattr(fig, side)):
+            setattr(fig, side, kept)
+    return fig
 
 
 def position_format() -> NumeralTickFormatter:

@@ -18,6 +18,7 @@ from bokeh.plotting import figure
 
 from workbench.analysis import PatchReads, format_patches
 
+from apps.dashboard.components.figures import trim
 from apps.dashboard.components.text import set_text, text_pane
 from apps.dashboard.reducers import ImageReadsData
 
@@ -51,6 +52,7 @@ class ImageReadsPanel(pn.viewable.Viewer):
         self.figure.select_one(HoverTool).update(renderers=[heat], tooltips=[("selections", "@image{0}")])
         self.figure.axis.visible = False
         self.figure.grid.visible = False
+        trim(self.figure)
         self.summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-image-summary"])
         self.layers_table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["k3-image-layers"],
                                          stylesheets=[_CSS])

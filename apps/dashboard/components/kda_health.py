@@ -21,7 +21,7 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
+from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
 from apps.dashboard.components.text import html_table, set_text, text_pane
 from apps.dashboard.reducers import KDAHealthData, SessionMapData
 
@@ -94,10 +94,11 @@ class KDAHealthView(ViewComponent):
         self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
         self.figure.xaxis.formatter = position_format()
         self.figure.grid.visible = False
+        trim(self.figure)
         if session_map is not None:
             # the same positions on the session map's strip
-            on_map = session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
-                                                fill_color="colour", line_color="black")
+            on_map = lean(session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
+                                                fill_color="colour", line_color="black"))
             session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
         self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
         self.table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["k3-health-table"])

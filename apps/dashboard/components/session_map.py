@@ -15,7 +15,7 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.plotting import figure
 
-from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
+from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, trim
 from apps.dashboard.components.text import set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
@@ -58,6 +58,7 @@ class SessionMap(ViewComponent):
         self.figure.yaxis.visible = False
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
+        trim(self.figure)
         self.progress = pn.indicators.Progress(value=0, max=1, sizing_mode="stretch_width", height=14,
                                                bar_color="primary")
         self.stats = text_pane("waiting for the trace…", sizing_mode="stretch_width")
