@@ -27,7 +27,7 @@ from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap
-from apps.dashboard.components.text import alert_text, set_text, text_pane
+from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
@@ -123,7 +123,7 @@ class Dashboard(pn.viewable.Viewer):
             self.runner.model = models[0]
         self.probe = WidthProbe(sizing_mode="stretch_width", height=1, margin=0)
         self.probe.param.watch(self._width, "px")
-        self.alert = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width",
+        self.alert = AlertText("", alert_type="danger", visible=False, sizing_mode="stretch_width",
                                    css_classes=["k3-alert"])
         self.source = text_pane("", sizing_mode="stretch_width", css_classes=["k3-source"])
         self._callback = None

@@ -55,6 +55,9 @@ class HeatFigure:
         self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title=value_label), "right")
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
+        # one ticker whose ticks change: a new ticker model per update would re-index the whole document
+        self.row_ticks = FixedTicker(ticks=[])
+        self.figure.yaxis.ticker = self.row_ticks
         trim(self.figure)
         self.rows: tuple[int, ...] = ()
 
@@ -73,7 +76,7 @@ class HeatFigure:
             labels = row_labels or [str(r) for r in heat.rows]
             step = max(1, n // 16)  # at most ~16 labels, so 69 or 92 layers stay readable
             ticks = list(range(0, n, step))
-            self.figure.yaxis.ticker = FixedTicker(ticks=ticks)
+            self.row_ticks.ticks = ticks
             self.figure.yaxis.major_label_overrides = {t: labels[t] for t in ticks}
             self.figure.y_range.update(start=-0.5, end=n - 0.5)
 

@@ -22,7 +22,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
-from apps.dashboard.components.text import html_table, set_text, text_pane
+from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
 from apps.dashboard.reducers import KDAHealthData, SessionMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
@@ -101,7 +101,7 @@ class KDAHealthView(ViewComponent):
                                                 fill_color="colour", line_color="black"))
             session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
         self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
-        self.table = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
+        self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
         self.redraw()
 
     def has_data(self, data: KDAHealthData, session: SessionMapData) -> bool:
