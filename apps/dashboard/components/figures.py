@@ -12,8 +12,8 @@ serialise and the browser time to build a view of, on every page open.
 from __future__ import annotations
 
 import numpy as np
-from bokeh.models import (Axis, ColorBar, ColumnDataSource, FixedTicker, GlyphRenderer, Grid, HoverTool, LinearColorMapper,
-                          NumeralTickFormatter, Range1d)
+from bokeh.models import (Axis, ColorBar, ColumnDataSource, FixedTicker, GlyphRenderer, Grid, HoverTool, Image,
+                          LinearColorMapper, NumeralTickFormatter, Range1d, VSpan, VStrip)
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
@@ -43,12 +43,13 @@ class HeatFigure:
         self.figure = figure(title=title, height=height, sizing_mode="stretch_width", x_range=Range1d(0, 1),
                              y_range=Range1d(-0.5, 0.5), tools="xpan,xwheel_zoom,reset,save",
                              toolbar_location="above", x_axis_label=x_label, y_axis_label=y_label)
-        self.glyph = self.figure.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source,
-                                       color_mapper=self.mapper)
-        self.figure.vspan(x="x", source=self.bounds, line_color="white", line_alpha=0.7, line_dash="dashed")
+        # glyphs added as models (not through figure.image & co., which build and then drop two copies each)
+        self.glyph = self.figure.add_glyph(self.source, Image(image="image", x="x", y="y", dw="dw", dh="dh",
+                                                              color_mapper=self.mapper))
+        self.figure.add_glyph(self.bounds, VSpan(x="x", line_color="white", line_alpha=0.7, line_dash="dashed"))
         self.marks = ColumnDataSource({"x0": [], "x1": [], "label": []})
-        self.figure.vstrip(x0="x0", x1="x1", source=self.marks, fill_color="#00e5ff", fill_alpha=0.25,
-                           line_color="#00e5ff", line_width=1.5)
+        self.figure.add_glyph(self.marks, VStrip(x0="x0", x1="x1", fill_color="#00e5ff", fill_alpha=0.25,
+                                                 line_color="#00e5ff", line_width=1.5))
         self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=[(x_label, "$x{0,0}"),
                                                                           (y_label, "$y{0}"),
                                                                           (value_label, "@image{0.00}")]))
