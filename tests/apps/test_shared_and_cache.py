@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from apps.dashboard import shared_reducers, summary_cache
-from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
-                                     ViewOptions)
+from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
+                                     SessionMapReducer, ViewOptions)
 from apps.dashboard.state import TraceFollower
 from workbench.trace import open_trace
 

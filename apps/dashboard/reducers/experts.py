@@ -1,8 +1,8 @@
 """Reducer of view 4, experts: usage heat map, text vs image shares, the selected token's routes, EP load.
 
 - heat: each expert's share of its MoE layer's routed slots, filtered by modality and segment (from
-  the trace's running sums of `moe_counts`, a finished trace's from the summary cache); text / image: slots per expert of text and of image
-  tokens (one layer or all);
+  the trace's running sums of `moe_counts`, a finished trace's from the summary cache); text /
+  image: slots per expert of text and of image tokens (one layer or all);
 - routes: the experts, combine weights and router entropy each layer chose for the selected token;
 - rank load: routed slots per expert-parallel rank over all layers, and the most imbalanced layer.
 """
