@@ -20,7 +20,7 @@ from typing import Any
 import panel as pn
 import param
 
-from apps.dashboard.components.text import Alert, alert_text, set_text, text_pane
+from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.state import DashboardState
 from apps.dashboard.uploads import IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper, UploadError, classify_upload
 
@@ -94,7 +94,7 @@ class SessionRunner(pn.viewable.Viewer):
         self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90, disabled=True)
         self.generate_button.on_click(lambda _: self.generate())
         self.stop_button.on_click(lambda _: self.stop())
-        self.alert = Alert("", alert_type="info", visible=False, sizing_mode="stretch_width")
+        self.alert = AlertText("", alert_type="info", visible=False, sizing_mode="stretch_width")
         self.doc_list = text_pane("", sizing_mode="stretch_width")
         self._list_documents()
 

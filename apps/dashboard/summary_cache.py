@@ -3,6 +3,7 @@
     key(trace, table, extra)           which parts (path, size, mtime) the summary was made from
     load_arrow(key, name) / save_arrow(key, name, table)    Arrow IPC files (never pickle)
     load_json(key, name) / save_json(key, name, value)      small JSON documents
+    restore_sums(trace, table) / store_sums(trace, table)   a trace's running sums (`Trace.running_sums`)
 
 Only summaries of a *complete* trace are written (a live trace changes every poll); the key hashes
 the trace's absolute path and every part of the tables the summary was read from, so a part that is
@@ -23,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from workbench.trace import Trace
@@ -118,3 +120,39 @@ def load_json(cache_key: str | None, name: str) -> Any:
 def save_json(cache_key: str | None, name: str, value: Any) -> None:
     if cache_key:
         _write(_path(cache_key, name + ".json"), json.dumps(value).encode())
+
+
+def restore_sums(trace: Trace, table: str) -> bool:
+    """Give `trace` its running sums of `table` (dsa_key_counts, moe_counts) from the cache, so their
+    parts are not read; whether they were there (and fit: `Trace.restore_running_sums` checks them)."""
+    cache_key = key(trace, (table,))
+    stored = load_arrow(cache_key, f"sums-{table}")
+    if stored is None or "counts" not in stored.column_names:
+        return False
+    groups = [c for c in stored.column_names if c != "counts"]
+    counts = stored["counts"].combine_chunks()
+    if not (pa.types.is_list(counts.type) or pa.types.is_large_list(counts.type)) \
+            or not pa.types.is_int64(counts.type.value_type) or counts.null_count:
+        return False
+    flat = counts.values.to_numpy(zero_copy_only=False)
+    offsets = counts.offsets.to_numpy()
+    columns = [stored[g].to_numpy() for g in groups]
+    if any(not np.issubdtype(c.dtype, np.integer) for c in columns):
+        return False
+    sums = {tuple(int(c[i]) for c in columns): np.ascontiguousarray(flat[offsets[i]:offsets[i + 1]], np.int64)
+            for i in range(stored.num_rows)}
+    return trace.restore_running_sums(table, tuple(groups), sums)
+
+
+def store_sums(trace: Trace, table: str) -> None:
+    """Put `trace`'s running sums of `table` in the cache (a finished trace only; nothing otherwise)."""
+    cache_key = key(trace, (table,))
+    if cache_key is None:
+        return
+    groups, sums = trace.running_sums(table)
+    keys = list(sums)
+    columns = {g: pa.array([k[i] for k in keys], pa.int64()) for i, g in enumerate(groups)}
+    offsets = np.cumsum([0] + [len(sums[k]) for k in keys]).astype(np.int64)
+    flat = np.concatenate([sums[k] for k in keys]) if keys else np.zeros(0, np.int64)
+    columns["counts"] = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int64()))
+    save_arrow(cache_key, f"sums-{table}", pa.table(columns))

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from apps.dashboard import shared_reducers, summary_cache
-from apps.dashboard.reducers import KDAHealthReducer, KDAStateReducer, SessionMapReducer, ViewOptions
+from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
+                                     SessionMapReducer, ViewOptions)
 from apps.dashboard.state import TraceFollower
 from workbench.trace import open_trace
 
@@ -90,3 +91,39 @@ def test_live_traces_are_not_cached(small_trace: Path, tmp_path: Path) -> None:
 def test_cache_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")
     assert summary_cache.cache_root() is None
+
+
+def test_running_sums_come_back_from_disk_equal(small_trace: Path, tmp_path: Path, monkeypatch) -> None:
+    """A new server process gets a finished trace's DSA and expert sums from the cache, equal to a fresh fold."""
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    opts = ViewOptions(bins=BINS, moe_modality="text")
+    trace = open_trace(small_trace)
+    session = SessionMapReducer().reduce(trace, opts)
+    cold_dsa, cold_moe = DSAMapReducer(), ExpertsReducer()
+    dsa, moe = cold_dsa.reduce(trace, opts, session), cold_moe.reduce(trace, opts, session)
+    assert not cold_dsa.sums.restored and not cold_moe.sums.restored
+    assert len(list((tmp_path / "cache").rglob("*.sums-*.arrow"))) == 2
+    again = open_trace(small_trace)  # as a fresh process: a new trace object, nothing folded
+    warm_dsa, warm_moe = DSAMapReducer(), ExpertsReducer()
+    np.testing.assert_array_equal(warm_dsa.reduce(again, opts, session).heat.values, dsa.heat.values)
+    warm = warm_moe.reduce(again, opts, session)
+    assert warm_dsa.sums.restored and warm_moe.sums.restored
+    np.testing.assert_array_equal(warm.heat.values, moe.heat.values)
+    np.testing.assert_array_equal(warm.text, moe.text)
+    assert warm.heat.rows == moe.heat.rows
+    # sums that do not fit the table are refused, and nothing is changed by the refusal
+    fresh = open_trace(small_trace)
+    assert not fresh.restore_running_sums("dsa_key_counts", ("layer",), {(1, 2): np.zeros(3, np.int64)})
+    assert not fresh.restore_running_sums("dsa_key_counts", ("layer",), {(1,): np.full(3, -1, np.int64)})
+    assert not fresh.restore_running_sums("moe_counts", ("layer",), {(1,): np.zeros(3, np.int64)})
+    np.testing.assert_array_equal(DSAMapReducer().reduce(fresh, ViewOptions(bins=BINS), session).heat.values,
+                                  DSAMapReducer().reduce(trace, ViewOptions(bins=BINS), session).heat.values)
+    # a part rewritten in place gives another key: the cached sums are not used
+    copy = tmp_path / "copy"
+    shutil.copytree(small_trace, copy)
+    DSAMapReducer().reduce(open_trace(copy), opts, session)
+    part = open_trace(copy).parts("dsa_key_counts")[0]
+    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))
+    changed = DSAMapReducer()
+    changed.reduce(open_trace(copy), opts, session)
+    assert not changed.sums.restored

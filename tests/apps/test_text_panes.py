@@ -9,7 +9,7 @@ from __future__ import annotations
 from bokeh.document import Document
 from bokeh.models import InlineStyleSheet
 
-from apps.dashboard.components.text import HTML, Alert, set_text, text_pane
+from apps.dashboard.components.text import AlertText, HTMLText, set_text, text_pane
 
 
 def _rendered(pane):
@@ -20,8 +20,8 @@ def _rendered(pane):
 
 def test_text_update_keeps_the_stylesheets_the_page_has() -> None:
     for pane, update in ((text_pane("first"), lambda p: set_text(p, "second <b>")),
-                         (HTML("<p>a</p>"), lambda p: setattr(p, "object", "<p>b</p>")),
-                         (Alert("a", alert_type="info"), lambda p: setattr(p, "object", "b"))):
+                         (HTMLText("<p>a</p>"), lambda p: setattr(p, "object", "<p>b</p>")),
+                         (AlertText("a", alert_type="info"), lambda p: setattr(p, "object", "b"))):
         model = _rendered(pane)
         inlined = [InlineStyleSheet(css=".x{}")]   # what the notebook render put there in place of links
         model.stylesheets = inlined
@@ -32,7 +32,7 @@ def test_text_update_keeps_the_stylesheets_the_page_has() -> None:
 
 def test_stylesheets_parameter_changes_still_reach_the_model() -> None:
     """As in Panel, a pane's new `stylesheets` reach the page with its next text."""
-    pane = HTML("<p>a</p>")
+    pane = HTMLText("<p>a</p>")
     model = _rendered(pane)
     before = len(model.stylesheets)
     pane.stylesheets = [".k3-new { color: red; }"]

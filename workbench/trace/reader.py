@@ -455,6 +455,39 @@ class Trace:
                     self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
         return sums
 
+    def running_sums(self, name: str) -> tuple[tuple[str, ...], dict[tuple[int, ...], np.ndarray]]:
+        """A delta table's running sums with every current part folded in: (group columns, {group
+        values: dense int64 vector}), copies. `name` is dsa_key_counts or moe_counts. Meant for a cache
+        of a finished trace's sums, given back later with `restore_running_sums`."""
+        if name not in self._sums:
+            raise TraceError(f"table {name} has no running sums")
+        sums = self._fold(name)
+        return sums.groups, {key: vec.copy() for key, vec in sums.sums.items()}
+
+    def restore_running_sums(self, name: str, groups: tuple[str, ...], sums: dict[tuple[int, ...], np.ndarray]) -> bool:
+        """Take running sums made earlier (`running_sums`) from exactly the current parts of `name` (the
+        caller keys them by the parts' sizes and mtimes) instead of reading those parts; parts added
+        later are folded in as usual. Returns False and changes nothing when a part was already folded
+        in, or when `groups` / `sums` do not fit the table (group columns, 1-D non-negative int64
+        vectors) or its dense-cell cap."""
+        if name not in self._sums:
+            raise TraceError(f"table {name} has no running sums")
+        target = self._sums[name]
+        if target.seen or target.sums or tuple(groups) != target.groups:
+            return False
+        cells = 0
+        for key, vec in sums.items():
+            if not (isinstance(key, tuple) and len(key) == len(target.groups) and all(isinstance(k, int) for k in key)):
+                return False
+            if not (isinstance(vec, np.ndarray) and vec.ndim == 1 and vec.dtype == np.int64) or (vec < 0).any():
+                return False
+            cells += len(vec)
+        if cells > target.max_cells:
+            return False
+        target.sums = dict(sums)
+        target.seen = {str(part.path) for part in self._parts[name] if part.path not in self._bad}
+        return True
+
     def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
                     end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
         """How often each context range was selected, per DSA layer: float64 [len(layers), bins].

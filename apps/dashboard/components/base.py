@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import panel as pn
 import param
 
-from apps.dashboard.components.text import HTML
+from apps.dashboard.components.text import HTMLText
 from apps.dashboard.reducers.base import same
 from apps.dashboard.state import DashboardState
 
@@ -43,7 +43,7 @@ class ViewComponent(pn.viewable.Viewer):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._shown: tuple[Any, Any] = (None, None)
-        self.drawn_marker = HTML("", width=0, height=0, margin=0, css_classes=["k3-drawn-marker"])
+        self.drawn_marker = HTMLText("", width=0, height=0, margin=0, css_classes=["k3-drawn-marker"])
 
     def draw(self, data: Any, session: Any, changed: set[str]) -> None:
         raise NotImplementedError

@@ -16,7 +16,7 @@ import panel as pn
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
-from apps.dashboard.components.text import HTML, html_table, set_text, text_pane
+from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
 from apps.dashboard.reducers import DSADiffData, SessionMapData
 
 
@@ -56,7 +56,7 @@ class DSADiffView(ViewComponent):
         self.heat.mapper.update(low=0.0, high=1.0)
         self.summary = text_pane("waiting for both traces…", sizing_mode="stretch_width",
                                  css_classes=["k3-dsa-diff-summary"])
-        self.table = HTML("", sizing_mode="stretch_width", css_classes=["k3-dsa-diff-table"])
+        self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-dsa-diff-table"])
         self.redraw()
 
     def draw(self, data: DSADiffData, session: SessionMapData, changed: set[str]) -> None:

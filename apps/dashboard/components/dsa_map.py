@@ -21,7 +21,7 @@ from bokeh.plotting import figure
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
-from apps.dashboard.components.text import HTML, set_text, text_pane
+from apps.dashboard.components.text import HTMLText, set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from apps.dashboard.reducers import DSAMapData, HeatMap, SessionMapData
 
@@ -50,7 +50,7 @@ class DSAMemoryMap(ViewComponent):
                                                              width=160)
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
         link_selection(self.strip, self.state)
-        self.readout = HTML("<p>Select a generated token to see what each DSA layer read for it.</p>",
+        self.readout = HTMLText("<p>Select a generated token to see what each DSA layer read for it.</p>",
                                     sizing_mode="stretch_width", css_classes=["k3-dsa-readout"],
                                     stylesheets=[_READOUT_CSS])
         self.title = text_pane("", sizing_mode="stretch_width", css_classes=["k3-dsa-title"])

@@ -16,7 +16,7 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import HeatFigure
+from apps.dashboard.components.figures import HeatFigure, trim
 from apps.dashboard.components.text import set_text, text_pane
 from apps.dashboard.reducers import ExpertsData, SessionMapData
 
@@ -43,6 +43,7 @@ class ExpertsView(ViewComponent):
         self.bars.vbar(x="expert", top="image", width=0.5, source=self.bars_source, fill_color="#54a24b",
                        line_color=None, legend_label="image", fill_alpha=0.9)
         self.bars.legend.location = "top_right"
+        trim(self.bars)
         self.routes_source = ColumnDataSource({"expert": [], "layer": [], "weight": [], "size": []})
         self.routes = figure(title="Routes of the selected token", height=220, sizing_mode="stretch_width",
                              tools="reset,save", toolbar_location="above", x_axis_label="expert",
@@ -50,12 +51,16 @@ class ExpertsView(ViewComponent):
         self.routes.scatter(x="expert", y="layer", size="size", source=self.routes_source, fill_color="#e45756",
                             line_color="black", fill_alpha=0.7)
         self.routes.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("expert", "@expert"), ("weight", "@weight{0.000}")]))
+        trim(self.routes)
         self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
         self.load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
                            toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots")
         self.load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
+        trim(self.load)
         self.load_note = text_pane("", css_classes=["k3-ep-note"])
         self.routes_note = text_pane("Select a token to see its routes.", sizing_mode="stretch_width")
+        # the routes figure joins the page with the first selection (a lighter first paint)
+        self.routes_box = pn.Column(self.routes_note, sizing_mode="stretch_width")
         self.controls = pn.Row(pn.widgets.Select.from_param(self.param.modality, label="Tokens", width=120),
                                pn.widgets.Select.from_param(self.param.segment, label="Segment", width=220),
                                pn.widgets.Select.from_param(self.param.layer, label="Layer (bars)", width=140))
@@ -105,6 +110,8 @@ class ExpertsView(ViewComponent):
             layers += [str(r["layer"])] * len(r["experts"])
             weights += r["weights"]
         w = np.asarray(weights, dtype=np.float64)
+        if data.routes is not None and len(self.routes_box.objects) == 1:
+            self.routes_box.objects = [self.routes, self.routes_note]
         self.routes.y_range.factors = [str(r["layer"]) for r in routes] if routes else ["-"]
         self.routes_source.data = {"expert": experts, "layer": layers, "weight": w,
                                    "size": 6 + 24 * np.sqrt(w) if len(w) else w}
@@ -136,6 +143,5 @@ class ExpertsView(ViewComponent):
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Card(
             self.controls, self.heat.figure, self.bars,
-            pn.Row(pn.Column(self.routes, self.routes_note, sizing_mode="stretch_width"),
-                   pn.Column(self.load, self.load_note)), self.drawn_marker,
+            pn.Row(self.routes_box, pn.Column(self.load, self.load_note)), self.drawn_marker,
             title="Experts", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-experts"])

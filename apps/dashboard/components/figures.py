@@ -3,13 +3,17 @@
 A heat map is one `image` glyph fed a [rows, bins] float32 array (sent as binary), never one glyph
 per token; segment boundaries are `vspan`s from a small source. Updating replaces the source data
 of the existing models, so a live refresh sends a few kB and the browser keeps one set of objects.
+
+`trim(figure)` drops the models a figure carries but the views never show (hidden grids, the glyph
+copies drawn for "not selected" and "muted"): every Bokeh model costs the server time to build and
+serialise and the browser time to build a view of, on every page open.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from bokeh.models import (ColorBar, ColumnDataSource, FixedTicker, HoverTool, LinearColorMapper, NumeralTickFormatter,
-                          Range1d)
+from bokeh.models import (Axis, ColorBar, ColumnDataSource, FixedTicker, GlyphRenderer, Grid, HoverTool, Image,
+                          LinearColorMapper, NumeralTickFormatter, Range1d, VSpan, VStrip)
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
@@ -39,18 +43,23 @@ class HeatFigure:
         self.figure = figure(title=title, height=height, sizing_mode="stretch_width", x_range=Range1d(0, 1),
                              y_range=Range1d(-0.5, 0.5), tools="xpan,xwheel_zoom,reset,save",
                              toolbar_location="above", x_axis_label=x_label, y_axis_label=y_label)
-        self.glyph = self.figure.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source,
-                                       color_mapper=self.mapper)
-        self.figure.vspan(x="x", source=self.bounds, line_color="white", line_alpha=0.7, line_dash="dashed")
+        # glyphs added as models (not through figure.image & co., which build and then drop two copies each)
+        self.glyph = self.figure.add_glyph(self.source, Image(image="image", x="x", y="y", dw="dw", dh="dh",
+                                                              color_mapper=self.mapper))
+        self.figure.add_glyph(self.bounds, VSpan(x="x", line_color="white", line_alpha=0.7, line_dash="dashed"))
         self.marks = ColumnDataSource({"x0": [], "x1": [], "label": []})
-        self.figure.vstrip(x0="x0", x1="x1", source=self.marks, fill_color="#00e5ff", fill_alpha=0.25,
-                           line_color="#00e5ff", line_width=1.5)
+        self.figure.add_glyph(self.marks, VStrip(x0="x0", x1="x1", fill_color="#00e5ff", fill_alpha=0.25,
+                                                 line_color="#00e5ff", line_width=1.5))
         self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=[(x_label, "$x{0,0}"),
                                                                           (y_label, "$y{0}"),
                                                                           (value_label, "@image{0.00}")]))
         self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title=value_label), "right")
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
+        # one ticker whose ticks change: a new ticker model per update would re-index the whole document
+        self.row_ticks = FixedTicker(ticks=[])
+        self.figure.yaxis.ticker = self.row_ticks
+        trim(self.figure)
         self.rows: tuple[int, ...] = ()
 
     def update(self, heat: HeatMap | None, row_labels: list[str] | None = None) -> None:
@@ -68,7 +77,7 @@ class HeatFigure:
             labels = row_labels or [str(r) for r in heat.rows]
             step = max(1, n // 16)  # at most ~16 labels, so 69 or 92 layers stay readable
             ticks = list(range(0, n, step))
-            self.figure.yaxis.ticker = FixedTicker(ticks=ticks)
+            self.row_ticks.ticks = ticks
             self.figure.yaxis.major_label_overrides = {t: labels[t] for t in ticks}
             self.figure.y_range.update(start=-0.5, end=n - 0.5)
 
@@ -81,6 +90,29 @@ class HeatFigure:
         """Mark segment starts (dashed vertical lines)."""
         if list(self.bounds.data.get("x", [])) != positions:
             self.bounds.data = {"x": positions}
+
+
+def lean(renderer: GlyphRenderer) -> GlyphRenderer:
+    """`renderer` without its own copies of the glyph for "not selected" and "muted" (no view selects or
+    mutes anything; BokehJS derives them itself when asked: "auto"): two models fewer per renderer."""
+    renderer.nonselection_glyph = "auto"
+    renderer.muted_glyph = "auto"
+    return renderer
+
+
+def trim(fig: figure) -> figure:
+    """`fig` with lean renderers and without hidden grids and axes (hidden, each is still a few models
+    to send and build: ticker, formatter, labels)."""
+    for renderer in fig.renderers:
+        if isinstance(renderer, GlyphRenderer):
+            lean(renderer)
+    fig.center = [c for c in fig.center if not (isinstance(c, Grid) and not c.visible)]
+    used = {id(c.axis) for c in fig.center if isinstance(c, Grid)}
+    for side in ("left", "right", "above", "below"):
+        kept = [a for a in getattr(fig, side) if not (isinstance(a, Axis) and not a.visible and id(a) not in used)]
+        if len(kept) != len(getattr(fig, side)):
+            setattr(fig, side, kept)
+    return fig
 
 
 def position_format() -> NumeralTickFormatter:

@@ -18,7 +18,8 @@ from bokeh.plotting import figure
 
 from workbench.analysis import PatchReads, format_patches
 
-from apps.dashboard.components.text import HTML, set_text, text_pane
+from apps.dashboard.components.figures import trim
+from apps.dashboard.components.text import HTMLText, set_text, text_pane
 from apps.dashboard.reducers import ImageReadsData
 
 ALL_LAYERS = "all layers"
@@ -51,8 +52,9 @@ class ImageReadsPanel(pn.viewable.Viewer):
         self.figure.select_one(HoverTool).update(renderers=[heat], tooltips=[("selections", "@image{0}")])
         self.figure.axis.visible = False
         self.figure.grid.visible = False
+        trim(self.figure)
         self.summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-image-summary"])
-        self.layers_table = HTML("", sizing_mode="stretch_width", css_classes=["k3-image-layers"],
+        self.layers_table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-image-layers"],
                                          stylesheets=[_CSS])
         self.image_select = pn.widgets.Select.from_param(self.param.image, label="Image", width=160, visible=False)
         self.controls = pn.Row(

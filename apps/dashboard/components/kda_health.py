@@ -21,8 +21,8 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
-from apps.dashboard.components.text import HTML, html_table, set_text, text_pane
+from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
+from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
 from apps.dashboard.reducers import KDAHealthData, SessionMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
@@ -94,13 +94,14 @@ class KDAHealthView(ViewComponent):
         self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
         self.figure.xaxis.formatter = position_format()
         self.figure.grid.visible = False
+        trim(self.figure)
         if session_map is not None:
             # the same positions on the session map's strip
-            on_map = session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
-                                                fill_color="colour", line_color="black")
+            on_map = lean(session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
+                                                fill_color="colour", line_color="black"))
             session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
         self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
-        self.table = HTML("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
+        self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
         self.redraw()
 
     def has_data(self, data: KDAHealthData, session: SessionMapData) -> bool:

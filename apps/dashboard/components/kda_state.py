@@ -16,7 +16,7 @@ from bokeh.palettes import Category20_20
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import HeatFigure, position_format, segment_starts
+from apps.dashboard.components.figures import HeatFigure, position_format, segment_starts, trim
 from apps.dashboard.reducers import KDAStateData, SessionMapData
 
 
@@ -40,6 +40,7 @@ class KDAStateView(ViewComponent):
         self.lines.add_tools(HoverTool(tooltips=[("head", "@head"), ("position", "$x{0,0}"), ("norm", "$y{0.000}")]))
         self.bounds = ColumnDataSource({"x": []})
         self.lines.vspan(x="x", source=self.bounds, line_color="#888", line_dash="dashed")
+        trim(self.lines)
         self.layer_select = pn.widgets.Select.from_param(self.param.layer, label="Layer (per-head lines)", width=180)
         self.reduce_select = pn.widgets.RadioButtonGroup.from_param(self.param.reduce, width=140)
         self.redraw()

@@ -15,8 +15,8 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.plotting import figure
 
-from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format
-from apps.dashboard.components.text import HTML, set_text, text_pane
+from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, trim
+from apps.dashboard.components.text import HTMLText, set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from apps.dashboard.reducers import SessionMapData
@@ -58,10 +58,11 @@ class SessionMap(ViewComponent):
         self.figure.yaxis.visible = False
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
+        trim(self.figure)
         self.progress = pn.indicators.Progress(value=0, max=1, sizing_mode="stretch_width", height=14,
                                                bar_color="primary")
         self.stats = text_pane("waiting for the trace…", sizing_mode="stretch_width")
-        self.table = HTML("", sizing_mode="stretch_width")
+        self.table = HTMLText("", sizing_mode="stretch_width")
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-session-text"])
         link_selection(self.strip, self.state)
         self.redraw()

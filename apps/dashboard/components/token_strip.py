@@ -21,37 +21,46 @@ class TokenStrip(JSComponent):
 
     _esm = """
 export function render({ model, el }) {
+  // one style sheet for every token (inline styles per span cost the browser a style recalculation each)
+  const sheet = document.createElement('style');
+  sheet.textContent = '.k3-tokens { font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.7;' +
+    ' white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-all; overflow-y: auto;' +
+    ' max-height: 160px; padding: 4px; width: 100%; box-sizing: border-box; }' +
+    ' .k3-token { cursor: pointer; border-bottom: 1px dotted #999; }' +
+    ' .k3-token.k3-selected { background: #ffd54f; }';
   const box = document.createElement('div');
   box.className = 'k3-tokens';
-  box.style.cssText = 'font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.7;' +
-    'white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-all; overflow-y: auto;' +
-    'max-height: 160px; padding: 4px; width: 100%; box-sizing: border-box;';
-  el.append(box);
+  el.append(sheet, box);
+  let shown = null;
   const paint = () => {
-    for (const s of box.children) {
-      s.style.background = Number(s.dataset.pos) === model.selected ? '#ffd54f' : '';
-    }
+    if (shown !== null) { shown.classList.remove('k3-selected'); shown = null; }
+    if (model.selected === null || model.selected === undefined) { return; }
+    const hit = box.querySelector(`[data-pos="${Number(model.selected)}"]`);
+    if (hit) { hit.classList.add('k3-selected'); shown = hit; }
+  };
+  box.onclick = (event) => {
+    const s = event.target.closest('.k3-token');
+    if (s) { model.selected = Number(s.dataset.pos); paint(); }
   };
   const draw = () => {
     const stick = box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
-    box.replaceChildren();
+    shown = null;
     if (!model.tokens.length) {
       const p = document.createElement('i');
       p.textContent = model.placeholder;
-      box.append(p);
+      box.replaceChildren(p);
       return;
     }
+    const spans = document.createDocumentFragment();
     for (const [pos, piece] of model.tokens) {
       const s = document.createElement('span');
       s.className = 'k3-token';
       s.dataset.pos = pos;
       s.title = 'position ' + pos;
       s.textContent = piece;  // text, never HTML
-      s.style.cursor = 'pointer';
-      s.style.borderBottom = '1px dotted #999';
-      s.onclick = () => { model.selected = pos; paint(); };
-      box.append(s);
+      spans.append(s);
     }
+    box.replaceChildren(spans);
     paint();
     if (stick) { box.scrollTop = box.scrollHeight; }
   };

@@ -2,7 +2,9 @@
 
 A reducer is a function of (trace, options, session map data); `Reducer.memo` recomputes a field
 only when what it depends on changed, and `Reducer.result` returns the previous data object when no
-field changed, so a view can tell "nothing new" by identity and redraws nothing.
+field changed, so a view can tell "nothing new" by identity and redraws nothing. `CachedSums` gives a
+freshly opened finished trace its running sums from the summary cache, so a new server process does
+not read every part of `dsa_key_counts` / `moe_counts` again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Generic, TypeVar
 
 import numpy as np
+
+from apps.dashboard import summary_cache
 
 MAX_BINS = 2048
 MIN_BINS = 64
@@ -95,3 +99,27 @@ class Reducer(Generic[Data]):
             return last
         self._last = self.data_type(**values)
         return self._last
+
+
+class CachedSums:
+    """A trace's running sums of one delta table taken from the summary cache when a trace object is
+    first seen, and put there once the trace is finished (`summary_cache.restore_sums` / `store_sums`:
+    keyed by the table's parts, so a grown or rewritten trace never gets another trace's sums)."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        self._trace: Any = None
+        self._kept = False  # the cache holds this trace's sums (restored from it, or stored)
+        self.restored = False
+
+    def before(self, trace: Any) -> None:
+        """Call before the sums are first used for `trace`."""
+        if trace is not self._trace:
+            self._trace = trace
+            self.restored = self._kept = summary_cache.restore_sums(trace, self.table)
+
+    def after(self, trace: Any) -> None:
+        """Call after the sums were used: stores them the first time `trace` is seen finished."""
+        if not self._kept and trace is self._trace and trace.status == "complete":
+            summary_cache.store_sums(trace, self.table)
+            self._kept = True

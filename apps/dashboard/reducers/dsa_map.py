@@ -1,8 +1,9 @@
 """Reducer of view 2, the DSA memory map: the selection heat map and the read-out of the selected token.
 
 - heat: log(1 + selections) per DSA layer and screen bin, from the trace's running sums of
-  `dsa_key_counts` (costs only the parts added since the last poll); bins past the furthest one
-  ever read are NaN ("not reached yet", not "never read");
+  `dsa_key_counts` (costs only the parts added since the last poll; a finished trace's sums come
+  from the summary cache); bins past the furthest one ever read are NaN ("not reached yet", not
+  "never read");
 - read-out of the selected position: `workbench.analysis.token_reads` on `trace.topk_for(position)`,
   as HTML;
 - image: the picture of an image segment and what each layer read per merged patch, for the selected
@@ -19,7 +20,7 @@ from workbench.analysis import token_reads
 from workbench.trace import Trace
 
 from apps.dashboard.readout import reads_html
-from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.image_reads import ImageReadsData, ImageReadsReducer
 from apps.dashboard.reducers.session_map import SessionMapData
 
@@ -56,10 +57,13 @@ class DSAMapReducer(Reducer[DSAMapData]):
     def __init__(self) -> None:
         super().__init__()
         self.images = ImageReadsReducer()
+        self.sums = CachedSums("dsa_key_counts")
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> DSAMapData:
+        self.sums.before(trace)
         heat = self.memo("heat", (len(trace.parts("dsa_key_counts")), session.extent, options.bins),
                          lambda: dsa_heat(trace, session.extent, options.bins))
+        self.sums.after(trace)
         image = self.images.reduce(trace, options, session)
         if options.position is None:
             return self.result(heat=heat, reads=None, reads_html="", image=image)

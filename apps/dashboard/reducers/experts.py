@@ -1,8 +1,8 @@
 """Reducer of view 4, experts: usage heat map, text vs image shares, the selected token's routes, EP load.
 
 - heat: each expert's share of its MoE layer's routed slots, filtered by modality and segment (from
-  the trace's running sums of `moe_counts`); text / image: slots per expert of text and of image
-  tokens (one layer or all);
+  the trace's running sums of `moe_counts`, a finished trace's from the summary cache); text /
+  image: slots per expert of text and of image tokens (one layer or all);
 - routes: the experts, combine weights and router entropy each layer chose for the selected token;
 - rank load: routed slots per expert-parallel rank over all layers, and the most imbalanced layer.
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from workbench.trace import Trace
 
-from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.session_map import SessionMapData
 
 
@@ -74,10 +74,16 @@ def token_routes(trace: Trace, position: int) -> list[dict]:
 class ExpertsReducer(Reducer[ExpertsData]):
     data_type = ExpertsData
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums = CachedSums("moe_counts")
+
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> ExpertsData:
+        self.sums.before(trace)
         usage = self.memo("usage", (len(trace.parts("moe_counts")), options.moe_modality, options.moe_segment,
                                     options.moe_layer),
                           lambda: expert_usage(trace, options.moe_modality, options.moe_segment, options.moe_layer))
+        self.sums.after(trace)
         load, worst = self.memo("rank", (len(trace.parts("moe_rank_load")),), lambda: rank_load(trace))
         routes = None
         if options.position is not None:
