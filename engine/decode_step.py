@@ -24,6 +24,7 @@ import torch
 
 from engine.cache import MLACache, ModelState
 from engine.errors import InputError
+from engine.layers.fused import fused_groups, refresh_fused
 from engine.numerics import nonfinite_error
 from engine.parallel import comm
 from engine.probes import probe_points
@@ -52,6 +53,22 @@ def static_capacity(needed: int, topk: int = 0) -> int:
     return cap
 
 
+GUARD_FILTER = None
+
+
+def compile_options(device: torch.device, guard_filter=None) -> dict:
+    """Inductor options of the decode step. The generated wrapper's size, stride and alignment
+    asserts on every input (~400: each weight, cache and state) cost ~1 ms per CPU step and
+    check what dynamo's guards on the same tensors already checked; on CUDA the step is a CUDA
+    graph (what `mode="reduce-overhead"` sets)."""
+    options: dict = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    if guard_filter is not None:
+        options["guard_filter_fn"] = guard_filter
+    return options
+
+
 def decode_mode(setting: bool | str, device: torch.device) -> str:
     """Resolve `runtime.compile` to "compiled", "static" (the static step, eager) or "off"."""
     if setting == "auto":
@@ -74,6 +91,7 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._points = list(probe_points(model))
+        self._fused = fused_groups(model)
         self._fn: Callable | None = None
         self._capacities: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -113,8 +131,8 @@ class DecodeStep:
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._fn = torch.compile(decode_forward, fullgraph=True, dynamic=False, mode=mode)
+            self._fn = torch.compile(decode_forward, fullgraph=True, dynamic=False,
+                                     options=compile_options(device, guard_filter=GUARD_FILTER))
         return self._fn
 
     def __call__(self, ids: list[int], state: ModelState, device: torch.device, *, compiled: bool = True) -> torch.Tensor:
@@ -129,6 +147,7 @@ class DecodeStep:
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         key = tuple(layer.capacity for layer in state.layers if isinstance(layer, MLACache)) + (x.shape[0],)
         fn = self._compiled(device) if compiled else decode_forward
+        refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
         t0 = time.perf_counter()
         logits = fn(self.model, x, state, start)
         if compiled and key not in self._capacities:
