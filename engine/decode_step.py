@@ -54,6 +54,9 @@ def static_capacity(needed: int, topk: int = 0) -> int:
 
 
 GUARD_FILTER = None
+# the compiler behind runtime.compile; tests swap in "aot_eager" (dynamo's and AOT autograd's
+# tracing, no code generation: seconds instead of an inductor compile's minutes on a small CPU)
+BACKEND = "inductor"
 
 
 def compile_options(device: torch.device, guard_filter=None) -> dict:
@@ -92,7 +95,7 @@ class DecodeStep:
         self.model = model
         self._points = list(probe_points(model))
         self._fused = fused_groups(model)
-        self._fn: Callable | None = None
+        self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
         self._capacities: set[tuple] = set()
         self.compile_seconds = 0.0
         self.compiles = 0
@@ -127,13 +130,15 @@ class DecodeStep:
                             torch._dynamo.mark_static_address(t)
 
     def _compiled(self, device: torch.device) -> Callable:
-        if self._fn is None:
+        fn = self._fns.get(BACKEND)
+        if fn is None:
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            self._fn = torch.compile(decode_forward, fullgraph=True, dynamic=False,
-                                     options=compile_options(device, guard_filter=GUARD_FILTER))
-        return self._fn
+            options = compile_options(device, GUARD_FILTER) if BACKEND == "inductor" else None
+            fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, dynamic=False, backend=BACKEND,
+                                                    options=options)
+        return fn
 
     def __call__(self, ids: list[int], state: ModelState, device: torch.device, *, compiled: bool = True) -> torch.Tensor:
         """One decode step of token `ids` (one per row) at `state.length` -> logits `[B, 1, vocab]`;
