@@ -13,6 +13,9 @@ recompile), the input-id check, and the non-finite check on the logits (one redu
 the step; sampling reads the logits anyway). The session uses it for decode when
 `model.runtime.compile` resolves on and no probe listener is attached: probes are emitted by the
 eager forward, whose selections are the same (tested), so a recorded session decodes eagerly.
+Before each step it also rebuilds any stacked projection weight whose sources moved
+(`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
+(tests trace with "aot_eager" in seconds instead of inductor's minutes).
 """
 
 from __future__ import annotations
@@ -53,13 +56,12 @@ def static_capacity(needed: int, topk: int = 0) -> int:
     return cap
 
 
-GUARD_FILTER = None
 # the compiler behind runtime.compile; tests swap in "aot_eager" (dynamo's and AOT autograd's
 # tracing, no code generation: seconds instead of an inductor compile's minutes on a small CPU)
 BACKEND = "inductor"
 
 
-def compile_options(device: torch.device, guard_filter=None) -> dict:
+def compile_options(device: torch.device) -> dict:
     """Inductor options of the decode step. The generated wrapper's size, stride and alignment
     asserts on every input (~400: each weight, cache and state) cost ~1 ms per CPU step and
     check what dynamo's guards on the same tensors already checked; on CUDA the step is a CUDA
@@ -67,8 +69,6 @@ def compile_options(device: torch.device, guard_filter=None) -> dict:
     options: dict = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
-    if guard_filter is not None:
-        options["guard_filter_fn"] = guard_filter
     return options
 
 
@@ -135,7 +135,7 @@ class DecodeStep:
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            options = compile_options(device, GUARD_FILTER) if BACKEND == "inductor" else None
+            options = compile_options(device) if BACKEND == "inductor" else None
             fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, dynamic=False, backend=BACKEND,
                                                     options=options)
         return fn
