@@ -8,7 +8,8 @@ indexer scan grows with context (O(T) per token) while KDA and the MoE do not.
     python benchmarks/bench_decode.py --contexts 1024 16384 131072 --tokens 16 [--modes eager compiled]
 
 Columns: the eager forward, and the compiled decode step (`engine.decode_step`; its warm-up
-column is the compile at that context's cache capacity, one per capacity).
+column is the compile at that context's cache capacity, one per capacity), each as wall and as
+CPU ms per token (one torch thread: on a shared machine the CPU column is the one to read).
 """
 
 from __future__ import annotations
@@ -42,20 +43,26 @@ def session_at(model, context: int, seed: int = 0) -> Session:
     return s
 
 
-def decode_ms(model, context: int, tokens: int, mode) -> tuple[float, float]:
-    """(ms per decode step, seconds of the warm-up step: the compile when compiled) at `context`."""
+def decode_ms(model, context: int, tokens: int, mode) -> tuple[float, float, float]:
+    """(wall ms per decode token, CPU ms per decode token, seconds of the warm-up: the compile when
+    compiled) at `context`. Per token: the decode step and the loop around it (sampling, the
+    session's bookkeeping). CPU time is this process's (one torch thread: on a shared machine
+    wall time mostly measures the neighbours; inductor's compile workers are not counted)."""
     model.runtime.compile = mode
     s = session_at(model, context)
     t0 = time.perf_counter()
     # n tokens = n - 1 decode forwards (the first comes from the previous logits): two warm-up steps,
     # the first of which compiles at this capacity
     list(s.generate(3, temperature=0, stop_ids=()))
+    s.prefill()  # the last sampled token, so that the timed loop below holds decode steps only
     warm = time.perf_counter() - t0
-    steps0, seconds0 = s.deployment.decode_steps, s.deployment.decode_seconds
+    steps0 = s.deployment.decode_steps
+    w0, c0 = time.perf_counter(), time.process_time()
     for _ in s.generate(tokens, temperature=0, stop_ids=()):
         pass
-    steps = s.deployment.decode_steps - steps0
-    return 1000 * (s.deployment.decode_seconds - seconds0) / max(1, steps), warm
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    steps = max(1, s.deployment.decode_steps - steps0)
+    return 1000 * wall / steps, 1000 * cpu / steps, warm
 
 
 def main() -> None:
@@ -74,18 +81,18 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         rows.append((context, {m: decode_ms(model, context, args.tokens, setting[m]) for m in args.modes}))
-    print(f"{'context':>10} " + " ".join(f"{m + ' ms/tok':>18} {'warm-up s':>9}" for m in args.modes)
-          + (f" {'speed-up':>9}" if {"eager", "compiled"} <= set(args.modes) else ""))
+    head = " ".join(f"{m + ' ms/tok':>18} {'cpu ms/tok':>10} {'warm-up s':>9}" for m in args.modes)
+    both = {"eager", "compiled"} <= set(args.modes)
+    print(f"{'context':>10} " + head + (f" {'speed-up (cpu)':>14}" if both else ""))
     for context, r in rows:
-        line = f"{context:>10} " + " ".join(f"{r[m][0]:>18.2f} {r[m][1]:>9.1f}" for m in args.modes)
-        if {"eager", "compiled"} <= set(args.modes):
-            line += f" {r['eager'][0] / r['compiled'][0]:>8.2f}x"
+        line = f"{context:>10} " + " ".join(f"{r[m][0]:>18.2f} {r[m][1]:>10.2f} {r[m][2]:>9.1f}" for m in args.modes)
+        if both:
+            line += f" {r['eager'][1] / r['compiled'][1]:>13.2f}x"
         print(line)
     for m in args.modes:
-        base = rows[0][1][m][0]
-        print(f"{m}: latency ratio vs first context: "
-              + ", ".join(f"{c}: {r[m][0] / base:.2f}x" for c, r in rows))
-
+        base_wall, base_cpu = rows[0][1][m][0], rows[0][1][m][1]
+        print(f"{m}: latency ratio vs first context (wall / cpu): "
+              + ", ".join(f"{c}: {r[m][0] / base_wall:.2f}x / {r[m][1] / base_cpu:.2f}x" for c, r in rows))
 
 if __name__ == "__main__":
     main()

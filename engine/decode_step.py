@@ -13,6 +13,9 @@ recompile), the input-id check, and the non-finite check on the logits (one redu
 the step; sampling reads the logits anyway). The session uses it for decode when
 `model.runtime.compile` resolves on and no probe listener is attached: probes are emitted by the
 eager forward, whose selections are the same (tested), so a recorded session decodes eagerly.
+Before each step it also rebuilds any stacked projection weight whose sources moved
+(`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
+(tests trace with "aot_eager" in seconds instead of inductor's minutes).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from engine.cache import MLACache, ModelState
 from engine.errors import InputError
+from engine.layers.fused import fused_groups, refresh_fused
 from engine.numerics import nonfinite_error
 from engine.parallel import comm
 from engine.probes import probe_points
@@ -52,6 +56,22 @@ def static_capacity(needed: int, topk: int = 0) -> int:
     return cap
 
 
+# the compiler behind runtime.compile; tests swap in "aot_eager" (dynamo's and AOT autograd's
+# tracing, no code generation: seconds instead of an inductor compile's minutes on a small CPU)
+BACKEND = "inductor"
+
+
+def compile_options(device: torch.device) -> dict:
+    """Inductor options of the decode step. The generated wrapper's size, stride and alignment
+    asserts on every input (~400: each weight, cache and state) cost ~1 ms per CPU step and
+    check what dynamo's guards on the same tensors already checked; on CUDA the step is a CUDA
+    graph (what `mode="reduce-overhead"` sets)."""
+    options: dict = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    return options
+
+
 def decode_mode(setting: bool | str, device: torch.device) -> str:
     """Resolve `runtime.compile` to "compiled", "static" (the static step, eager) or "off"."""
     if setting == "auto":
@@ -74,7 +94,8 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._points = list(probe_points(model))
-        self._fn: Callable | None = None
+        self._fused = fused_groups(model)
+        self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
         self._capacities: set[tuple] = set()
         self.compile_seconds = 0.0
         self.compiles = 0
@@ -109,13 +130,15 @@ class DecodeStep:
                             torch._dynamo.mark_static_address(t)
 
     def _compiled(self, device: torch.device) -> Callable:
-        if self._fn is None:
+        fn = self._fns.get(BACKEND)
+        if fn is None:
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._fn = torch.compile(decode_forward, fullgraph=True, dynamic=False, mode=mode)
-        return self._fn
+            options = compile_options(device) if BACKEND == "inductor" else None
+            fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, dynamic=False, backend=BACKEND,
+                                                    options=options)
+        return fn
 
     def __call__(self, ids: list[int], state: ModelState, device: torch.device, *, compiled: bool = True) -> torch.Tensor:
         """One decode step of token `ids` (one per row) at `state.length` -> logits `[B, 1, vocab]`;
@@ -129,6 +152,7 @@ class DecodeStep:
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         key = tuple(layer.capacity for layer in state.layers if isinstance(layer, MLACache)) + (x.shape[0],)
         fn = self._compiled(device) if compiled else decode_forward
+        refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
         t0 = time.perf_counter()
         logits = fn(self.model, x, state, start)
         if compiled and key not in self._capacities:

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.fileio import fsync_dir
+from engine.weights.write import owned
 
 LATEST = "latest.json"
 
@@ -60,7 +61,7 @@ def save(state_dir: Path, step: int, model: torch.nn.Module, optimizers: dict[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    save_file({k: owned(v.detach()) for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
     tensors, steps = {}, {}
     for oname, opt in optimizers.items():

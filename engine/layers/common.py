@@ -3,7 +3,8 @@
 - `RMSNorm` (fp32 statistics), `GatedRMSNorm` (KDA output: norm * weight * sigmoid(gate)).
 - `situ` (K3's bounded SiLU pair) and `silu_mul` (Kimi-Linear), chosen by `activation(config)`.
 - `l2norm` with fla's `x / sqrt(sum x^2 + eps)` form (not `max(norm, eps)`).
-- `GatedMLP`: gate/up/down projections, used for the dense layer and the shared experts.
+- `GatedMLP`: gate/up/down projections (gate and up as one matmul), used for the dense layer and the
+  shared experts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.fused import FusedLinears
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +79,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = act
+        # gate and up as one matmul; None when an owner fuses them with its own projections
+        self.gate_up: FusedLinears | None = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up is None:
+            return self.down(self.gate_proj(x), self.up_proj(x))
+        return self.down(*self.gate_up(x))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down_proj(act(gate, up)) from gate_proj(x) and up_proj(x) computed elsewhere."""
+        return self.down_proj(self.act(gate, up))

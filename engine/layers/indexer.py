@@ -38,10 +38,17 @@ class Indexer(nn.Module):
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> indexer keys [B, T, Di]."""
-        return self.k_norm(self.wk(x))
+        return self.keys_of(self.wk(x))
+
+    def keys_of(self, projected: torch.Tensor) -> torch.Tensor:
+        """`wk(x)` (computed with the layer's other projections) -> indexer keys [B, T, Di]."""
+        return self.k_norm(projected)
 
     def queries(self, q_resid: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> queries [B, T, Hi, Di] and head weights [B, T, Hi] (scaled by Hi^-0.5)."""
-        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        return q, w
+        return self.queries_of(self.wq_b(q_resid), self.weights_proj(x))
+
+    def queries_of(self, projected_q: torch.Tensor, projected_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`wq_b(q_resid)` and `weights_proj(x)` (computed by fused matmuls) -> as `queries`."""
+        q = projected_q.unflatten(-1, (self.n_heads, self.head_dim))
+        return q, projected_w.float() * self.n_heads ** -0.5

@@ -15,6 +15,7 @@ from torch import nn
 from engine.cache import KDAState
 from engine.config import ModelConfig
 from engine.layers.common import GatedRMSNorm, l2norm
+from engine.layers.fused import FusedLinears
 from engine.ops.kda import kda_chunked, kda_recurrent
 from engine.ops.kda.state_stats import (interval_half_life, interval_means, state_effective_rank, state_max_abs,
                                        state_norm)
@@ -84,11 +85,14 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(hd, d, bias=False)
         self.o_norm = GatedRMSNorm(hd, config.rms_norm_eps)
         self.o_proj = nn.Linear(d, h, bias=False)
+        # every projection of the layer input as one matmul (q, k, v, f_a, b, then g or g_a)
+        self.input_projections = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                              self.g_proj if self.full_rank_gate else self.g_a_proj)
         self.probe_state = ProbePoint("kda.state", layer_idx)
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [B, T, H, K] (fp32, <= 0)."""
-        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+    def decay(self, x: torch.Tensor, f_a: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-channel log-decay g [B, T, H, K] (fp32, <= 0); `f_a`: f_a_proj(x) when already computed."""
+        z = self.f_b_proj(self.f_a_proj(x) if f_a is None else f_a).float() + self.dt_bias.float()
         z = z.unflatten(-1, (self.num_heads, self.head_dim))
         a = self.A_log.float().exp().view(self.num_heads, 1)
         if self.lower_bound is not None:
@@ -154,18 +158,19 @@ class KimiDeltaAttention(nn.Module):
             slots = start + torch.arange(T, device=x.device)  # start may be a device tensor (decode step)
             pad = (slots < key_start.view(-1, 1)).unsqueeze(-1)  # [B, T, 1]
 
-        def inputs(proj: nn.Linear) -> torch.Tensor:
-            y = proj(x)
+        q_in, k_in, v_in, f_a, b_in, gate_in = self.input_projections(x)
+
+        def inputs(y: torch.Tensor) -> torch.Tensor:
             return y if pad is None else y.masked_fill(pad, 0.0)
 
-        q, q_tail = self.q_conv1d(inputs(self.q_proj), tails[0])
-        k, k_tail = self.k_conv1d(inputs(self.k_proj), tails[1])
-        v, v_tail = self.v_conv1d(inputs(self.v_proj), tails[2])
+        q, q_tail = self.q_conv1d(inputs(q_in), tails[0])
+        k, k_tail = self.k_conv1d(inputs(k_in), tails[1])
+        v, v_tail = self.v_conv1d(inputs(v_in), tails[2])
         q = l2norm(q.unflatten(-1, heads))  # [B, T, H, K]
         k = l2norm(k.unflatten(-1, heads))
         v = v.unflatten(-1, heads)
-        g = self.decay(x)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        g = self.decay(x, f_a)
+        beta = torch.sigmoid(b_in.float())  # [B, T, H]
         if pad is not None:
             g = g.masked_fill(pad.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(pad, 0.0)
@@ -183,6 +188,6 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             state.recurrent = final
             state.conv = torch.cat((q_tail, k_tail, v_tail), dim=1)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
         o = self.o_norm(o.to(x.dtype), gate.unflatten(-1, heads))  # [B, T, H, V]
         return comm.all_reduce(self.o_proj(o.flatten(-2)), self.parallel, "attn.o_proj")

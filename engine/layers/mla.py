@@ -11,12 +11,15 @@ for decode and sparse reads. The model is NoPE: `k_r` is a shared, unrotated key
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from engine.cache import MLACache
 from engine.config import ModelConfig
 from engine.layers.common import RMSNorm
+from engine.layers.fused import FusedLinears
 from engine.layers.indexer import Indexer
 from engine.ops.dsa import indexer_topk
 from engine.ops.dsa.masked import masked_indexer_topk
@@ -27,6 +30,18 @@ from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
+
+
+class _Projected(NamedTuple):
+    """What one layer input projects to (`GatedMLA._project`)."""
+
+    q: torch.Tensor  # [B, T, H, Dk + Dr]
+    latent: torch.Tensor  # [B, T, R] normed
+    k_rope: torch.Tensor  # [B, T, Dr]
+    gate: torch.Tensor | None  # g_proj(x) [B, T, H * Dv]
+    index_keys: torch.Tensor | None  # [B, T, Di]
+    index_queries: torch.Tensor | None  # [B, T, Hi, Di]
+    index_weights: torch.Tensor | None  # [B, T, Hi] fp32, scaled
 
 
 class GatedMLA(nn.Module):
@@ -59,9 +74,45 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(h, nh * c.v_head_dim, bias=False)
         self.indexer = Indexer(c.dsa, h, c.q_lora_rank) if c.is_dsa_layer(layer_idx) else None
+        # the projections of the layer input as one matmul, and those of the query latent as another
+        readers = [self.q_proj if c.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        readers += [self.g_proj] if self.use_output_gate else []
+        readers += [self.indexer.wk, self.indexer.weights_proj] if self.indexer is not None else []
+        self.input_projections = FusedLinears(*readers)
+        self.latent_projections = (FusedLinears(self.q_b_proj, self.indexer.wq_b)
+                                   if self.indexer is not None and c.q_lora_rank is not None else None)
         if self.indexer is not None:
             self.probe_topk = ProbePoint("dsa.topk", layer_idx)
             self.probe_dense_mass = ProbePoint("dsa.dense_mass", layer_idx)
+
+    def _project(self, x: torch.Tensor) -> _Projected:
+        """Every projection of the layer input (one matmul) and of the query latent (another)."""
+        parts = list(self.input_projections(x))
+        first, kv_a = parts[0], parts[1]
+        gate = parts[2] if self.use_output_gate else None
+        iq = iw = index_keys = None
+        if self.q_lora_rank is None:
+            q_resid, q = None, first
+        else:
+            q_resid = self.q_a_layernorm(first)
+            if self.latent_projections is not None:
+                q, iq = self.latent_projections(q_resid)
+            else:
+                q = self.q_b_proj(q_resid)
+        if self.indexer is not None:
+            index_keys = self.indexer.keys_of(parts[-2])
+            if iq is None:
+                iq = self.indexer.wq_b(q_resid)
+            iq, iw = self.indexer.queries_of(iq, parts[-1])
+        q = q.unflatten(-1, (self.num_heads, self.nope + self.rope))  # [B, T, H, Dk + Dr]
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        return _Projected(q, self.kv_a_layernorm(latent), k_rope, gate, index_keys, iq, iw)
+
+    def _gated(self, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """attn [B, T, H, Dv] (x's dtype) times sigmoid(g_proj x) when the layer has the output gate."""
+        if gate is None:
+            return attn
+        return attn * torch.sigmoid(gate.float()).to(attn.dtype).unflatten(-1, (self.num_heads, self.v_dim))
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as per-head W_kb [H, Dk, R] and W_vb [H, Dv, R]."""
@@ -91,9 +142,7 @@ class GatedMLA(nn.Module):
         point.emit(positions=picked, mass=mass, iou=iou, recall=recall)
 
     def _static_step(self, x: torch.Tensor, cache: MLACache | None, start: torch.Tensor,
-                     key_start: torch.Tensor | None, q_resid: torch.Tensor | None, q_nope: torch.Tensor,
-                     q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                     index_keys: torch.Tensor | None) -> torch.Tensor:
+                     key_start: torch.Tensor | None, p: _Projected) -> torch.Tensor:
         """The decode step's form (`engine.decode_step`): `start` is a device tensor, the cache is read
         whole at its capacity with invisible slots masked, so shapes never change and no device
         value reaches the host. Probes are not emitted here (the session runs the eager form when
@@ -102,21 +151,20 @@ class GatedMLA(nn.Module):
             raise ValueError("the static decode step needs a cache")
         T = x.shape[1]
         positions = start.view(1) + torch.arange(T, device=x.device)
-        cache.write_at(positions, latent, k_rope, index_keys)
+        cache.write_at(positions, p.latent, p.k_rope, p.index_keys)
         w_kb, w_vb = self._kv_b()
+        q_nope, q_rope = p.q[..., : self.nope], p.q[..., self.nope:]
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
         if self.indexer is not None and not self.runtime.reads_dense(self.layer_idx):
-            assert cache.index_keys is not None and q_resid is not None
-            iq, iw = self.indexer.queries(q_resid, x)
+            assert cache.index_keys is not None and p.index_queries is not None and p.index_weights is not None
             # with fewer visible keys than top-k the selection holds all of them: equal to dense
-            idx, _ = masked_indexer_topk(iq, iw, cache.index_keys, positions, self.indexer.topk, key_start=key_start)
+            idx, _ = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
+                                         self.indexer.topk, key_start=key_start)
             o_lat = sparse_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, idx, self.scale)
         else:
             o_lat = masked_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, positions, self.scale,
                                             key_start=key_start)
-        attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float()).to(x.dtype)
-        if self.use_output_gate:
-            attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))
+        attn = self._gated(torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float()).to(x.dtype), p.gate)
         return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int | torch.Tensor = 0,
@@ -127,19 +175,12 @@ class GatedMLA(nn.Module):
         without one, `start` must be 0 and attention reads this call's tokens only.
         """
         B, T, _ = x.shape
-        if self.q_lora_rank is None:
-            q_resid = None
-            q = self.q_proj(x)
-        else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_resid)
-        q = q.unflatten(-1, (self.num_heads, self.nope + self.rope))  # [B, T, H, Dk + Dr]
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [B, T, R]
-        index_keys = self.indexer.keys(x) if self.indexer is not None else None
+        p = self._project(x)
         if isinstance(start, torch.Tensor):
-            return self._static_step(x, cache, start, key_start, q_resid, q_nope, q_rope, latent, k_rope, index_keys)
+            return self._static_step(x, cache, start, key_start, p)
+        q = p.q
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        latent, k_rope, index_keys = p.latent, p.k_rope, p.index_keys  # [B, T, R], [B, T, Dr], [B, T, Di]
         if cache is not None:
             cache.write(start, latent, k_rope, index_keys)
             end = start + T
@@ -154,9 +195,8 @@ class GatedMLA(nn.Module):
 
         idx = None  # [B, T, topk] key positions selected by the indexer (-1 = empty)
         if self.indexer is not None:
-            assert keys_all is not None and q_resid is not None
-            iq, iw = self.indexer.queries(q_resid, x)
-            idx, scores = indexer_topk(iq, iw, keys_all, positions, self.indexer.topk, key_start=key_start,
+            assert keys_all is not None and p.index_queries is not None and p.index_weights is not None
+            idx, scores = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk, key_start=key_start,
                                        impl=self.runtime.kernels)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
@@ -181,7 +221,5 @@ class GatedMLA(nn.Module):
             kv = self.kv_b_proj(latent_all).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
             k = torch.cat((kv[..., : self.nope], k_rope_all.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), -1)
             attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale, key_start=key_start)
-        attn = attn.to(x.dtype)  # [B, T, H, Dv]
-        if self.use_output_gate:
-            attn = attn * torch.sigmoid(self.g_proj(x).float()).to(x.dtype).unflatten(-1, (self.num_heads, self.v_dim))
+        attn = self._gated(attn.to(x.dtype), p.gate)  # [B, T, H, Dv]
         return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.common import GatedMLP, RMSNorm, activation
+from engine.layers.fused import FusedLinears
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.probes import ProbePoint
@@ -149,6 +150,12 @@ class LatentMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(c.hidden_size, r, bias=False)
             self.routed_expert_norm = RMSNorm(r, c.rms_norm_eps) if c.latent_moe_use_norm else None
             self.routed_expert_up_proj = nn.Linear(parallel.split(r), c.hidden_size, bias=False)
+        # the projections of the layer input as one matmul: into the latent, shared gate and up
+        readers = [self.routed_expert_down_proj] if self.latent else []
+        if self.shared_experts is not None:
+            readers += [self.shared_experts.gate_proj, self.shared_experts.up_proj]
+            self.shared_experts.gate_up = None  # fused here instead
+        self.input_projections = FusedLinears(*readers) if readers else None
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """x [B, T, hidden] at positions [start, start + T) -> [B, T, hidden]."""
@@ -165,7 +172,8 @@ class LatentMoE(nn.Module):
                        entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None)
         if self.parallel.debug_checks:
             comm.assert_same(ids, self.parallel, "routed expert ids")
-        h = self.routed_expert_down_proj(flat) if self.latent else flat
+        parts = list(self.input_projections(flat)) if self.input_projections is not None else []
+        h = parts.pop(0) if self.latent else flat
         y = self.experts(h, ids, weights).to(x.dtype)  # this rank's experts only
         if self.latent:
             # combine: sum the ranks' partial outputs in the latent, before the norm (the bytes
@@ -176,5 +184,5 @@ class LatentMoE(nn.Module):
             a, b = self.latent_cols
             y = self.routed_expert_up_proj(y[:, a:b])
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts.down(*parts)
         return comm.all_reduce(y, self.parallel, "moe.out").view(shape)

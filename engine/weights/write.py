@@ -24,6 +24,15 @@ from engine.weights.random_init import RandomSource, storage_dtype
 from engine.weights.safetensors_io import INDEX_FILE
 
 
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and alone in its storage: safetensors refuses tensors that share one, and the
+    fused projections' weights are views of one stack (`engine.layers.fused`)."""
+    t = t.contiguous()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
 def _plan_shards(specs: list[TensorSpec], n_shards: int, float_dtype: torch.dtype) -> list[list[TensorSpec]]:
     sizes = [s.numel * storage_dtype(s, float_dtype).itemsize for s in specs]
     target = sum(sizes) / n_shards
@@ -67,7 +76,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
         file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
         tensors = {}
         for spec in shard_specs:
-            t = source.get(spec).contiguous()
+            t = owned(source.get(spec))
             tensors[spec.name] = t
             weight_map[spec.name] = file
             total += t.numel() * t.element_size()

@@ -180,7 +180,7 @@ def test_disk_full_during_a_recording_is_one_line_and_keeps_the_flushed_parts(tm
     monkeypatch.setattr(files, "write_parquet_atomic", fills_up)
     monkeypatch.setattr("workbench.trace.writer.write_parquet_atomic", fills_up, raising=False)
     with pytest.raises(TraceError, match="No space left on device; kept: the .* part"):
-        with workbench.record(session, trace=tmp_path / "t", policy={"flush_seconds": 0.001}):
+        with workbench.record(session, trace=tmp_path / "t", policy={"flush_seconds": 0.001, "flush_share": 1.0}):
             session.append("some words to record " * 20, name="doc")
             list(session.generate(20, temperature=0))
     trace = workbench.open_trace(tmp_path / "t")

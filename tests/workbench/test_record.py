@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 import workbench
-from engine import load_model
+from engine import decode_step, load_model
 from engine.probes import probe_points
 from engine.session import Session
 from engine.tokenizer import Tokenizer
@@ -241,9 +241,29 @@ def test_recorded_dense_overlap_is_consistent(recorded):
     assert ((mass["iou"] >= 0) & (mass["iou"] <= mass["recall"] + 1e-6) & (mass["recall"] <= 1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("compile_mode", ["static", pytest.param(True, marks=[pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("K3WB_COMPILE_TESTS") != "1", reason="an inductor compile takes minutes on a 2-core CPU: set K3WB_COMPILE_TESTS=1")])],
-                         ids=["static-step", "compiled"])
+# runtime.compile settings a recorded session is checked under: the static step run eagerly, the
+# compiled step traced by dynamo + AOT autograd without code generation (seconds: every CI run), and
+# inductor's real compile (minutes on a 2-core CPU: opt-in)
+COMPILE_MODES = [pytest.param(("static", None), id="static-step"),
+                 pytest.param((True, "aot_eager"), id="compiled-aot"),
+                 pytest.param((True, "inductor"), id="compiled", marks=[pytest.mark.slow, pytest.mark.skipif(
+                     os.environ.get("K3WB_COMPILE_TESTS") != "1",
+                     reason="an inductor compile takes minutes on a 2-core CPU: set K3WB_COMPILE_TESTS=1")])]
+
+
+@pytest.fixture
+def compile_mode(request, recorded, monkeypatch):
+    """Set `runtime.compile` (and the step's compiler) on the recorded model for one test."""
+    setting, backend = request.param
+    if backend is not None:
+        monkeypatch.setattr(decode_step, "BACKEND", backend)
+    model = recorded[0]
+    model.runtime.compile = setting
+    yield setting
+    model.runtime.compile = "auto"
+
+
+@pytest.mark.parametrize("compile_mode", COMPILE_MODES, indirect=True)
 def test_recording_with_compiled_decode(recorded, tmp_path, compile_mode):
     """With `runtime.compile` on, an unrecorded session decodes through the static/compiled step and a
     recorded one (listeners attached) through the eager forward: same tokens, same selections, and
@@ -259,12 +279,8 @@ def test_recording_with_compiled_decode(recorded, tmp_path, compile_mode):
         with workbench.record(s, trace=trace, policy="all"):
             return [t.id for t in s.generate(NEW_TOKENS, temperature=0, stop_ids=())]
 
-    model.runtime.compile = compile_mode
-    try:
-        plain = run()
-        recorded_tokens = run(tmp_path / "t")
-    finally:
-        model.runtime.compile = "auto"
+    plain = run()
+    recorded_tokens = run(tmp_path / "t")
     assert plain == recorded_tokens
     on_trace = workbench.open_trace(tmp_path / "t")
     for table in ("dsa_topk", "moe_routes"):
@@ -273,3 +289,35 @@ def test_recording_with_compiled_decode(recorded, tmp_path, compile_mode):
         assert len(a) == len(b) > 0
         col = "selected" if table == "dsa_topk" else "experts"
         assert all(np.array_equal(x, y) for x, y in zip(a[col], b[col])), table
+
+
+@pytest.mark.parametrize("compile_mode", COMPILE_MODES, indirect=True)
+def test_recording_a_window_of_a_compiled_session(recorded, tmp_path, compile_mode):
+    """Decode through the compiled step, record a window (the eager forward, listeners attached),
+    decode compiled again: the tokens of a session decoded eagerly throughout, a trace of exactly
+    the window's steps, and every sink detached after it (the compiled step runs again)."""
+    model = recorded[0]
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def session() -> Session:
+        s = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
+        s.suppressed_ids = s.suppressed_ids | {model.config.eos_token_id}  # never stop early
+        s.append(ids=ids, name="context")
+        return s
+
+    model.runtime.compile = False
+    reference = [t.id for t in session().generate(12, temperature=0, stop_ids=())]
+    model.runtime.compile = compile_mode
+    s = session()
+    tokens = [t.id for t in s.generate(4, temperature=0, stop_ids=())]
+    with workbench.record(s, trace=tmp_path / "w", policy="all"):
+        first = s.length
+        tokens += [t.id for t in s.generate(4, temperature=0, stop_ids=())]
+        last = s.length
+    tokens += [t.id for t in s.generate(4, temperature=0, stop_ids=())]
+    assert tokens == reference
+    assert all(p.sink is None for p in probe_points(model))
+    assert decode_step.DecodeStep.of(model).mode(s.device) != "off"  # the compiled step is back
+    trace = workbench.open_trace(tmp_path / "w")
+    topk = trace.df("dsa_topk")
+    assert sorted(topk["position"].unique()) == list(range(first, last))  # the pending token, then decode

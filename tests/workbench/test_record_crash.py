@@ -26,7 +26,7 @@ KILLS = 20
 
 def _record_until_killed(model, trace) -> None:
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=8, progress=False)
-    policy = {"flush_seconds": 0.02, "dsa_prefill_stride": 4, "moe_window_every": 1}
+    policy = {"flush_seconds": 0.02, "flush_share": 1.0, "dsa_prefill_stride": 4, "moe_window_every": 1}
     with workbench.record(session, trace=trace, policy=policy):
         session.append("A long record of things that happened, one after another. " * 12, name="log")
         for _ in session.generate(400, temperature=1.0, seed=1, stop_ids=()):

@@ -42,7 +42,11 @@ class RecordPolicy:
     moe_window_every / moe_window_tokens: keep routes of a window of tokens every n prefill tokens.
     mark_positions: positions whose full lists and routes are always kept.
     mark_segments: segment names whose tokens are always kept in full.
-    flush_seconds: flush the trace at least this often while the session runs (live following).
+    flush_seconds: flush the trace this often while the session runs (live following), unless a flush
+        would then take more than `flush_share` of the time.
+    flush_share: the largest share of the session's time periodic flushes may take: after a flush
+        that took d seconds the next waits at least d / flush_share (a decode-time flush costs ~10-50
+        ms of main-thread time on a CPU, several tokens' worth). 1 = flush every flush_seconds.
     """
 
     name: str = "default"
@@ -63,6 +67,7 @@ class RecordPolicy:
     mark_positions: tuple[int, ...] = ()
     mark_segments: tuple[str, ...] = ()
     flush_seconds: float = 1.0
+    flush_share: float = 0.02
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -75,6 +80,8 @@ class RecordPolicy:
                 raise InputError(f"policy field `{name}` must be >= 0")
         if self.flush_seconds <= 0:
             raise InputError("policy field `flush_seconds` must be positive")
+        if not 0 < self.flush_share <= 1:
+            raise InputError("policy field `flush_share` must be in (0, 1]")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

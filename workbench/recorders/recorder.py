@@ -7,8 +7,9 @@
 
 Inside the block every enabled probe point of the model has a sink; leaving the block (normally or
 by an exception) detaches all of them and closes the trace ("complete" or "failed"), so recording
-costs nothing afterwards and nothing already recorded is lost. The trace is flushed at least every
-`policy.flush_seconds` while the session runs, and `session.json` carries a live `progress` entry.
+costs nothing afterwards and nothing already recorded is lost. The trace is flushed every
+`policy.flush_seconds` while the session runs (less often when flushes would take more than
+`policy.flush_share` of the time), and `session.json` carries a live `progress` entry.
 
 Under tensor/expert parallelism every rank attaches the same sinks (layers may gather signals with
 collectives, which all ranks must enter); only rank 0 writes, so every signal is recorded once.
@@ -68,6 +69,7 @@ class Recorder:
         self._thumbnails: dict[int, str] = {}  # segment id -> thumbnail path in the trace
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
+        self._flush_cost = 0.0  # main-thread seconds of the last periodic flush
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
         self._generated = 0
         self.rows_written = 0
@@ -313,8 +315,12 @@ class Recorder:
             self._progress = {"phase": "prefill" if done < total else "idle", "done": done, "total": total,
                               "tokens_per_s": rate, "eta_s": (total - done) / rate if rate else None}
         elif event == "step":
-            if time.monotonic() - self._last_flush >= self.policy.flush_seconds:
+            # every flush_seconds, but never more than flush_share of the time (see RecordPolicy)
+            wait = max(self.policy.flush_seconds, self._flush_cost / self.policy.flush_share)
+            if time.monotonic() - self._last_flush >= wait:
+                t0 = time.perf_counter()
                 self.flush(wait=False)
+                self._flush_cost = time.perf_counter() - t0
 
     def _on_segment(self, seg: Segment, announce: bool = True) -> None:
         if self.writer is None:
