@@ -123,3 +123,23 @@ class DenseSums:
             acc[:len(vec)] += vec
             out[k] = acc
         return out
+
+    def restore(self, sums: dict[tuple[int, ...], np.ndarray], seen: set[str]) -> bool:
+        """Take sums made earlier from exactly the parts `seen` (a finished trace's, kept by a cache)
+        instead of folding them in again. False, and nothing changes, when a part was already folded
+        in or `sums` do not fit: a key per group column of ints, 1-D non-negative int64 vectors, at
+        most `max_cells` in all."""
+        if self.seen or self.sums:
+            return False
+        cells = 0
+        for key, vec in sums.items():
+            if not (isinstance(key, tuple) and len(key) == len(self.groups) and all(isinstance(k, int) for k in key)):
+                return False
+            if not (isinstance(vec, np.ndarray) and vec.ndim == 1 and vec.dtype == np.int64) or (vec < 0).any():
+                return False
+            cells += len(vec)
+        if cells > self.max_cells:
+            return False
+        self.sums = dict(sums)
+        self.seen = set(seen)
+        return True

@@ -20,11 +20,9 @@ on demand or folded once into running sums.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -37,87 +35,13 @@ import pyarrow.parquet as pq
 from engine.fileio import process_alive
 from workbench.analysis.dsa import rebin_counts
 from workbench.trace.aggregates import DenseSums
-from workbench.trace.bounds import SessionBounds, check_session, out_of_bounds, table_ranges
-from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
+from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
+from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
-from workbench.trace.schema import (EXPORT_MANIFEST, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SESSION_FILE,
-                                    SUPPORTED_VERSIONS, TABLES, TOKENS_FILE, TableSpec, table_spec)
+from workbench.trace.part_checks import Part, read_footer, read_session
+from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
-
-
-@dataclass
-class Part:
-    """One visible part file and what its footer says."""
-
-    seq: int
-    path: Path
-    rows: int
-    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # column -> (min, max) from statistics
-
-
-def read_session(path: Path) -> dict:
-    """Read and validate session.json of the trace at `path` (raises TraceError subclasses)."""
-    if not path.exists():
-        raise TraceError(f"no trace at {path}: the directory does not exist")
-    if not path.is_dir():
-        raise TraceError(f"{path} is not a trace: not a directory")
-    file = path / SESSION_FILE
-    if (path / EXPORT_MANIFEST).is_file():
-        raise TraceError(f"{path} is an export written by `workbench export`, not a trace; read its files "
-                         f"directly (its {EXPORT_MANIFEST} names the source trace)")
-    if not file.is_file():
-        if file.exists():
-            raise TraceError(f"{file} is not a regular file; a trace's {SESSION_FILE} must be one")
-        raise TraceError(f"{path} is not a K3 Workbench trace: it has no {SESSION_FILE}")
-    try:
-        session = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceCorruptError(f"{file} cannot be read as JSON: {exc}") from None
-    if not isinstance(session, dict) or session.get("schema") != SCHEMA_NAME:
-        raise TraceError(f"{path} is not a K3 Workbench trace: {SESSION_FILE} lacks the schema marker "
-                         f"\"schema\": \"{SCHEMA_NAME}\"")
-    version = session.get("schema_version")
-    if not isinstance(version, int):
-        raise TraceCorruptError(f"{file}: schema_version must be an integer, got {version!r}")
-    supported = ", ".join(map(str, SUPPORTED_VERSIONS))
-    if version > max(SUPPORTED_VERSIONS):
-        raise TraceVersionError(f"{path} was written with trace schema version {version}, newer than this "
-                                f"workbench reads (version {supported}); upgrade k3-workbench to open it")
-    if version not in SUPPORTED_VERSIONS:
-        raise TraceVersionError(f"{path} has trace schema version {version}, which this workbench no longer "
-                                f"reads (it reads version {supported})")
-    check_session(session, file)
-    return session
-
-
-def _footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]]]:
-    """Rows and integer column ranges of a part; raises ValueError/ArrowException when it is unusable."""
-    meta = pq.read_metadata(path)
-    arrow = meta.schema.to_arrow_schema()
-    missing = [c.name for c in spec.columns if c.name not in arrow.names]
-    if missing:
-        raise ValueError(f"missing column(s) {', '.join(missing)}")
-    for c in spec.columns:
-        found = arrow.field(c.name).type
-        if found != c.type:
-            raise ValueError(f"column {c.name} has type {found}, expected {c.type}")
-    ranges: dict[str, tuple[int, int]] = {}
-    for name in ("layer", "position", "step", "key_bin", "expert", "segment", "image_id"):
-        if name not in arrow.names or meta.num_row_groups == 0:
-            continue
-        col = arrow.names.index(name)
-        lo = hi = None
-        for rg in range(meta.num_row_groups):
-            stats = meta.row_group(rg).column(col).statistics
-            if stats is None or not stats.has_min_max:
-                lo = None
-                break
-            lo = stats.min if lo is None else min(lo, stats.min)
-            hi = stats.max if hi is None else max(hi, stats.max)
-        if lo is not None:
-            ranges[name] = (int(lo), int(hi))
-    return meta.num_rows, ranges
 
 
 class Trace:
@@ -214,7 +138,7 @@ class Trace:
                 odd = not_regular(path)
                 if odd:
                     raise ValueError(f"it is {odd}, not a regular file")
-                rows, ranges = _footer(path, spec)
+                rows, ranges = read_footer(path, spec)
                 beyond = out_of_bounds(ranges, self._bounds)
                 if beyond:
                     raise ValueError(beyond)
@@ -473,20 +397,9 @@ class Trace:
         if name not in self._sums:
             raise TraceError(f"table {name} has no running sums")
         target = self._sums[name]
-        if target.seen or target.sums or tuple(groups) != target.groups:
+        if tuple(groups) != target.groups:
             return False
-        cells = 0
-        for key, vec in sums.items():
-            if not (isinstance(key, tuple) and len(key) == len(target.groups) and all(isinstance(k, int) for k in key)):
-                return False
-            if not (isinstance(vec, np.ndarray) and vec.ndim == 1 and vec.dtype == np.int64) or (vec < 0).any():
-                return False
-            cells += len(vec)
-        if cells > target.max_cells:
-            return False
-        target.sums = dict(sums)
-        target.seen = {str(part.path) for part in self._parts[name] if part.path not in self._bad}
-        return True
+        return target.restore(sums, {str(part.path) for part in self._parts[name] if part.path not in self._bad})
 
     def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
                     end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
