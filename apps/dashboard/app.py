@@ -198,22 +198,17 @@ class Dashboard(pn.viewable.Viewer):
             items.append(self.runner)
         return items
 
-    def views(self, defer: bool = False) -> list:
+    def views(self) -> list:
         """The main column: the session map and the other views.
 
-        The server builds every view into the page it sends (`defer=False`): the browser then lays
-        the page out once, with whatever data the follower has reduced while the page's scripts
-        loaded, and the rest arrives as one websocket message per frame. Panel's deferred loading
-        (`defer=True`, each view built and sent after the page loaded) cost a round trip and about
-        five separate property messages per view, and a relayout of the whole page for each, which
-        was most of the time to the last view drawn (benchmarks/bench_dashboard.py).
+        The server builds every view into the page it sends: the browser then lays the page out
+        once, with whatever data the follower has reduced while the page's scripts loaded, and the
+        rest arrives as one websocket message per frame. Panel's deferred loading (each view built
+        and sent after the page loaded) cost a round trip and about five separate property messages
+        per view, and a relayout of the whole page for each, which was most of the time to the last
+        view drawn (benchmarks/bench_dashboard.py).
         """
-        names = ["dsa", "kda", "health", "experts"]
-        if defer:
-            lower = [pn.panel(lambda n=n: getattr(self, n), defer_load=True, sizing_mode="stretch_width")
-                     for n in names]
-        else:
-            lower = [getattr(self, n) for n in names]
+        lower = [getattr(self, n) for n in ("dsa", "kda", "health", "experts")]
         return [self.probe, self.alert, self.session_map, *lower]
 
     def __panel__(self) -> pn.viewable.Viewable:

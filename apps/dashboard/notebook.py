@@ -57,12 +57,12 @@ PAGE_WAIT_S = 10.0
 class NotebookDashboard(Dashboard):
     """The dashboard, pushing each applied frame to the notebook page (a no-op outside a notebook).
 
-    Frames wait until the page has drawn the view. Until then pyviz_comms drops every message for it
-    (its handler returns while the view is not yet in Bokeh's index), and a push dropped in part leaves
-    the page's receiver in the middle of a message: "Expected binary fragment but received text
-    fragment", after which the page's patches fail. The width probe is the signal: the page sends its
-    width once the view is laid out. A notebook run without a page (nbclient) gets its frames after
-    `PAGE_WAIT_S`.
+    Frames wait until the page has drawn the view: pyviz_comms drops every message for a view that
+    is not yet in Bokeh's index, so a frame pushed while the page still builds the view would be lost
+    (and for a finished trace no later frame would bring it). The width probe is the signal: the page
+    sends its width once the view is laid out. A notebook run without a page (nbclient) gets its
+    frames after `PAGE_WAIT_S`. (This did not measurably change the rare BokehJS receiver errors the
+    JupyterLab browser test tolerates once; see tests/apps/test_jupyterlab.py.)
     """
 
     layout: pn.viewable.Viewable | None = None

@@ -46,9 +46,9 @@ class SideBySide(pn.viewable.Viewer):
     def sidebar(self) -> list:
         return [pn.pane.Markdown("### Trace A"), self.a.source, pn.pane.Markdown("### Trace B"), self.b.source]
 
-    def views(self, defer: bool = False) -> list:
-        columns = pn.Row(pn.Column(pn.pane.Markdown("#### A"), *self.a.views(defer), sizing_mode="stretch_width"),
-                         pn.Column(pn.pane.Markdown("#### B"), *self.b.views(defer), sizing_mode="stretch_width"),
+    def views(self) -> list:
+        columns = pn.Row(pn.Column(pn.pane.Markdown("#### A"), *self.a.views(), sizing_mode="stretch_width"),
+                         pn.Column(pn.pane.Markdown("#### B"), *self.b.views(), sizing_mode="stretch_width"),
                          sizing_mode="stretch_width")
         return [self.diff, columns]
 

@@ -73,5 +73,4 @@ def fused_groups(model: nn.Module) -> list[FusedLinears]:
 def refresh_fused(groups: list[FusedLinears]) -> None:
     """Rebuild the stacks whose sources moved (a pointer check each: cheap enough per step)."""
     for group in groups:
-        if not group.current():
-            group.refresh()
+        group.refresh()
