@@ -64,11 +64,15 @@ BACKEND = "inductor"
 def compile_options(device: torch.device) -> dict:
     """Inductor options of the decode step. The generated wrapper's size, stride and alignment
     asserts on every input (~400: each weight, cache and state) cost ~1 ms per CPU step and
-    check what dynamo's guards on the same tensors already checked; on CUDA the step is a CUDA
-    graph (what `mode="reduce-overhead"` sets)."""
+    check what dynamo's guards on the same tensors already checked. On CPU the wrapper that calls
+    the step's ~300 kernels is generated as C++ (`cpp_wrapper`) instead of Python: measured on the
+    demo preset at 1K, 13.3 -> 10.2 ms per token. On CUDA the step is a CUDA graph (what
+    `mode="reduce-overhead"` sets), which replays the kernels without any wrapper."""
     options: dict = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
+    else:
+        options["cpp_wrapper"] = True
     return options
 
 
