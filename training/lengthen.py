@@ -60,8 +60,8 @@ class Stage:
 
 
 def schedule(scale: float) -> list[Stage]:
-    """About 50 minutes on one CPU core at scale 1 (4-8K tokens per step, ~800 tokens/s), evaluations aside."""
-    base = [Stage(140, 2, 2048), Stage(140, 1, 4096), Stage(120, 1, 8192)]
+    """About 40 minutes on one CPU core at scale 1 (4-8K tokens per step, ~800 tokens/s), evaluations aside."""
+    base = [Stage(120, 2, 2048), Stage(110, 1, 4096), Stage(80, 1, 8192)]
     return [Stage(max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=8e-4, help="peak rate (the base run peaked at 3e-3, ended at 3e-4)")
     p.add_argument("--indexer-lr", type=float, default=1e-3)
-    p.add_argument("--varied-share", type=float, default=0.6, help="rows with a freshly drawn fact wording")
+    p.add_argument("--varied-share", type=float, default=0.7, help="rows with a freshly drawn fact wording")
     p.add_argument("--drill-share", type=float, default=0.5, help="rows that are recall drills (base run: 0.4)")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=60)

@@ -22,7 +22,9 @@ def test_varied_wording_never_uses_held_out_words() -> None:
     seen = set()
     for _ in range(300):
         w = varied_world(rng)
-        text = re.sub(r"\{[^}]*\}", " ", " ".join(w.needles + w.needle_questions + w.kv_facts + w.kv_questions))
+        pools = (w.needles, w.needle_questions, w.kv_facts, w.kv_questions, w.subjects, w.verbs, w.objects, w.tails,
+                 w.shapes)
+        text = re.sub(r"\{[^}]*\}", " ", " ".join(" ".join(p) for p in pools))
         words = {x for x in re.findall(r"[a-z]+", text.lower()) if x not in _STOP}
         assert not words & held_out, sorted(words & held_out)
         assert not set(w.needles) & set(HELD_OUT.needles)
