@@ -19,10 +19,12 @@ import torch
 from engine.model import KimiForCausalLM
 from engine.tokenizer import Tokenizer
 from training.tasks import HELD_OUT, answer_ids, needle_prompt
+from workbench.retrieval_text import World
 
 
-def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float) -> tuple[list[int], int, dict]:
-    s = needle_prompt(tok, HELD_OUT, rng, length, depth)
+def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float,
+          world: World = HELD_OUT) -> tuple[list[int], int, dict]:
+    s = needle_prompt(tok, world, rng, length, depth)
     before, ans, after = answer_ids(tok, s.response)
     prompt = s.ids[: s.prompt_len]
     target = before + ans + after[:1]
@@ -34,8 +36,10 @@ def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float) -> tupl
 @torch.no_grad()
 def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), depths=(0.1, 0.5, 0.9),
                     samples: int | dict = 4, modes=("sparse", "dense"), seed: int = 1234,
-                    batch_tokens: int = 16384) -> list[dict]:
-    """Rows {length, depth, mode, correct, total, accuracy, seconds}: one per (length, depth, mode)."""
+                    batch_tokens: int = 16384, world: World = HELD_OUT) -> list[dict]:
+    """Rows {length, depth, mode, correct, total, accuracy, seconds}: one per (length, depth, mode).
+    `world`: HELD_OUT (the default: wording the training generator never produces) or TRAIN (the
+    training distribution itself, to tell a generalisation gap from a capacity limit)."""
     was_training = model.training
     model.eval()
     saved = model.runtime.dsa_force_dense
@@ -46,7 +50,7 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
             for depth in depths:
                 # the same prompts for both modes: the comparison is paired
                 rng = random.Random(seed * 7919 + length * 31 + int(depth * 100))
-                cases = [_case(tok, rng, length, depth) for _ in range(n)]
+                cases = [_case(tok, rng, length, depth, world) for _ in range(n)]
                 for mode in modes:
                     model.runtime.dsa_force_dense = mode == "dense"
                     started = time.perf_counter()

@@ -20,6 +20,7 @@ whole text: that is how each fact's token span is known (for evaluation and read
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,9 +82,15 @@ def pseudo_word(rng: random.Random) -> str:
     return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.randint(2, 3)))
 
 
+def _training_world(world: World) -> bool:
+    """TRAIN and the worlds derived from it (`training.wording.varied_world`, named `train-...`) get
+    made-up key names and quote words; the held-out world never does."""
+    return world is TRAIN or world.name.startswith("train")
+
+
 def _key(world: World, rng: random.Random) -> str:
     adjective, noun = rng.choice(world.key_adjectives), rng.choice(world.key_nouns)
-    if world is TRAIN:
+    if _training_world(world):
         r = rng.random()
         if r < PSEUDO_KEY_SHARE / 3:
             adjective = pseudo_word(rng)
@@ -121,7 +128,7 @@ def _facts(world: World, rng: random.Random, kinds: list[str]) -> list[Fact]:
             facts.append(Fact(rng.choice(world.var_copy).format(a=a, b=b), rng.choice(world.var_questions).format(b=b),
                               v, kind=kind, key=b, after=first))
         else:  # quote
-            q = " ".join(pseudo_word(rng) if world is TRAIN and rng.random() < 0.5 else rng.choice(world.quote_words)
+            q = " ".join(pseudo_word(rng) if _training_world(world) and rng.random() < 0.5 else rng.choice(world.quote_words)
                          for _ in range(rng.randint(2, 4)))
             facts.append(Fact(rng.choice(world.quote_facts).format(k=k, q=q), rng.choice(world.quote_questions).format(k=k), q,
                               kind=kind, key=k))
@@ -254,17 +261,21 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
                   response=response_text(asked[0].key, asked[0].answer))
 
 
-def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill_share: float = DRILL_SHARE,
+          world: Callable[[random.Random], World] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Training batch `step`: ids [size, length] and loss weights [size, length] for the next-token
     targets (weights[:, t] weighs predicting ids[:, t + 1]; the last column is 0).
 
     Deterministic in (seed, step), so a resumed run sees exactly the batches it would have seen.
+    `world(rng)` draws each row's world (default: TRAIN, drawing nothing, so the base run's batches
+    are unchanged); `drill_share`: share of rows that are recall drills.
     """
     rng = random.Random(seed * 1_000_003 + step)
     ids = torch.zeros(size, length, dtype=torch.long)
     weights = torch.zeros(size, length)
     for b in range(size):
-        s = build(tok, TRAIN, rng, length, drill=rng.random() < DRILL_SHARE,
+        row_world = TRAIN if world is None else world(rng)
+        s = build(tok, row_world, rng, length, drill=rng.random() < drill_share,
                   key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY)
         n = min(length, len(s.ids))
         # long fixed parts can overshoot a short length: keep the end (the question and answer)

@@ -1,0 +1,65 @@
+"""training.lengthen: continues a base text run (read only), resumable, exports with the tower."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import load_model
+from training import lengthen
+from training import state as state_io
+from training.model_setup import export, trainable_model, trained_demo_config
+
+
+@pytest.fixture()
+def base(tmp_path):
+    """A 'finished' base run: the text model's weights saved as `training.demo_model` saves them."""
+    model = trainable_model(trained_demo_config(64), 0)
+    d = tmp_path / "base"
+    state_io.save(d, 3, model, {}, {"seed": 0, "scale": 1.0, "topk": 64, "commit": "test"})
+    return d
+
+
+def _tiny(scale: float) -> list[lengthen.Stage]:
+    return [lengthen.Stage(1, 1, 256), lengthen.Stage(1, 1, 384)]
+
+
+def _files(d) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_continues_the_base_resumes_and_leaves_the_base_alone(base, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(lengthen, "schedule", _tiny)
+    before = _files(base)
+    state = tmp_path / "len"
+    args = ["--base", str(base), "--state", str(state), "--eval-every", "100", "--eval-during", "", "--no-final"]
+    assert lengthen.main(args + ["--stop-after", "1"]) == 0
+    first = load_file(str(state / "step-0000001" / "model.safetensors"))
+    base_w = load_file(str(base / "step-0000003" / "model.safetensors"))
+    assert set(first) == set(base_w)
+    assert any(not torch.equal(first[k], base_w[k]) for k in base_w if not k.endswith("e_score_correction_bias"))
+
+    with pytest.raises(SystemExit, match="other settings"):   # a resume must keep the run's settings
+        lengthen.main(args + ["--lr", "1e-4"])
+    assert lengthen.main(args) == 0   # resumes at step 1
+    rows = list(csv.DictReader(open(state / "loss.csv")))
+    assert [r["step"] for r in rows] == ["0", "1"] and [r["length"] for r in rows] == ["256", "384"]
+    info = json.loads((state / "step-0000002" / "state.json").read_text())
+    assert info["base"]["base_step"] == 3 and info["topk"] == 64 and info["drill_share"] == 0.5
+    assert _files(base) == before
+
+
+def test_export_carries_the_untrained_tower(base, tmp_path) -> None:
+    model = trainable_model(trained_demo_config(64), 0)
+    lengthen.load_base(base, model)
+    full, config = lengthen.with_tower(model, 64, 0)
+    assert config.vision is not None and full.vision is not None
+    fresh = trainable_model(trained_demo_config(64, vision=True), 0).state_dict()
+    state = full.state_dict()
+    assert all(torch.equal(state[k], fresh[k]) for k in state if k.startswith("vision."))
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert load_model(export(full, config, tmp_path / "ckpt")).vision is not None

@@ -1,0 +1,277 @@
+"""Continue a finished text run on longer documents and varied wording:
+`python -m training.lengthen --base /work/train-state/demo3 --state S` (checkpoint in S/final).
+
+Why a run of its own: the base run (`training.demo_model`) retrieves in its own wording (2K: 96%
+of training-world needle prompts, 8K: 11 of 12) but not in the held-out wording (2K: 12-38%, 8K:
+0%), and the culprit is the needle sentence (`training.wording` has the measurements). So this run
+starts from the base run's last state (read only; fresh optimizer moments), gives most documents a
+freshly drawn phrasing of their facts (`training.wording.varied_world`), raises the share of
+recall drills, and stretches the documents 2K -> 4K -> 8K tokens, at a rate well below the base
+peak. DSA is sparse throughout (as shipped), the indexer learning the head-summed dense attention
+over its selected keys (KL, `training.distill`), as in the base run's sparse phase.
+
+Position-offset augmentation (random start positions, so RoPE sees longer distances) is not done:
+the engine's attention takes a start position only with a cache, and training through a cache
+would need changes to the engine for training alone.
+
+Seeded and resumable as `training.demo_model`: batches are pure functions of (seed, step) in a
+stream the base run never used; the state (weights, optimizer moments, step) is saved every
+`--save-every` steps; running the same command again continues. At the end the experts are
+quantized, the checkpoint is written with the untrained vision tower attached (as `builtin:demo`
+ships, `training.extend --scale 0`), reloaded with `engine.load_model` and evaluated on held-out
+needle prompts (and on training-world ones at 2K, the generalisation gap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.tokenizer import Tokenizer
+from training import state as state_io
+from training.demo_model import (_git_commit, eval_table, export_and_reload, held_out_needle, weighted_loss,
+                                 write_eval_files)
+from training.distill import ExpertBalance, IndexerDistill, query_rows
+from training.evaluate import needle_accuracy, summary
+from training.model_setup import trainable_model, trained_demo_config
+from training.tasks import batch
+from training.wording import varied_world
+from workbench.retrieval_text import TRAIN
+
+# Batches are `training.tasks.batch(step + STREAM)`: the base run used steps 0..1559 and
+# `training.extend` 1_000_000 + step, so no batch of either is repeated.
+STREAM = 2_000_000
+
+
+@dataclass(frozen=True)
+class Stage:
+    steps: int
+    batch: int
+    length: int
+
+
+def schedule(scale: float) -> list[Stage]:
+    """About 40 minutes on one CPU core at scale 1 (4-8K tokens per step, ~800 tokens/s), evaluations aside."""
+    base = [Stage(120, 2, 2048), Stage(110, 1, 4096), Stage(80, 1, 8192)]
+    return [Stage(max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    acc = 0
+    for s in stages:
+        if step < acc + s.steps:
+            return s
+        acc += s.steps
+    return stages[-1]
+
+
+def lr_scale(step: int, total: int, warmup: int = 20, floor: float = 0.25) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def row_world(share: float):
+    """Each row's world: a freshly drawn phrasing with probability `share`, else TRAIN as the base
+    run saw it (so its own wording is kept)."""
+    def draw(rng: random.Random):
+        return varied_world(rng) if rng.random() < share else TRAIN
+    return draw
+
+
+def load_base(base_dir: Path, model: torch.nn.Module) -> dict:
+    """The base run's last weights into `model` (every tensor, shapes checked; the base is only read)."""
+    d = state_io.latest(base_dir)
+    if d is None:
+        raise SystemExit(f"{base_dir}: no saved step (no latest.json): train the base model first")
+    info = state_io.load(d, model, {})
+    return {"base_dir": str(d), "base_step": int(info["step"]), "base_commit": info.get("commit", ""),
+            "base_command": info.get("command", ""), "seed": int(info["seed"]), "topk": int(info["topk"])}
+
+
+def with_tower(model: torch.nn.Module, topk: int, seed: int) -> tuple[torch.nn.Module, object]:
+    """The text model with the vision tower's seeded init attached, as `builtin:demo` ships it."""
+    config = trained_demo_config(topk, vision=True)
+    full = trainable_model(config, seed)
+    missing, unexpected = full.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
+    full.eval()
+    return full, config
+
+
+COLUMNS = ["step", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
+    p.add_argument("--state", type=Path, required=True, help="this run's resumable state directory")
+    p.add_argument("--out", type=Path, default=None, help="final checkpoint directory (default STATE/final)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.01 = smoke test)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=8e-4, help="peak rate (the base run peaked at 3e-3, ended at 3e-4)")
+    p.add_argument("--indexer-lr", type=float, default=1e-3)
+    p.add_argument("--varied-share", type=float, default=0.7, help="rows with a freshly drawn fact wording")
+    p.add_argument("--drill-share", type=float, default=0.5, help="rows that are recall drills (base run: 0.4)")
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=60)
+    p.add_argument("--eval-during", type=str, default="2048,8192", help="held-out lengths of the quick evals")
+    p.add_argument("--eval-samples-during", type=int, default=2, help="held-out prompts per depth in quick evals")
+    p.add_argument("--eval-lengths", type=str, default="2048,8192,32768")
+    p.add_argument("--eval-samples", type=str, default="8,4,2")
+    p.add_argument("--stop-after", type=int, default=None, help="save and exit after this step (tests resuming)")
+    p.add_argument("--no-final", action="store_true")
+    args = p.parse_args(argv)
+    out = args.out or args.state / "final"
+
+    torch.set_num_threads(args.threads)
+    args.state.mkdir(parents=True, exist_ok=True)
+    stages = schedule(args.scale)
+    total = sum(s.steps for s in stages)
+    tok = Tokenizer.byte_level()
+    probe = state_io.latest(args.base)
+    if probe is None:
+        raise SystemExit(f"{args.base}: no saved step (no latest.json): train the base model first")
+    base_info = json.loads((probe / "state.json").read_text())
+    seed, topk = int(base_info["seed"]), int(base_info["topk"])
+    config = trained_demo_config(topk)
+    model = trainable_model(config, seed)
+    distill = IndexerDistill(model)
+    balance = ExpertBalance(model)
+
+    params = dict(model.named_parameters())
+    bias = {n for n in params if n.endswith("e_score_correction_bias")}
+    index_names = [n for n in params if ".indexer." in n]
+    main_names = [n for n in params if n not in bias and n not in index_names]
+    for n in bias:
+        params[n].requires_grad_(False)
+    decay = [params[n] for n in main_names if params[n].dim() >= 2 and "embed" not in n]
+    rest = [params[n] for n in main_names if not (params[n].dim() >= 2 and "embed" not in n)]
+    opt_main = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=args.lr, betas=(0.9, 0.95))
+    opt_index = torch.optim.AdamW([params[n] for n in index_names], lr=args.indexer_lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    optimizers = {"main": opt_main, "indexer": opt_index}
+    settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
+                "varied_share": args.varied_share, "drill_share": args.drill_share}
+
+    step = 0
+    metrics: dict = {"evals": []}
+    run_info = {"command": "python -m training.lengthen " + " ".join(sys.argv[1:] if argv is None else argv),
+                **settings, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
+    resumed = state_io.latest(args.state)
+    if resumed is not None:
+        info = state_io.load(resumed, model, optimizers)
+        changed = {k: (info.get(k), v) for k, v in settings.items() if info.get(k) != v}
+        if changed:
+            raise SystemExit(f"{args.state} holds a run with other settings {changed} (saved, given); "
+                             "pass the same ones or another --state")
+        step = int(info["step"])
+        metrics = info.get("metrics", metrics)
+        run_info["base"] = info["base"]
+        print(f"resumed from {resumed} at step {step}/{total}", flush=True)
+    else:
+        run_info["base"] = load_base(args.base, model)
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
+    run_info.update(seed=seed, topk=topk)
+
+    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
+               mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
+    gen = torch.Generator()
+    worlds = row_world(args.varied_share)
+    model.runtime.dsa_force_dense = False
+    during = [int(x) for x in args.eval_during.split(",") if x]
+    ema = None
+    while step < total:
+        stage = stage_at(stages, step)
+        t0 = time.perf_counter()
+        scale = lr_scale(step, total)
+        for g in opt_main.param_groups:
+            g["lr"] = args.lr * scale
+        ids, weights = batch(tok, seed, STREAM + step, stage.batch, stage.length, drill_share=args.drill_share,
+                             world=worlds)
+        gen.manual_seed(seed * 1_000_003 + STREAM + step)
+        distill.active, distill.sparse = True, True
+        distill.rows = query_rows(weights, 64, gen)
+        loss, answer = weighted_loss(model(ids), ids, weights)
+        kl = distill.take()
+        (loss + (kl if kl is not None else 0.0)).backward()
+        distill.active = False
+        torch.nn.utils.clip_grad_norm_([params[n] for n in main_names], 1.0)
+        opt_main.step()
+        opt_main.zero_grad(set_to_none=True)
+        if kl is not None:
+            torch.nn.utils.clip_grad_norm_([params[n] for n in index_names], 1.0)
+            opt_index.step()
+        opt_index.zero_grad(set_to_none=True)
+        balance.update()
+        coverage = sum(distill.coverage) / len(distill.coverage) if distill.coverage else float("nan")
+        distill.coverage = []
+        loss_value = float(loss.detach())
+        kl_value = float(kl.detach()) if kl is not None else float("nan")
+        tps = ids.numel() / (time.perf_counter() - t0)
+        ema = tps if ema is None else 0.9 * ema + 0.1 * tps
+        writer.writerow([step, stage.length, f"{loss_value:.5f}", f"{answer:.5f}", f"{kl_value:.5f}",
+                         f"{coverage:.4f}", f"{args.lr * scale:.6f}", f"{tps:.1f}"])
+        step += 1
+        bar.set_postfix_str(f"L={stage.length} loss {loss_value:.3f} ans {answer:.3f} kl {kl_value:.3f} "
+                            f"{ema:.0f} tok/s", refresh=False)
+        bar.update(1)
+        if step % 10 == 0 or step == total:
+            log.flush()
+            left = sum(s.steps * s.batch * s.length for s in stages) - sum(
+                min(s.steps, max(0, step - sum(x.steps for x in stages[:i]))) * s.batch * s.length
+                for i, s in enumerate(stages))
+            print(f"step {step}/{total} L={stage.length} loss {loss_value:.3f} answer {answer:.3f} kl {kl_value:.3f} "
+                  f"topk-mass {coverage:.2f} lr {args.lr * scale:.2e} {ema:.0f} tok/s "
+                  f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)
+        if during and (step % args.eval_every == 0 or step == total):   # before the save: it keeps the eval
+            rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",))
+            metrics["evals"].append({"step": step, "rows": rows})
+            print(f"eval step {step} (held-out needle, value (whole response), fp32): {summary(rows)}", flush=True)
+        if step % args.save_every == 0 or step == total or step == args.stop_after:
+            state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})
+        if step == args.stop_after:
+            print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
+            return 0
+    bar.close()
+    log.close()
+    distill.remove()
+    if args.no_final:
+        return 0
+    return finalize(model, tok, args, out, run_info, metrics)
+
+
+def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: dict) -> int:
+    """Quantize + write the checkpoint (the untrained tower attached), reload it with the engine's
+    loader, evaluate held-out needles (and training-world ones at 2K), write the data files."""
+    full, config = with_tower(model, run_info["topk"], run_info["seed"])
+    out, shipped = export_and_reload(full, config, out, {
+        "loss_lengthen.csv": args.state / "loss.csv",
+        "loss.csv": Path(run_info["base"]["base_dir"]).parent / "loss.csv"})
+    rows = held_out_needle(shipped, tok, args)
+    train_rows = needle_accuracy(shipped, tok, lengths=(2048,), samples=8, modes=("sparse",), world=TRAIN, seed=99)
+    size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows)
+    (out / "EVAL.md").write_text(
+        "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"
+        "## Held-out needle retrieval (value given the key / prompts, whole response in brackets)\n\n"
+        f"{eval_table(rows)}\n\n## Training-world needle prompts (the generalisation gap)\n\n{eval_table(train_rows)}\n")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB); held-out needle: {summary(rows)}; training world: "
+          f"{summary(train_rows)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
