@@ -67,6 +67,15 @@ def stage_at(stages: list[Stage], step: int) -> tuple[int, Stage]:
     return len(stages) - 1, stages[-1]
 
 
+def tokens_left(stages, step: int) -> int:
+    """Training tokens still to come after `step` (stages with `steps`, `batch`, `length`): the ETA's numerator."""
+    done, acc = 0, 0
+    for s in stages:
+        done += min(s.steps, max(0, step - acc)) * s.batch * s.length
+        acc += s.steps
+    return sum(s.steps * s.batch * s.length for s in stages) - done
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int = 40, floor: float = 0.1) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -225,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         if step % 10 == 0 or step == total:
             log.flush()
-            left = sum(s.steps * s.batch * s.length for s in stages) - sum(
-                min(s.steps, max(0, step - sum(x.steps for x in stages[:i]))) * s.batch * s.length
-                for i, s in enumerate(stages))
+            left = tokens_left(stages, step)
             print(f"step {step}/{total} {stage.phase} L={stage.length} loss {loss_value:.3f} answer {answer_value:.3f} "
                   f"kl {kl_value:.3f} topk-mass {coverage:.2f} lr {lr:.2e} {ema_tps:.0f} tok/s "
                   f"ETA {left / max(ema_tps, 1) / 60:.0f} min", flush=True)

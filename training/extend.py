@@ -145,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = schedule(args.scale)
     total = sum(s.steps for s in stages)
     tok = Tokenizer.byte_level()
-    probe = state_io.latest(args.base)
-    if probe is None:
-        raise SystemExit(f"{args.base}: no saved step (no latest.json): train the base model first")
-    base_info = json.loads((probe / "state.json").read_text())
-    seed, topk = int(base_info["seed"]), int(base_info["topk"])
+    probe, seed, topk = state_io.base_settings(args.base)
     config = trained_demo_config(topk, vision=True)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)

@@ -25,7 +25,6 @@ needle prompts (and on training-world ones at 2K, the generalisation gap).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -38,7 +37,7 @@ from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import (_git_commit, eval_table, export_and_reload, held_out_needle, weighted_loss,
+from training.demo_model import (_git_commit, tokens_left, eval_table, export_and_reload, held_out_needle, weighted_loss,
                                  write_eval_files)
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
@@ -139,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = schedule(args.scale)
     total = sum(s.steps for s in stages)
     tok = Tokenizer.byte_level()
-    probe = state_io.latest(args.base)
-    if probe is None:
-        raise SystemExit(f"{args.base}: no saved step (no latest.json): train the base model first")
-    base_info = json.loads((probe / "state.json").read_text())
-    seed, topk = int(base_info["seed"]), int(base_info["topk"])
+    probe, seed, topk = state_io.base_settings(args.base)
     config = trained_demo_config(topk)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)
@@ -231,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         if step % 10 == 0 or step == total:
             log.flush()
-            left = sum(s.steps * s.batch * s.length for s in stages) - sum(
-                min(s.steps, max(0, step - sum(x.steps for x in stages[:i]))) * s.batch * s.length
-                for i, s in enumerate(stages))
+            left = tokens_left(stages, step)
             print(f"step {step}/{total} L={stage.length} loss {loss_value:.3f} answer {answer:.3f} kl {kl_value:.3f} "
                   f"topk-mass {coverage:.2f} lr {args.lr * scale:.2e} {ema:.0f} tok/s "
                   f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)

@@ -145,3 +145,13 @@ def open_loss_log(path: Path, step: int, columns: list[str]):
     if new:
         writer.writerow(columns)
     return f, writer
+
+
+def base_settings(base: Path) -> tuple[Path, int, int]:
+    """(last saved step directory, seed, topk) of a finished run that a continuation starts from
+    (`training.extend`, `training.lengthen`); exits with a clear message when it holds no step."""
+    last = latest(base)
+    if last is None:
+        raise SystemExit(f"{base}: no saved step (no latest.json): train the base model first")
+    info = json.loads((last / "state.json").read_text())
+    return last, int(info["seed"]), int(info["topk"])
