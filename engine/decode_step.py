@@ -7,12 +7,19 @@ written in place at `start`, and nothing reads a device value on the host. So th
 same shapes at every token and `torch.compile(fullgraph=True)` traces it into one graph; on CUDA
 it is captured as a CUDA graph (`mode="reduce-overhead"`).
 
-`DecodeStep` owns what stays outside the step: the capacity (MLA caches grow in large steps, by
-doubling from `MIN_CAPACITY`, before a step that would overflow; each new capacity is one
+`DecodeStep` owns what stays outside the step: the capacity (MLA caches grow before a step that
+would overflow, in steps of an eighth of the power of two below the context, so the indexer scans
+at most 12.5% of slots beyond it; the capacity dimension is compiled symbolic, so growing does not
 recompile), the input-id check, and the non-finite check on the logits (one reduction, read after
-the step; sampling reads the logits anyway). The session uses it for decode when
-`model.runtime.compile` resolves on and no probe listener is attached: probes are emitted by the
-eager forward, whose selections are the same (tested), so a recorded session decodes eagerly.
+the step; sampling reads the logits anyway). Dynamo's guards on the step's ~400 inputs cost about
+a millisecond per token on a CPU; they run in full on the first step of every `_GuardKey` (capacity,
+batch, dtypes, devices, runtime switches, grad mode, fused stacks, kept expert stacks) until a step
+of that key compiles nothing new, and are skipped after it (`skip_guard_eval_unsafe`): that key
+names everything the step's inputs can change in. The session uses it for decode when
+`model.runtime.compile` resolves on. Listening probe points collect inside the step
+(`ProbePoint.collecting`: their tensors become graph outputs) and are handed to their sinks after
+it, with positions known on the host; a step whose listener asks for a measure that needs a host
+decision inside the layer (the KDA effective rank's sampling, half-lives) runs the eager forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
 (`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
 (tests trace with "aot_eager" in seconds instead of inductor's minutes).
@@ -25,12 +32,34 @@ from typing import Callable
 
 import torch
 
-from engine.cache import MLACache, ModelState
+from engine.cache import KDAState, MLACache, ModelState
 from engine.errors import InputError
 from engine.layers.fused import fused_groups, refresh_fused
+from engine.layers.moe import RoutedExperts
 from engine.numerics import nonfinite_error
 from engine.parallel import comm
-from engine.probes import probe_points
+from engine.probes import ProbePoint
+
+# kda.state fields measured with host decisions (which positions get an SVD; the context length so far):
+# a decode step whose listener asks for them runs the eager forward
+_HOST_KDA_FIELDS = frozenset({"eff_rank", "half_life", "global_share"})
+
+
+def _inference_states(state: ModelState) -> None:
+    """Make every KDA state an inference tensor (the step rebinds them to ones it made under
+    `inference_mode`): a state set from outside (a loaded snapshot, a test) would otherwise differ in
+    its dispatch keys from the step's own and compile the step a second time."""
+    for layer in state.layers:
+        if isinstance(layer, KDAState) and not (layer.recurrent.is_inference() and layer.conv.is_inference()):
+            with torch.inference_mode():
+                layer.recurrent, layer.conv = layer.recurrent.clone(), layer.conv.clone()
+
+
+def _compiled_frames() -> int:
+    """Frames dynamo compiled so far in this process (a step that raised it compiled)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 MIN_CAPACITY = 1024
 # each (model, capacity) is one compiled graph of the same function: allow many before dynamo gives up
@@ -49,11 +78,11 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: Model
 
 
 def static_capacity(needed: int, topk: int = 0) -> int:
-    """The capacity a decode step at `needed` rows runs with: doubling from MIN_CAPACITY, above top-k."""
-    cap = MIN_CAPACITY
-    while cap < needed or cap <= topk:
-        cap *= 2
-    return cap
+    """The capacity a decode step at `needed` rows runs with: above top-k, at least MIN_CAPACITY, a
+    multiple of an eighth of the power of two at or below it (131,073 rows -> 147,456 slots)."""
+    need = max(needed, topk + 1, MIN_CAPACITY)
+    step = max(MIN_CAPACITY, 1 << (need.bit_length() - 4))
+    return -(-need // step) * step
 
 
 # the compiler behind runtime.compile; tests swap in "aot_eager" (dynamo's and AOT autograd's
@@ -91,18 +120,22 @@ class DecodeStep:
     """The compiled decode step of one model (shared by its sessions: `DecodeStep.of(model)`).
 
     Attributes:
-        compile_seconds: wall time of the calls that compiled (first step at each capacity).
-        compiles: how many capacities were compiled.
+        compile_seconds: wall time of the calls that compiled.
+        compiles: how many graphs were compiled (one for every capacity, unless batch or dtypes change).
+        steps: decode steps run (compiled or static).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._points = list(probe_points(model))
+        # every probe point with the module that declares it (which may finish what the step collected)
+        self._points = [(p, m) for m in model.modules() for p in vars(m).values() if isinstance(p, ProbePoint)]
         self._fused = fused_groups(model)
+        self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
-        self._capacities: set[tuple] = set()
+        self._checked: set[tuple] = set()  # guard keys whose first step ran with every guard
         self.compile_seconds = 0.0
         self.compiles = 0
+        self.steps = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "DecodeStep":
@@ -113,11 +146,14 @@ class DecodeStep:
         return step
 
     def mode(self, device: torch.device) -> str:
-        """"compiled" or "static" when the step applies (switched on, no probe listener, no
-        cross-rank debug checks), else "off" (the eager forward)."""
+        """"compiled" or "static" when the step applies (switched on, no cross-rank debug checks, every
+        listener's request collectable), else "off" (the eager forward)."""
         model = self.model
         mode = decode_mode(model.runtime.compile, device)
-        if mode == "off" or model.parallel.debug_checks or any(p.sink is not None for p in self._points):
+        if mode == "off" or model.parallel.debug_checks:
+            return "off"
+        if any(p.sink is not None and p.name == "kda.state" and p.request.optional & _HOST_KDA_FIELDS
+               for p, _ in self._points):
             return "off"
         return mode
 
@@ -126,12 +162,31 @@ class DecodeStep:
         dsa = self.model.config.dsa
         cap = static_capacity(needed, dsa.topk if dsa is not None else 0)
         for layer in state.layers:
-            if isinstance(layer, MLACache) and layer.capacity < cap:
-                layer.reserve(cap)
-                if layer.latent.is_cuda:  # the CUDA graph writes these in place: keep their addresses
-                    for t in (layer.latent, layer.k_rope, layer.index_keys):
-                        if t is not None:
-                            torch._dynamo.mark_static_address(t)
+            if not isinstance(layer, MLACache):
+                continue
+            layer.grow_to(cap)
+            for t in (layer.latent, layer.k_rope, layer.index_keys):
+                if t is None:
+                    continue
+                torch._dynamo.mark_dynamic(t, 1)  # one graph for every capacity (a flag on the tensor)
+                if t.is_cuda:  # the CUDA graph writes these in place: keep their addresses
+                    torch._dynamo.mark_static_address(t)
+
+    def _guard_key(self, state: ModelState, batch: int) -> tuple:
+        """What the step's guards check that can change between steps of one model: a step whose key was
+        seen before runs without guard evaluation."""
+        runtime = self.model.runtime
+        caches = tuple((t.shape, t.stride(), t.dtype, t.device) for layer in state.layers if isinstance(layer, MLACache)
+                       for t in (layer.latent, layer.k_rope, layer.index_keys) if t is not None)
+        kda = tuple((layer.recurrent.dtype, layer.recurrent.shape) for layer in state.layers
+                    if not isinstance(layer, MLACache))
+        stacks = (tuple(group.pointers for group in self._fused), tuple(m.kept() for m in self._experts))
+        options = (runtime.dsa_force_dense, runtime.dsa_dense_layers, runtime.mxfp8_activations, runtime.kernels,
+                   runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens)
+        params = next(self.model.parameters())
+        listeners = tuple((p.sink is not None, p.request) for p, _ in self._points)
+        return (batch, caches, kda, stacks, options, listeners, params.dtype, params.device, state.key_start is None,
+                torch.is_grad_enabled(), torch.is_inference_mode_enabled(), id(self.model.parallel))
 
     def _compiled(self, device: torch.device) -> Callable:
         fn = self._fns.get(BACKEND)
@@ -140,7 +195,7 @@ class DecodeStep:
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             options = compile_options(device) if BACKEND == "inductor" else None
-            fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, dynamic=False, backend=BACKEND,
+            fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, backend=BACKEND,
                                                     options=options)
         return fn
 
@@ -152,17 +207,63 @@ class DecodeStep:
             raise InputError(f"token ids {[i for i in ids if not 0 <= i < vocab][:8]} are outside the "
                              f"vocabulary [0, {vocab})")
         self.reserve(state, state.length + 1)
+        _inference_states(state)
         x = torch.tensor(ids, dtype=torch.long).view(-1, 1).to(device)
         start = torch.tensor(state.length, dtype=torch.long).to(device)
-        key = tuple(layer.capacity for layer in state.layers if isinstance(layer, MLACache)) + (x.shape[0],)
-        fn = self._compiled(device) if compiled else decode_forward
         refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
-        t0 = time.perf_counter()
+        listening = [(p, m) for p, m in self._points if p.sink is not None]
+        for point, _ in listening:
+            point.collecting = True
+        try:
+            logits = self._run(x, state, start, compiled)
+        except BaseException:
+            for point, _ in listening:
+                point.collected.clear()
+            raise
+        finally:
+            for point, _ in listening:
+                point.collecting = False
+        if not bool(torch.isfinite(logits).all()):
+            for point, _ in listening:
+                point.collected.clear()
+            raise nonfinite_error(self.model, x, logits, state)
+        self._hand_on(listening, state)
+        self.steps += 1
+        return logits
+
+    def _run(self, x: torch.Tensor, state: ModelState, start: torch.Tensor, compiled: bool) -> torch.Tensor:
+        if not compiled:
+            return decode_forward(self.model, x, state, start)
+        fn = self._compiled(x.device)
+        key = self._guard_key(state, x.shape[0])
+        if key in self._checked:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return fn(self.model, x, state, start)
+        dtype = next(self.model.parameters()).dtype
+        for experts in self._experts:  # what they keep is made now, not as a side effect of the first trace
+            experts.prepare(dtype, x.device)
+        key = self._guard_key(state, x.shape[0])
+        frames, t0 = _compiled_frames(), time.perf_counter()
         logits = fn(self.model, x, state, start)
-        if compiled and key not in self._capacities:
-            self._capacities.add(key)
+        if _compiled_frames() > frames:
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - t0
-        if not bool(torch.isfinite(logits).all()):
-            raise nonfinite_error(self.model, x, logits, state)
+        else:  # guards passed on an existing graph: its first trace's side effects are settled
+            self._checked.add(key)
         return logits
+
+    @staticmethod
+    def _hand_on(listening: list[tuple[ProbePoint, torch.nn.Module]], state: ModelState) -> None:
+        """Give each sink what its point collected during the step, with the step's host positions;
+        a module's `finish_probe` completes payloads that need a host decision (`dsa.dense_mass`)."""
+        start = state.length
+        for point, owner in listening:
+            payloads = list(point.collected)
+            point.collected.clear()
+            finish = getattr(owner, "finish_probe", None)
+            layer = state.layers[point.layer]
+            for data in payloads:
+                if finish is not None and finish(point, data, start, layer):
+                    continue
+                rows = next(iter(data.values())).shape[1]
+                point.emit(positions=torch.arange(start, start + rows), **data)

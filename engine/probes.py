@@ -9,6 +9,8 @@
   data the layer reads; `Sample` / `Marks` say which positions are wanted, decided on the host.
 - `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
   its step, phase and rank.
+- Inside the compiled decode step a listening point `collecting`: `emit` keeps the tensors (graph
+  outputs) and the step hands them to the sink afterwards, with positions from the host.
 
 Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
 (`if point.sink is not None: point.emit(...)`, any optional measure an `engine.ops` function); give
@@ -262,7 +264,7 @@ class ProbePoint:
         request: what the listener asks for (a `ProbeRequest`).
     """
 
-    __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context")
+    __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected")
 
     def __init__(self, name: str, layer: int) -> None:
         if name not in SIGNALS:
@@ -274,6 +276,11 @@ class ProbePoint:
         self.sink: Sink | None = None
         self.request = ProbeRequest()
         self.context = _UNBOUND
+        # inside the compiled decode step emissions are kept here (the graph's outputs) and handed to
+        # the sink on the host after it (`engine.decode_step`); one list for the point's lifetime, so
+        # the traced step always reads the same object
+        self.collecting = False
+        self.collected: list[dict[str, "torch.Tensor"]] = []
 
     @property
     def family(self) -> str:
@@ -303,8 +310,21 @@ class ProbePoint:
         ctx = self.context
         return self.request.rows(start, count, ctx.step, ctx.phase)
 
+    @property
+    def listening(self) -> bool:
+        """Whether the layer should emit: a sink is attached, or the decode step collects (checked
+        first, so a traced step depends on this flag only, not on which sink is attached)."""
+        return self.collecting or self.sink is not None
+
     def emit(self, **data: "torch.Tensor | None") -> None:
-        """Hand the tensors (fields of `signal`; None = not measured) to the sink with the tags."""
+        """Hand the tensors (fields of `signal`; None = not measured) to the sink with the tags.
+
+        While `collecting` (the decode step), keep them instead, without `positions`: the step's
+        positions are known on the host, which adds them when it hands the emission on.
+        """
+        if self.collecting:
+            self.collected.append({k: v for k, v in data.items() if v is not None and k != "positions"})
+            return
         sink = self.sink
         if sink is not None:
             ctx = self.context

@@ -39,6 +39,11 @@ class FusedLinears:
         self.weight: torch.Tensor | None = None
         self._ptrs: tuple[int, ...] = ()
 
+    @property
+    def pointers(self) -> tuple[int, ...]:
+        """Addresses of the source weights at the last rebuild."""
+        return self._ptrs
+
     def current(self) -> bool:
         """Whether every source weight is still its view of `weight` (no rebuild needed)."""
         return self.weight is not None and tuple(lin.weight.data_ptr() for lin in self.linears) == self._ptrs

@@ -141,7 +141,7 @@ class KimiDeltaAttention(nn.Module):
                 ends = ends_cpu.to(g.device)
                 half, share = interval_half_life(g, ends, start + ends)
                 data["half_life"], data["global_share"] = gather(half), gather(share)
-            point.emit(positions=start + ends_cpu, **data)
+            point.emit(positions=None if point.collecting else start + ends_cpu, **data)
 
         return observe, emit
 
@@ -175,7 +175,7 @@ class KimiDeltaAttention(nn.Module):
             g = g.masked_fill(pad.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(pad, 0.0)
         initial = None if state is None else state.recurrent
-        observe, emit = self._observer(g, beta, start) if self.probe_state.sink is not None else (None, None)
+        observe, emit = self._observer(g, beta, start) if self.probe_state.listening else (None, None)
         if T <= self.runtime.kda_recurrent_max_tokens:
             # the compiled decode step (device-tensor start) leaves fusion to the compiler
             impl = "reference" if isinstance(start, torch.Tensor) else self.runtime.kernels

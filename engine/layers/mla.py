@@ -141,12 +141,24 @@ class GatedMLA(nn.Module):
             iou, recall = topk_overlap(mean, picked, idx[:, at])
         point.emit(positions=picked, mass=mass, iou=iou, recall=recall)
 
+    def finish_probe(self, point: ProbePoint, data: dict[str, torch.Tensor], start: int, cache: MLACache) -> bool:
+        """Hand on what `_static_step` collected for `point` at position `start` (host side, after the
+        step). Returns False for a point whose collected fields are its emission (the caller emits them)."""
+        if point is not self.probe_dense_mass:
+            return False
+        end = start + data["q_nope"].shape[1]
+        w_kb, _ = self._kv_b()
+        self._dense_mass(data["q_nope"], data["q_rope"], cache.latent[:, :end], cache.k_rope[:, :end], start,
+                         data["indices"], w_kb)
+        return True
+
     def _static_step(self, x: torch.Tensor, cache: MLACache | None, start: torch.Tensor,
                      key_start: torch.Tensor | None, p: _Projected) -> torch.Tensor:
         """The decode step's form (`engine.decode_step`): `start` is a device tensor, the cache is read
         whole at its capacity with invisible slots masked, so shapes never change and no device
-        value reaches the host. Probes are not emitted here (the session runs the eager form when
-        a listener is attached)."""
+        value reaches the host. Listening probes collect (`ProbePoint.collecting`): the selection, and
+        for `dsa.dense_mass` the query, which `finish_probe` measures on the host when the listener's
+        request picks the step."""
         if cache is None:
             raise ValueError("the static decode step needs a cache")
         T = x.shape[1]
@@ -155,11 +167,19 @@ class GatedMLA(nn.Module):
         w_kb, w_vb = self._kv_b()
         q_nope, q_rope = p.q[..., : self.nope], p.q[..., self.nope:]
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
-        if self.indexer is not None and not self.runtime.reads_dense(self.layer_idx):
+        dense = self.runtime.reads_dense(self.layer_idx)
+        idx = None
+        # a dense-reading layer still runs its indexer for a listener (what it would have read)
+        if self.indexer is not None and (not dense or self.probe_topk.collecting or self.probe_dense_mass.collecting):
             assert cache.index_keys is not None and p.index_queries is not None and p.index_weights is not None
+            idx, scores = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
+                                              self.indexer.topk, key_start=key_start)
+            if self.probe_topk.collecting:
+                self.probe_topk.emit(indices=idx, scores=scores if self.probe_topk.request.wants("scores") else None)
+            if self.probe_dense_mass.collecting:
+                self.probe_dense_mass.collected.append({"q_nope": q_nope, "q_rope": q_rope, "indices": idx})
+        if idx is not None and not dense:
             # with fewer visible keys than top-k the selection holds all of them: equal to dense
-            idx, _ = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
-                                         self.indexer.topk, key_start=key_start)
             o_lat = sparse_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, idx, self.scale)
         else:
             o_lat = masked_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, positions, self.scale,

@@ -100,6 +100,10 @@ class RoutedExperts(nn.Module):
         self._dense.clear()  # new weights: the dequantized copies are stale
         super()._load_from_state_dict(*args, **kwargs)
 
+    def kept(self) -> tuple:
+        """Which dequantized stacks are kept, and where (a compiled step reads them as inputs)."""
+        return tuple((key, tuple(t.data_ptr() for t in stacks)) for key, stacks in self._dense.items())
+
     def stacks(self, dtype: torch.dtype) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
         """(w1, w3, w2) as the op reads them: dense tensors (parameters, or the kept dequantized
         copy) or `MXFP4` stacks dequantised at use."""
@@ -117,10 +121,16 @@ class RoutedExperts(nn.Module):
             return self._dense[(dtype, device)]
         return quant  # type: ignore[return-value]
 
+    def prepare(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build what `forward` keeps between calls for inputs of `dtype` on `device` (the slot map, the
+        dequantized stacks), so that a traced step finds them instead of making them."""
+        if device not in self._slot_tensor:
+            self._slot_tensor[device] = torch.tensor(self._slot_of, device=device)
+        self.stacks(dtype)
+
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [N, in], ids/weights [N, k] -> sum over the locally held experts [N, in] (fp32)."""
-        if ids.device not in self._slot_tensor:
-            self._slot_tensor[ids.device] = torch.tensor(self._slot_of, device=ids.device)
+        self.prepare(h.dtype, ids.device)
         w1, w3, w2 = self.stacks(h.dtype)
         return routed_experts(h, ids, weights, self._slot_tensor[ids.device], w1, w3, w2, self.act,
                               mxfp8=self.runtime.mxfp8_activations)
@@ -157,17 +167,19 @@ class LatentMoE(nn.Module):
             self.shared_experts.gate_up = None  # fused here instead
         self.input_projections = FusedLinears(*readers) if readers else None
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
         """x [B, T, hidden] at positions [start, start + T) -> [B, T, hidden]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         point = self.probe_route
-        if point.sink is None:
+        if not point.listening:
             weights, ids = self.gate(flat)
         else:
             with_entropy = point.request.wants("entropy")
             weights, ids, *scores = self.gate(flat, return_scores=with_entropy)
-            point.emit(positions=torch.arange(start, start + shape[-2]), experts=ids.view(*shape[:-1], -1),
+            # collecting (the decode step, `start` a device tensor): the host adds the positions
+            positions = None if point.collecting else torch.arange(start, start + shape[-2])
+            point.emit(positions=positions, experts=ids.view(*shape[:-1], -1),
                        weights=weights.view(*shape[:-1], -1),
                        entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None)
         if self.parallel.debug_checks:

@@ -15,7 +15,8 @@ import torch
 from tests.helpers import assert_close
 from engine import load_model
 from engine.decode_step import DecodeStep, decode_forward, static_capacity
-from engine.ops.dsa.masked import masked_indexer_topk
+from engine.cache import MLACache
+from engine.ops.dsa.masked import masked_indexer_topk, score_rank
 from engine.ops.dsa.reference import indexer_topk
 from engine.session import Session
 
@@ -68,13 +69,35 @@ def test_masked_topk_equals_blockwise_reference_with_ties():
         q = torch.randn(B, 1, Hi, D, generator=g)
         w = torch.randn(B, 1, Hi, generator=g)
         ref_idx, ref_s = indexer_topk(q, w, k[:, :pos + 1], torch.tensor([pos]), topk)
-        idx, s = masked_indexer_topk(q, w, k, torch.tensor([pos]), topk)
-        assert torch.equal(idx, ref_idx), pos
-        torch.testing.assert_close(s, ref_s, rtol=1e-5, atol=1e-6)  # matmul width may reorder sums
+        key_major = k.transpose(1, 2).contiguous().transpose(1, 2)  # the CPU cache's layout
+        for keys in (k, key_major):
+            idx, s = masked_indexer_topk(q, w, keys, torch.tensor([pos]), topk)
+            assert torch.equal(idx, ref_idx), pos
+            torch.testing.assert_close(s, ref_s, rtol=1e-5, atol=1e-6)  # matmul width may reorder sums
     key_start = torch.tensor([0, 7])
     ref_idx, _ = indexer_topk(q, w, k, torch.tensor([63]), topk, key_start=key_start)
     idx, _ = masked_indexer_topk(q, w, k, torch.tensor([63]), topk, key_start=key_start)
     assert torch.equal(idx, ref_idx)
+
+
+def test_score_rank_orders_by_score_then_earliest_position():
+    values = [0.0, -0.0, 1.5, -2.0, float("-inf"), 1.5, -1e-30, 3e38, -3e38, float("-inf"), 1e-45, -1e-45]
+    scores = torch.tensor([values])
+    rank = score_rank(scores, torch.arange(len(values)))[0]
+    assert len(set(rank.tolist())) == len(values)
+    expected = sorted(range(len(values)), key=lambda i: (-values[i], i))  # -0.0 == 0.0: position decides
+    assert rank.argsort(descending=True).tolist() == expected
+
+
+def test_cpu_index_keys_stay_key_major_when_grown(models):
+    config = models["k3.1"].config
+    layer = config.mla_layers[0]
+    cache = MLACache.empty(config, layer, 1, capacity=8)
+    assert cache.index_keys.shape == (1, 8, config.dsa.head_dim) and cache.index_keys.stride(1) == 1
+    cache.index_keys[0, 3] = 1.0
+    cache.grow_to(40)
+    assert cache.index_keys.shape[1] == 40 and cache.index_keys.stride(1) == 1
+    assert float(cache.index_keys[0, 3].min()) == 1.0 and float(cache.index_keys[0, 4:].abs().max()) == 0.0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -292,6 +292,45 @@ def test_recording_with_compiled_decode(recorded, tmp_path, compile_mode):
 
 
 @pytest.mark.parametrize("compile_mode", COMPILE_MODES, indirect=True)
+def test_default_policy_records_from_the_compiled_step(recorded, tmp_path, compile_mode):
+    """The default policy's signals are collected inside the static/compiled step (no eager fallback):
+    every decode step runs through it, and the trace equals one recorded with compilation off
+    (selections, routes and dense-mass positions exactly; KDA norms and masses to float tolerance)."""
+    model = recorded[0]
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(4)).tolist()
+    policy = dataclasses.replace(workbench.RecordPolicy(), dense_mass_decode_every=3)
+
+    def run(trace, setting):
+        model.runtime.compile = setting
+        s = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK)
+        s.suppressed_ids = s.suppressed_ids | {model.config.eos_token_id}  # never stop early
+        with workbench.record(s, trace=trace, policy=policy):
+            s.append(ids=ids, name="context")
+            return [t.id for t in s.generate(10, temperature=0, stop_ids=())]
+
+    eager = run(tmp_path / "eager", False)
+    step = decode_step.DecodeStep.of(model)
+    before = step.steps
+    compiled = run(tmp_path / "compiled", compile_mode)
+    assert compiled == eager
+    assert step.steps - before == 9  # every decode step of the recorded session ran the step
+    a, b = workbench.open_trace(tmp_path / "eager"), workbench.open_trace(tmp_path / "compiled")
+    for table, exact, close in (("dsa_topk", "selected", None), ("moe_routes", "experts", "weights"),
+                                ("kda_norms", None, "norm"), ("dsa_dense_mass", None, "mass")):
+        x = a.df(table).sort_values(["layer", "position"]).reset_index(drop=True)
+        y = b.df(table).sort_values(["layer", "position"]).reset_index(drop=True)
+        assert len(x) == len(y) > 0, table
+        assert x["position"].tolist() == y["position"].tolist(), table
+        if exact is not None:
+            assert all(np.array_equal(u, v) for u, v in zip(x[exact], y[exact])), table
+        if close is not None:
+            np.testing.assert_allclose(np.stack(list(map(np.asarray, x[close]))).astype(np.float64),
+                                       np.stack(list(map(np.asarray, y[close]))).astype(np.float64),
+                                       rtol=1e-4, atol=1e-6, err_msg=table)
+    assert (b.df("dsa_dense_mass")["position"] >= CONTEXT).any()  # decode steps were measured
+
+
+@pytest.mark.parametrize("compile_mode", COMPILE_MODES, indirect=True)
 def test_recording_a_window_of_a_compiled_session(recorded, tmp_path, compile_mode):
     """Decode through the compiled step, record a window (the eager forward, listeners attached),
     decode compiled again: the tokens of a session decoded eagerly throughout, a trace of exactly
