@@ -65,6 +65,26 @@ def decode_ms(model, context: int, tokens: int, mode) -> tuple[float, float, flo
     return 1000 * wall / steps, 1000 * cpu / steps, warm
 
 
+def read_floor_ms(model, context: int) -> tuple[float, float]:
+    """(MB of DSA indexer keys a decode step at `context` must read, ms to read them at this thread's
+    measured bandwidth): the O(T) part of a decode step that no amount of overhead removal avoids.
+    Bandwidth: the best of 5 `torch.sum`s over a buffer of the same size (what the scan streams)."""
+    from engine.decode_step import static_capacity
+
+    dsa = model.config.dsa
+    if dsa is None:
+        return 0.0, 0.0
+    slots = static_capacity(context + 1, dsa.topk)
+    nbytes = len(dsa.layers) * slots * dsa.head_dim * 4  # fp32 keys, every slot of every DSA layer's buffer
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / 1e6, 1000 * best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="preset:demo")
@@ -93,6 +113,14 @@ def main() -> None:
         base_wall, base_cpu = rows[0][1][m][0], rows[0][1][m][1]
         print(f"{m}: latency ratio vs first context (wall / cpu): "
               + ", ".join(f"{c}: {r[m][0] / base_wall:.2f}x / {r[m][1] / base_cpu:.2f}x" for c, r in rows))
+    # the floor of that ratio: reading every indexer key once per token at this thread's bandwidth
+    first, base = rows[0][0], rows[0][1][args.modes[-1]][1]
+    mb0, ms0 = read_floor_ms(model, first)
+    for context, r in rows[1:]:
+        mb, ms = read_floor_ms(model, context)
+        print(f"indexer keys read per token at {context}: {mb:.1f} MB, >= {ms:.2f} ms at {mb / max(ms, 1e-9):.1f} GB/s "
+              f"(measured now); {args.modes[-1]} ratio floor with free overhead: "
+              f"{(base - ms0 + ms) / base:.2f}x (measured {r[args.modes[-1]][1] / base:.2f}x)")
 
 if __name__ == "__main__":
     main()

@@ -154,7 +154,13 @@ class MLACache:
         self.k_rope.index_copy_(1, positions, k_rope.to(self.k_rope.dtype))
         if index_keys is not None:
             assert self.index_keys is not None
-            self.index_keys.index_copy_(1, positions, index_keys.to(self.index_keys.dtype))
+            keys = index_keys.to(self.index_keys.dtype)
+            if self.index_keys.stride(1) == 1:
+                # key-major: write through the [B, Di, cap] buffer itself, so a compiled step updates it in
+                # place (through the transposed view inductor copied the whole buffer every step)
+                self.index_keys.transpose(1, 2).index_copy_(2, positions, keys.transpose(1, 2))
+            else:
+                self.index_keys.index_copy_(1, positions, keys)
 
     def write(self, start: int, latent: torch.Tensor, k_rope: torch.Tensor,
               index_keys: torch.Tensor | None) -> None:

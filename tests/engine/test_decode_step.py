@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_close
-from engine import load_model
+from engine import decode_step, load_model
 from engine.decode_step import DecodeStep, decode_forward, static_capacity
 from engine.cache import MLACache
 from engine.ops.dsa.masked import masked_indexer_topk, score_rank
@@ -114,6 +114,30 @@ def test_decode_step_traces_into_one_graph(models, variant):
         got = fn(model, torch.tensor([[3]]), s.state, torch.tensor(s.length))
     assert got.shape == (1, 1, model.config.vocab_size)
     assert static_capacity(s.length + 1, 16) == s.state.layers[2].capacity
+
+
+def test_one_graph_across_cache_growth(models, monkeypatch):
+    """The capacity dimension is symbolic: decoding past a capacity grows the caches without a second
+    compile, guards are skipped once a key ran clean, and the tokens are the eager forward's."""
+    monkeypatch.setattr(decode_step, "BACKEND", "aot_eager")
+    monkeypatch.setattr(decode_step, "MIN_CAPACITY", 64)  # the prefill's 256 slots then grow to 320 in decode
+    model = models["k3.1"]
+    ids = ids_of(250, seed=6)
+    runs, capacities = [], []
+    for mode in (False, True):
+        model.runtime.compile = mode
+        s = Session(model, prefill_chunk=64)
+        s.suppressed_ids = s.suppressed_ids | {model.config.eos_token_id}
+        s.append(ids=ids)
+        runs.append([t.id for t in s.generate(30, temperature=0, stop_ids=())])
+        capacities.append(s.state.layers[2].capacity)
+    model.runtime.compile = "auto"
+    step = DecodeStep.of(model)
+    assert runs[0] == runs[1]
+    assert capacities[1] == static_capacity(279, 16) == 320  # grew once during decode
+    assert step.compiles == 1 and len(step._checked) >= 2  # before and after the growth
+    del model._decode_step  # later tests count their own compiles
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
