@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -53,6 +54,25 @@ def test_run_streams_text_and_saves_a_snapshot(tmp_path, capsys):
     assert '"output_tokens": 3' in stats and '"ttft_s"' in stats
     assert main(["run", "--model", "preset:tiny", "--prompt", ""]) == 2
     assert main(["run", "--model", "preset:tiny:k3", "--load", str(snap)]) == 2  # foreign snapshot
+
+
+def test_run_compile_on_records_through_the_decode_step(tmp_path, capsys, monkeypatch):
+    """`--compile on` with `--trace`: greedy text equal to `--compile off`, every decode step recorded."""
+    from engine import decode_step
+    from workbench import open_trace
+
+    monkeypatch.setattr(decode_step, "BACKEND", "aot_eager")  # dynamo's tracing without inductor's minutes
+    outs = []
+    for mode in ("off", "on"):
+        argv = ["run", "--model", "preset:tiny", "--prompt", "Hello there", "--max-new-tokens", "5", "--temperature",
+                "0", "--compile", mode, "--trace", str(tmp_path / mode)]
+        assert main(argv) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    on, off = open_trace(tmp_path / "on"), open_trace(tmp_path / "off")
+    assert sorted(on.df("dsa_topk")["position"]) == sorted(off.df("dsa_topk")["position"])
+    with pytest.raises(SystemExit):
+        main(["run", "--model", "preset:tiny", "--prompt", "x", "--compile", "maybe"])
 
 
 def test_python_dash_m_workbench():

@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="allow --save to replace an existing snapshot")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="decode through the compiled step (engine.decode_step): auto = on CUDA only; on a CPU the "
+                        "first use compiles for minutes (cached on disk afterwards)")
     p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
     p.add_argument("--trace", type=Path, help="record the session into this trace directory")
     p.add_argument("--record", default="dsa,kda,moe", help="signal families to record (comma list of dsa, kda, moe)")
@@ -101,6 +104,7 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                           overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,
                           parallel=ctx, device=ctx.device) as run:
         session = run.session
+        session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         # a bad image fails here, before anything ran (and the trace keeps what it has)
         if args.chat and (args.image or prompt is not None):  # one user message: the images, then the text
             session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
