@@ -9,8 +9,8 @@ it is captured as a CUDA graph (`mode="reduce-overhead"`).
 
 `DecodeStep` owns what stays outside the step: the capacity (MLA caches grow before a step that
 would overflow, in steps of an eighth of the power of two below the context, so the indexer scans
-at most 12.5% of slots beyond it; the capacity dimension is compiled symbolic, so growing does not
-recompile), the input-id check, and the non-finite check on the logits (one reduction, read after
+at most 12.5% of slots beyond it; by doubling on CUDA; the capacity dimension is compiled symbolic,
+so growing does not recompile), the input-id check, and the non-finite check on the logits (one reduction, read after
 the step; sampling reads the logits anyway). Dynamo's guards on the step's ~400 inputs cost about
 a millisecond per token on a CPU; they run in full on the first step of every `_GuardKey` (capacity,
 batch, dtypes, devices, runtime switches, grad mode, fused stacks, kept expert stacks) until a step
@@ -77,10 +77,14 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: Model
     return comm.all_gather(model.lm_head(hidden), model.parallel, dim=-1, tag="lm_head")
 
 
-def static_capacity(needed: int, topk: int = 0) -> int:
+def static_capacity(needed: int, topk: int = 0, *, doubling: bool = False) -> int:
     """The capacity a decode step at `needed` rows runs with: above top-k, at least MIN_CAPACITY, a
-    multiple of an eighth of the power of two at or below it (131,073 rows -> 147,456 slots)."""
+    multiple of an eighth of the power of two at or below it (131,073 rows -> 147,456 slots), or with
+    `doubling` the next power of two (CUDA: each capacity is one more recorded CUDA graph and its
+    memory pool, so there capacities are few rather than tight)."""
     need = max(needed, topk + 1, MIN_CAPACITY)
+    if doubling:
+        return max(MIN_CAPACITY, 1 << (need - 1).bit_length())
     step = max(MIN_CAPACITY, 1 << (need.bit_length() - 4))
     return -(-need // step) * step
 
@@ -160,7 +164,8 @@ class DecodeStep:
     def reserve(self, state: ModelState, needed: int) -> None:
         """Grow every MLA cache (outside the step) so that rows [0, needed) exist."""
         dsa = self.model.config.dsa
-        cap = static_capacity(needed, dsa.topk if dsa is not None else 0)
+        cuda = any(isinstance(layer, MLACache) and layer.latent.is_cuda for layer in state.layers)
+        cap = static_capacity(needed, dsa.topk if dsa is not None else 0, doubling=cuda)
         for layer in state.layers:
             if not isinstance(layer, MLACache):
                 continue

@@ -116,6 +116,16 @@ def test_decode_step_traces_into_one_graph(models, variant):
     assert static_capacity(s.length + 1, 16) == s.state.layers[2].capacity
 
 
+def test_static_capacity_grows_by_eighths_on_cpu_and_doubles_on_cuda():
+    assert [static_capacity(n) for n in (1, 1024, 1025, 2049, 131_073, 1 << 20)] == \
+        [1024, 1024, 2048, 3072, 147_456, 1 << 20]
+    assert [static_capacity(n, doubling=True) for n in (1, 1025, 2049, 131_073)] == [1024, 2048, 4096, 262_144]
+    assert static_capacity(100, 2048) == 3072 > 2048  # always above top-k
+    for n in range(1000, 300_000, 997):  # at most an eighth more slots than needed (past MIN_CAPACITY)
+        cap = static_capacity(n)
+        assert n <= cap <= max(1024 * -(-n // 1024), n * 1.125 + 1024)
+
+
 def test_one_graph_across_cache_growth(models, monkeypatch):
     """The capacity dimension is symbolic: decoding past a capacity grows the caches without a second
     compile, guards are skipped once a key ran clean, and the tokens are the eager forward's."""
