@@ -9,13 +9,14 @@ it is captured as a CUDA graph (`mode="reduce-overhead"`).
 
 `DecodeStep` owns what stays outside the step: the capacity (MLA caches grow before a step that
 would overflow, in steps of an eighth of the power of two below the context, so the indexer scans
-at most 12.5% of slots beyond it; by doubling on CUDA; the capacity dimension is compiled symbolic,
-so growing does not recompile), the input-id check, and the non-finite check on the logits (one reduction, read after
-the step; sampling reads the logits anyway). Dynamo's guards on the step's ~400 inputs cost about
-a millisecond per token on a CPU; they run in full on the first step of every `_GuardKey` (capacity,
-batch, dtypes, devices, runtime switches, grad mode, fused stacks, kept expert stacks) until a step
-of that key compiles nothing new, and are skipped after it (`skip_guard_eval_unsafe`): that key
-names everything the step's inputs can change in. The session uses it for decode when
+at most 12.5% of slots beyond it; by doubling on CUDA; the capacity dimension is compiled
+symbolic, so growing does not recompile), the input-id check, and the non-finite check on the
+logits (one reduction, read after the step; sampling reads the logits anyway). Dynamo's guards on
+the step's ~400 inputs cost about a millisecond per token on a CPU; they run in full for every new
+`DecodeStep._guard_key` (capacity, batch, dtypes, devices, runtime switches, grad mode, listeners,
+fused and kept expert stacks) until a step of that key compiles nothing new, and are skipped after
+it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can change in. The
+session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
 (`ProbePoint.collecting`: their tensors become graph outputs) and are handed to their sinks after
 it, with positions known on the host; a step whose listener asks for a measure that needs a host
@@ -40,6 +41,9 @@ from engine.numerics import nonfinite_error
 from engine.parallel import comm
 from engine.probes import ProbePoint
 
+MIN_CAPACITY = 1024
+# each (model, batch, dtype, listener set) is one compiled graph of the same function: allow many
+_RECOMPILE_LIMIT = 64
 # kda.state fields measured with host decisions (which positions get an SVD; the context length so far):
 # a decode step whose listener asks for them runs the eager forward
 _HOST_KDA_FIELDS = frozenset({"eff_rank", "half_life", "global_share"})
@@ -60,10 +64,6 @@ def _compiled_frames() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
-
-MIN_CAPACITY = 1024
-# each (model, capacity) is one compiled graph of the same function: allow many before dynamo gives up
-_RECOMPILE_LIMIT = 64
 
 
 def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: ModelState,
@@ -219,18 +219,16 @@ class DecodeStep:
         listening = [(p, m) for p, m in self._points if p.sink is not None]
         for point, _ in listening:
             point.collecting = True
+        finite = False
         try:
             logits = self._run(x, state, start, compiled)
-        except BaseException:
-            for point, _ in listening:
-                point.collected.clear()
-            raise
+            finite = bool(torch.isfinite(logits).all())
         finally:
             for point, _ in listening:
                 point.collecting = False
-        if not bool(torch.isfinite(logits).all()):
-            for point, _ in listening:
-                point.collected.clear()
+                if not finite:  # a failed step emits nothing
+                    point.collected.clear()
+        if not finite:
             raise nonfinite_error(self.model, x, logits, state)
         self._hand_on(listening, state)
         self.steps += 1
@@ -247,7 +245,7 @@ class DecodeStep:
         dtype = next(self.model.parameters()).dtype
         for experts in self._experts:  # what they keep is made now, not as a side effect of the first trace
             experts.prepare(dtype, x.device)
-        key = self._guard_key(state, x.shape[0])
+        key = self._guard_key(state, x.shape[0])  # the kept stacks are part of it
         frames, t0 = _compiled_frames(), time.perf_counter()
         logits = fn(self.model, x, state, start)
         if _compiled_frames() > frames:
