@@ -96,9 +96,11 @@ def grouped_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     N, k = ids.shape
     E = num_experts(w1)
     order, ends, local = sort_routes(ids, slot_of, E)
+    # one process holds every expert (a shape fact, no sync): no route is remote, nothing to mask
+    all_local = E == slot_of.numel()
     # [R, D] rows in expert order; the rows of remote experts are masked so that the GEMMs'
     # backward, which leaves their gradient rows unset, never reaches h
-    x = torch.where(local.unsqueeze(-1), h[order // k], 0)
+    x = h[order // k] if all_local else torch.where(local.unsqueeze(-1), h[order // k], 0)
     if mxfp8:
         x = mxfp4.fake_quantize_mxfp8(x)
     per_expert = sum(_expert_dense_bytes(w, h.dtype) for w in (w1, w3, w2))
@@ -106,7 +108,8 @@ def grouped_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     if step >= E:
         y = _mlp(x, take_range(w1, 0, E, h.dtype), take_range(w3, 0, E, h.dtype), take_range(w2, 0, E, h.dtype),
                  ends, act, mxfp8)
-        y = torch.where(local.unsqueeze(-1), y, 0)  # rows of experts held elsewhere were never computed
+        if not all_local:
+            y = torch.where(local.unsqueeze(-1), y, 0)  # rows of experts held elsewhere were never computed
     else:
         bounds = [0] + ends.tolist()  # one host sync: the rows of each chunk of experts
         parts = []
