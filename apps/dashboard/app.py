@@ -21,6 +21,7 @@ from urllib.parse import quote
 import panel as pn
 import param
 
+from apps.dashboard import page_bundle
 from apps.dashboard.components.dsa_diff import DSADiffView
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
@@ -86,12 +87,14 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
     Attaching adds one root per template area and Panel's helpers walk the whole graph for each
     (remove from an earlier document, add, recompute the document's model index): frozen, the
     index is recomputed once at the end instead of once per root (about a third of the page build).
+    The served page is bundled without MathJax (`page_bundle`: no pane of the dashboard renders TeX).
     """
 
     def server_doc(self, doc: Any = None, title: str | None = None, location: Any = True) -> Any:
         document = doc if doc is not None else pn.state.curdoc
         if document is None:
             return super().server_doc(doc, title, location)
+        page_bundle.without_mathjax(document)
         with document.models.freeze():
             return super().server_doc(document, title, location)
 
@@ -297,6 +300,7 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
     """Serve the dashboard (blocking unless `threaded`); a non-local host gets an access token if it has none."""
     if not is_local(config.host) and config.token is None:
         config.token = new_token()
+    page_bundle.install()
     origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1")] if is_local(config.host) else ["*"]
 
     def app() -> pn.viewable.Viewable:  # Panel calls a plain function once per browser session
