@@ -46,9 +46,9 @@ class DSAMemoryMap(ViewComponent):
                                     sizing_mode="stretch_width", css_classes=["k3-dsa-readout"],
                                     stylesheets=[_READOUT_CSS])
         self.title = text_pane("", sizing_mode="stretch_width", css_classes=["k3-dsa-title"])
-        # the image panel joins the page with the first image and the read-out's figure with the first
-        # selection: a hidden panel still costs its models on the server and its views in the browser
-        # (the image panel alone was ~40 models and ~0.8 s of the browser's main thread per page open)
+        # the image panel joins the page with the first frame that has an image segment, the read-out's
+        # figure with the first selection: hidden, each still cost its models on the server and its
+        # views in the browser at every page open (the image panel alone is ~40 models)
         self.image_box = pn.Column(sizing_mode="stretch_width", margin=0)
         self.detail = pn.Column(self.readout, sizing_mode="stretch_width")
         self.redraw()
