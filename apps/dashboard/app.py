@@ -21,6 +21,7 @@ from urllib.parse import quote
 import panel as pn
 import param
 
+from apps.dashboard import page_bundle
 from apps.dashboard.components.dsa_diff import DSADiffView
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
@@ -32,6 +33,7 @@ from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
 from apps.dashboard.side_by_side import SideBySide
+from apps.dashboard.spare import SpareDashboard
 from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
@@ -86,12 +88,14 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
     Attaching adds one root per template area and Panel's helpers walk the whole graph for each
     (remove from an earlier document, add, recompute the document's model index): frozen, the
     index is recomputed once at the end instead of once per root (about a third of the page build).
+    The served page is bundled without MathJax (`page_bundle`: no pane of the dashboard renders TeX).
     """
 
     def server_doc(self, doc: Any = None, title: str | None = None, location: Any = True) -> Any:
         document = doc if doc is not None else pn.state.curdoc
         if document is None:
             return super().server_doc(doc, title, location)
+        page_bundle.without_mathjax(document)
         with document.models.freeze():
             return super().server_doc(document, title, location)
 
@@ -252,12 +256,14 @@ def side_by_side(config: DashboardConfig, trace_a: str | Path, trace_b: str | Pa
                       Dashboard(follow_only, trace=trace_b))
 
 
-def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.viewable.Viewable:
+def create_app(config: DashboardConfig, session_args: dict | None = None,
+               spare: SpareDashboard | None = None) -> pn.viewable.Viewable:
     """The dashboard for one browser session: checks the token and the `trace` / `compare` URL parameters first.
 
     Bad input never stops the server: a wrong token gets only an error page; a bad `trace` or `compare`
     parameter or an unreadable trace shows an error above the (still working) dashboard. With a
-    `compare` trace, the two traces are shown side by side (`side_by_side.SideBySide`).
+    `compare` trace, the two traces are shown side by side (`side_by_side.SideBySide`). A request for
+    the server's own trace takes `spare`'s dashboard when one is built (`spare.py`).
     """
     args = pn.state.session_args if session_args is None else session_args
     if not token_ok(_arg(args, "token"), config.token):
@@ -277,7 +283,11 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
             dash: Any = side_by_side(config, trace, compare, message=message)
             title = "K3 Workbench · A vs B"
         else:
-            dash = Dashboard(config, trace=trace, message=message)
+            own = spare is not None and requested is None and not message
+            dash = (spare.take() if own else None) or Dashboard(config, trace=trace, message=message)
+            if _screen_bins and dash.state.bins != _screen_bins[-1]:
+                # built before the last page measured its width: bin to that width from the first frame
+                dash.state.bins = _screen_bins[-1]
             title = "K3 Workbench · memory inspector"
     except Exception as exc:  # keep serving other sessions; show what went wrong in this one
         return pn.pane.Alert(alert_text(f"The dashboard could not start: {type(exc).__name__}: {exc}"),
@@ -285,6 +295,9 @@ def create_app(config: DashboardConfig, session_args: dict | None = None) -> pn.
     dash.start()
     if pn.state.curdoc is not None:
         pn.state.on_session_destroyed(lambda _ctx: dash.close())
+        if spare is not None:
+            # the next one is built once this page has loaded, never while it is being sent or drawn
+            pn.state.onload(spare.fill)
     # one root per template area: Bokeh re-walks every model of the document for each root it adds
     template = DashboardTemplate(
         title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
@@ -297,15 +310,27 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
     """Serve the dashboard (blocking unless `threaded`); a non-local host gets an access token if it has none."""
     if not is_local(config.host) and config.token is None:
         config.token = new_token()
+    page_bundle.install()
     origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1")] if is_local(config.host) else ["*"]
+    spare = None
+    if config.trace is not None and config.compare is None:
+        spare = SpareDashboard(lambda: build_dashboard(config))
+        spare.fill()
 
     def app() -> pn.viewable.Viewable:  # Panel calls a plain function once per browser session
-        return create_app(config)
+        return create_app(config, spare=spare)
 
     return pn.serve({"/": app}, port=config.port, address=config.host, show=show,
                     title="K3 Workbench", websocket_origin=origins, threaded=threaded, start=start,
                     # bounded uploads: the browser may not push more than this in one message
                     websocket_max_message_size=max(config.max_upload_bytes * 2, 8 << 20))
+
+
+def build_dashboard(config: DashboardConfig) -> Dashboard:
+    """A dashboard of `config.trace` with every view built (what a page request for it would build)."""
+    dash = Dashboard(config)
+    dash.views()
+    return dash
 
 
 def url(config: DashboardConfig, trace: str | None = None, compare: str | None = None) -> str:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 import panel as pn
 import param
@@ -36,16 +38,6 @@ class DSAMemoryMap(ViewComponent):
         super().__init__(**params)
         self.heat = HeatFigure("How often each context range was selected (all queries so far)", "position",
                                "DSA layer", "log(1+selections)", palette="inferno")
-        self.reads = HeatFigure("What each layer read for the selected token", "key position", "DSA layer",
-                                "keys read", height=200)
-        self.query_line = Span(location=0, dimension="height", line_color="#00e5ff", line_width=2, visible=False)
-        self.reads.figure.add_layout(self.query_line)
-        self.image = ImageReadsPanel(on_image=lambda i: self.state.set_options(image_id=i))
-        self.image_card = pn.Column(pn.pane.Markdown("**What the DSA layers read in the image**", margin=(0, 10)),
-                                    self.image.controls, pn.Row(self.image.figure, pn.Column(
-                                        self.image.summary, self.image.layers_table, sizing_mode="stretch_width"),
-                                        sizing_mode="stretch_width"),
-                                    visible=False, sizing_mode="stretch_width", css_classes=["k3-dsa-image"])
         self.position_input = pn.widgets.IntInput.from_param(self.state.param.position, label="Query position",
                                                              width=160)
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
@@ -54,9 +46,48 @@ class DSAMemoryMap(ViewComponent):
                                     sizing_mode="stretch_width", css_classes=["k3-dsa-readout"],
                                     stylesheets=[_READOUT_CSS])
         self.title = text_pane("", sizing_mode="stretch_width", css_classes=["k3-dsa-title"])
-        # the read-out's figures join the page with the first selection (a lighter first paint)
+        # the image panel joins the page with the first frame that has an image segment, the read-out's
+        # figure with the first selection: hidden, each still cost its models on the server and its
+        # views in the browser at every page open (the image panel alone is ~40 models)
+        self.image_box = pn.Column(sizing_mode="stretch_width", margin=0)
         self.detail = pn.Column(self.readout, sizing_mode="stretch_width")
         self.redraw()
+
+    @cached_property
+    def reads(self) -> HeatFigure:
+        """The selected token's reads (built with the first selection, with the boundaries and marks shown now)."""
+        reads = HeatFigure("What each layer read for the selected token", "key position", "DSA layer", "keys read",
+                           height=200)
+        reads.figure.add_layout(self.query_line)
+        session = self.state.frame.session
+        reads.set_boundaries(segment_starts(session.segments) if self.show_segments else [])
+        reads.set_marks(session.marks)
+        return reads
+
+    @cached_property
+    def query_line(self) -> Span:
+        """The selected query's position on the reads figure."""
+        return Span(location=0, dimension="height", line_color="#00e5ff", line_width=2, visible=False)
+
+    @cached_property
+    def image(self) -> ImageReadsPanel:
+        """The image panel (built when the trace first shows an image segment)."""
+        return ImageReadsPanel(on_image=lambda i: self.state.set_options(image_id=i))
+
+    @cached_property
+    def image_card(self) -> pn.Column:
+        return pn.Column(pn.pane.Markdown("**What the DSA layers read in the image**", margin=(0, 10)),
+                         self.image.controls, pn.Row(self.image.figure, pn.Column(
+                             self.image.summary, self.image.layers_table, sizing_mode="stretch_width"),
+                             sizing_mode="stretch_width"),
+                         visible=False, sizing_mode="stretch_width", css_classes=["k3-dsa-image"])
+
+    def _show_detail(self, image: bool = False, reads: bool = False) -> None:
+        """Add the image panel and/or the read-out figure to the page (each once)."""
+        if image and not self.image_box.objects:
+            self.image_box.objects = [self.image_card]
+        if reads and len(self.detail.objects) == 1:
+            self.detail.objects = [self.reads.figure, self.readout]
 
     @param.depends("show_segments", watch=True)
     def _toggle_segments(self) -> None:
@@ -68,15 +99,18 @@ class DSAMemoryMap(ViewComponent):
         if {"segments", "heat"} & changed:
             starts = segment_starts(session.segments) if self.show_segments else []
             self.heat.set_boundaries(starts)
-            self.reads.set_boundaries(starts)
+            if "reads" in self.__dict__:
+                self.reads.set_boundaries(starts)
         if "marks" in changed:
             self.heat.set_marks(session.marks)
-            self.reads.set_marks(session.marks)
+            if "reads" in self.__dict__:
+                self.reads.set_marks(session.marks)
         if "generated" in changed:
             self.strip.tokens = [list(t) for t in session.generated]
         if "reads" in changed:
             self._show_reads(data, session)
-        if "image" in changed:
+        if "image" in changed and (data.image is not None or "image" in self.__dict__):
+            self._show_detail(image=True)
             shown = self.image.data
             selected_now = data.image is not None and data.image.token is not None and (
                 shown is None or shown.token_position != data.image.token_position)
@@ -86,13 +120,13 @@ class DSAMemoryMap(ViewComponent):
     def _show_reads(self, data: DSAMapData, session: SessionMapData) -> None:
         reads = data.reads
         if reads is None:
-            self.reads.update(None)
-            self.query_line.visible = False
+            if "reads" in self.__dict__:
+                self.reads.update(None)
+                self.query_line.visible = False
             self.readout.object = "<p>Select a generated token to see what each DSA layer read for it.</p>"
             set_text(self.title, "")
             return
-        if len(self.detail.objects) == 1:
-            self.detail.objects = [self.reads.figure, self.readout]
+        self._show_detail(reads=True)
         # bins no key was read from are transparent, so the few read bins stand out
         counts = np.where(reads["heat"] > 0, reads["heat"], np.nan).astype(np.float32)
         heat = HeatMap(tuple(reads["layers"]), counts, 0.0, float(session.extent))
@@ -111,7 +145,7 @@ class DSAMemoryMap(ViewComponent):
             pn.pane.Markdown("**Generated text** — click a token to see what each layer read for it", margin=(0, 10)),
             self.strip,
             pn.Row(self.position_input, self.title, sizing_mode="stretch_width"),
-            self.image_card, self.detail, self.drawn_marker,
+            self.image_box, self.detail, self.drawn_marker,
             title="DSA memory map", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-dsa"])
 
 

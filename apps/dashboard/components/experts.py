@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 import panel as pn
 import param
@@ -44,14 +46,6 @@ class ExpertsView(ViewComponent):
                        line_color=None, legend_label="image", fill_alpha=0.9)
         self.bars.legend.location = "top_right"
         trim(self.bars)
-        self.routes_source = ColumnDataSource({"expert": [], "layer": [], "weight": [], "size": []})
-        self.routes = figure(title="Routes of the selected token", height=220, sizing_mode="stretch_width",
-                             tools="reset,save", toolbar_location="above", x_axis_label="expert",
-                             y_axis_label="MoE layer", y_range=FactorRange(factors=["-"]))
-        self.routes.scatter(x="expert", y="layer", size="size", source=self.routes_source, fill_color="#e45756",
-                            line_color="black", fill_alpha=0.7)
-        self.routes.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("expert", "@expert"), ("weight", "@weight{0.000}")]))
-        trim(self.routes)
         self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
         self.load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
                            toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots")
@@ -66,6 +60,22 @@ class ExpertsView(ViewComponent):
                                pn.widgets.Select.from_param(self.param.layer, label="Layer (bars)", width=140))
         self._segment_ids: dict[str, int] = {}
         self.redraw()
+
+    @cached_property
+    def routes_source(self) -> ColumnDataSource:
+        return ColumnDataSource({"expert": [], "layer": [], "weight": [], "size": []})
+
+    @cached_property
+    def routes(self) -> figure:
+        """The selected token's routes (built with the first selection: a figure nobody sees yet costs the
+        server its models and the browser their views at every page open)."""
+        routes = figure(title="Routes of the selected token", height=220, sizing_mode="stretch_width",
+                        tools="reset,save", toolbar_location="above", x_axis_label="expert",
+                        y_axis_label="MoE layer", y_range=FactorRange(factors=["-"]))
+        routes.scatter(x="expert", y="layer", size="size", source=self.routes_source, fill_color="#e45756",
+                       line_color="black", fill_alpha=0.7)
+        routes.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("expert", "@expert"), ("weight", "@weight{0.000}")]))
+        return trim(routes)
 
     @param.depends("modality", "segment", "layer", watch=True)
     def _options(self) -> None:
@@ -103,6 +113,9 @@ class ExpertsView(ViewComponent):
         self.bars.x_range.update(start=-0.5, end=len(text) - 0.5)
 
     def _routes(self, data: ExpertsData) -> None:
+        if data.routes is None and "routes" not in self.__dict__:
+            set_text(self.routes_note, "Select a token to see its routes.")
+            return
         routes = data.routes or []
         experts, layers, weights = [], [], []
         for r in routes:

@@ -12,6 +12,9 @@ import param
 from panel.custom import JSComponent
 
 
+STRIP_HEIGHT = 160  # pixels: about seven lines of tokens
+
+
 class TokenStrip(JSComponent):
     """Clickable tokens: `tokens` is a list of [position, piece]; `selected` is the clicked position."""
 
@@ -19,48 +22,71 @@ class TokenStrip(JSComponent):
     selected = param.Integer(default=None, allow_None=True, doc="position of the clicked token (None: none)")
     placeholder = param.String(default="(no generated text yet)", doc="shown while there are no tokens")
 
+    def __init__(self, **params) -> None:
+        # a fixed height (the text scrolls inside): the strip's module renders after the page's first
+        # layout, and a strip that then grew to its text's height made the browser lay the whole page
+        # out again (about a quarter of a second per page open); a live session's streaming text no
+        # longer pushes the views below it down either
+        params.setdefault("height", STRIP_HEIGHT)
+        super().__init__(**params)
+
     _esm = """
 export function render({ model, el }) {
   // one style sheet for every token (inline styles per span cost the browser a style recalculation each)
   const sheet = document.createElement('style');
   sheet.textContent = '.k3-tokens { font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.7;' +
     ' white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-all; overflow-y: auto;' +
-    ' max-height: 160px; padding: 4px; width: 100%; box-sizing: border-box; }' +
+    ' height: 100%; padding: 4px; width: 100%; box-sizing: border-box; contain: content; }' +
     ' .k3-token { cursor: pointer; border-bottom: 1px dotted #999; }' +
     ' .k3-token.k3-selected { background: #ffd54f; }';
   const box = document.createElement('div');
   box.className = 'k3-tokens';
   el.append(sheet, box);
+  // a span carries only its class and its text: the position lives in `positions` (span i = token i) and
+  // the "position N" tooltip is set when the pointer first rests on a span, so a thousand tokens cost a
+  // thousand small elements and nothing more (no per-span attributes to create, store and match)
+  let positions = [];
   let shown = null;
+  const index = (span) => Array.prototype.indexOf.call(box.children, span);
   const paint = () => {
     if (shown !== null) { shown.classList.remove('k3-selected'); shown = null; }
     if (model.selected === null || model.selected === undefined) { return; }
-    const hit = box.querySelector(`[data-pos="${Number(model.selected)}"]`);
-    if (hit) { hit.classList.add('k3-selected'); shown = hit; }
+    const i = positions.indexOf(Number(model.selected));
+    if (i >= 0) { shown = box.children[i]; shown.classList.add('k3-selected'); }
   };
   box.onclick = (event) => {
     const s = event.target.closest('.k3-token');
-    if (s) { model.selected = Number(s.dataset.pos); paint(); }
+    if (s) { model.selected = positions[index(s)]; paint(); }
+  };
+  box.onmouseover = (event) => {
+    const s = event.target.closest('.k3-token');
+    if (s && !s.title) { s.title = 'position ' + positions[index(s)]; }
+  };
+  const span = (piece) => {
+    const s = document.createElement('span');
+    s.className = 'k3-token';
+    s.textContent = piece;  // text, never HTML
+    return s;
   };
   const draw = () => {
     const stick = box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
-    shown = null;
-    if (!model.tokens.length) {
+    const tokens = model.tokens;
+    if (!tokens.length) {
       const p = document.createElement('i');
       p.textContent = model.placeholder;
       box.replaceChildren(p);
+      positions = [];
+      shown = null;
       return;
     }
+    // while a session streams, the new list extends the shown one: append only the new tokens
+    const n = positions.length;
+    const extends_shown = n > 0 && n <= tokens.length && positions[0] === tokens[0][0] &&
+      positions[n - 1] === tokens[n - 1][0];
     const spans = document.createDocumentFragment();
-    for (const [pos, piece] of model.tokens) {
-      const s = document.createElement('span');
-      s.className = 'k3-token';
-      s.dataset.pos = pos;
-      s.title = 'position ' + pos;
-      s.textContent = piece;  // text, never HTML
-      spans.append(s);
-    }
-    box.replaceChildren(spans);
+    for (let i = extends_shown ? n : 0; i < tokens.length; i++) { spans.append(span(tokens[i][1])); }
+    if (extends_shown) { box.append(spans); } else { box.replaceChildren(spans); shown = null; }
+    positions = tokens.map((t) => t[0]);
     paint();
     if (stick) { box.scrollTop = box.scrollHeight; }
   };
