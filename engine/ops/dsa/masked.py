@@ -47,7 +47,12 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
     if key_start is not None:
         hidden = hidden | (key_pos < key_start.view(-1, 1, 1))
     scores = scores.masked_fill(hidden, float("-inf"))
-    top = score_rank(scores, key_pos).topk(topk, dim=-1, sorted=False).values  # [B, Tq, topk]
+    rank = score_rank(scores, key_pos)
+    if k.device.type == "cpu" and cap % 2 == 0 and cap >= 2 * topk:
+        # each half's top-k holds every global top-k member in it, and aten's CPU top-k runs the two
+        # halves on two threads (147K slots: 0.70 -> 0.44 ms with 2 threads, the same with 1)
+        rank = rank.unflatten(-1, (2, cap // 2)).topk(topk, dim=-1, sorted=False).values.flatten(-2)
+    top = rank.topk(topk, dim=-1, sorted=False).values  # [B, Tq, topk]
     pick = (cap - 1) - (top & 0xFFFFFFFF)  # slots = positions
     vals = scores.gather(-1, pick)
     idx = pick.masked_fill(vals == float("-inf"), -1)
