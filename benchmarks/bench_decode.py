@@ -113,14 +113,16 @@ def main() -> None:
         base_wall, base_cpu = rows[0][1][m][0], rows[0][1][m][1]
         print(f"{m}: latency ratio vs first context (wall / cpu): "
               + ", ".join(f"{c}: {r[m][0] / base_wall:.2f}x / {r[m][1] / base_cpu:.2f}x" for c, r in rows))
-    # the floor of that ratio: reading every indexer key once per token at this thread's bandwidth
-    first, base = rows[0][0], rows[0][1][args.modes[-1]][1]
+    # the floor of that ratio: reading every indexer key once per token at this process's bandwidth
+    # (CPU time with one thread, where it is the figure to read; wall time with several)
+    column = 1 if args.threads == 1 else 0
+    first, base = rows[0][0], rows[0][1][args.modes[-1]][column]
     mb0, ms0 = read_floor_ms(model, first)
     for context, r in rows[1:]:
         mb, ms = read_floor_ms(model, context)
         print(f"indexer keys read per token at {context}: {mb:.1f} MB, >= {ms:.2f} ms at {mb / max(ms, 1e-9):.1f} GB/s "
               f"(measured now); {args.modes[-1]} ratio floor with free overhead: "
-              f"{(base - ms0 + ms) / base:.2f}x (measured {r[args.modes[-1]][1] / base:.2f}x)")
+              f"{(base - ms0 + ms) / base:.2f}x (measured {r[args.modes[-1]][column] / base:.2f}x)")
 
 if __name__ == "__main__":
     main()
