@@ -131,8 +131,9 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        # every probe point with the module that declares it (which may finish what the step collected)
-        self._points = [(p, m) for m in model.modules() for p in vars(m).values() if isinstance(p, ProbePoint)]
+        # every probe point with its module's `finish_probe` (None: the collected tensors are the emission)
+        self._points = [(p, getattr(m, "finish_probe", None)) for m in model.modules() for p in vars(m).values()
+                        if isinstance(p, ProbePoint)]
         self._fused = fused_groups(model)
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
@@ -216,7 +217,7 @@ class DecodeStep:
         x = torch.tensor(ids, dtype=torch.long).view(-1, 1).to(device)
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
-        listening = [(p, m) for p, m in self._points if p.sink is not None]
+        listening = [(p, finish) for p, finish in self._points if p.sink is not None]
         for point, _ in listening:
             point.collecting = True
         finite = False
@@ -256,17 +257,18 @@ class DecodeStep:
         return logits
 
     @staticmethod
-    def _hand_on(listening: list[tuple[ProbePoint, torch.nn.Module]], state: ModelState) -> None:
+    def _hand_on(listening: list[tuple[ProbePoint, Callable | None]], state: ModelState) -> None:
         """Give each sink what its point collected during the step, with the step's host positions;
         a module's `finish_probe` completes payloads that need a host decision (`dsa.dense_mass`)."""
         start = state.length
-        for point, owner in listening:
+        positions: dict[int, torch.Tensor] = {}  # one host tensor per row count, shared by the points
+        for point, finish in listening:
             payloads = list(point.collected)
             point.collected.clear()
-            finish = getattr(owner, "finish_probe", None)
-            layer = state.layers[point.layer]
             for data in payloads:
-                if finish is not None and finish(point, data, start, layer):
+                if finish is not None and finish(point, data, start, state.layers[point.layer]):
                     continue
                 rows = next(iter(data.values())).shape[1]
-                point.emit(positions=torch.arange(start, start + rows), **data)
+                if rows not in positions:
+                    positions[rows] = torch.arange(start, start + rows)
+                point.emit(positions=positions[rows], **data)

@@ -146,6 +146,8 @@ class GatedMLA(nn.Module):
         step). Returns False for a point whose collected fields are its emission (the caller emits them)."""
         if point is not self.probe_dense_mass:
             return False
+        if len(point.rows(start, data["q_nope"].shape[1])) == 0:  # the listener skips this step
+            return True
         end = start + data["q_nope"].shape[1]
         w_kb, _ = self._kv_b()
         self._dense_mass(data["q_nope"], data["q_rope"], cache.latent[:, :end], cache.k_rope[:, :end], start,
