@@ -19,8 +19,9 @@ it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can ch
 session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
 (`ProbePoint.collecting`: their tensors become graph outputs) and are handed to their sinks after
-it, with positions known on the host; a step whose listener asks for a measure that needs a host
-decision inside the layer (the KDA effective rank's sampling, half-lives) runs the eager forward.
+it, with positions known on the host; a step whose listener asks for a field declared `eager`
+(measured with host decisions inside the layer: the KDA effective rank, half-lives) runs the eager
+forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
 (`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
 (tests trace with "aot_eager" in seconds instead of inductor's minutes).
@@ -44,9 +45,6 @@ from engine.probes import ProbePoint
 MIN_CAPACITY = 1024
 # each (model, batch, dtype, listener set) is one compiled graph of the same function: allow many
 _RECOMPILE_LIMIT = 64
-# kda.state fields measured with host decisions (which positions get an SVD; the context length so far):
-# a decode step whose listener asks for them runs the eager forward
-_HOST_KDA_FIELDS = frozenset({"eff_rank", "half_life", "global_share"})
 
 
 def _inference_states(state: ModelState) -> None:
@@ -157,9 +155,8 @@ class DecodeStep:
         mode = decode_mode(model.runtime.compile, device)
         if mode == "off" or model.parallel.debug_checks:
             return "off"
-        if any(p.sink is not None and p.name == "kda.state" and p.request.optional & _HOST_KDA_FIELDS
-               for p, _ in self._points):
-            return "off"
+        if any(p.sink is not None and p.request.optional & p.signal.eager for p, _ in self._points):
+            return "off"  # a listener asks for a field only the eager forward measures (`Field.eager`)
         return mode
 
     def reserve(self, state: ModelState, needed: int) -> None:

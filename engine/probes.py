@@ -49,6 +49,8 @@ class Field:
         doc: what it holds.
         optional: emitted only when the listener's `ProbeRequest` names it.
         host: on the CPU whatever the model's device (positions), so a listener reads it freely.
+        eager: measured with host decisions inside the layer (which positions, the context so far), so
+            a decode step whose listener asks for it runs the eager forward instead of the compiled step.
     """
 
     name: str
@@ -57,6 +59,7 @@ class Field:
     doc: str
     optional: bool = False
     host: bool = False
+    eager: bool = False
 
 
 def _positions(meaning: str) -> Field:
@@ -82,6 +85,11 @@ class Signal:
     @property
     def optional(self) -> frozenset[str]:
         return frozenset(f.name for f in self.fields if f.optional)
+
+    @property
+    def eager(self) -> frozenset[str]:
+        """Fields only the eager forward measures (`Field.eager`)."""
+        return frozenset(f.name for f in self.fields if f.eager)
 
     def field(self, name: str) -> Field:
         for f in self.fields:
@@ -137,11 +145,12 @@ KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state 
           "previous measurement", optional=True),
     Field("mean_beta", ("B", "n", "heads"), "float32", "mean beta per head over the same interval", optional=True),
     Field("eff_rank", ("B", "n", "heads"), "float32", "effective rank of S per head (exp of the entropy of its "
-          "normalised singular values); NaN at positions the request's `queries` sample skips", optional=True),
+          "normalised singular values); NaN at positions the request's `queries` sample skips", optional=True,
+          eager=True),
     Field("half_life", ("B", "n", "heads"), "float32", "median over channels of the half-life ln 2 / -mean(g) "
-          "(tokens) over the interval", optional=True),
+          "(tokens) over the interval", optional=True, eager=True),
     Field("global_share", ("B", "n", "heads"), "float32", "share of channels whose half-life over the interval "
-          "exceeds the context so far (position + 1)", optional=True),
+          "exceeds the context so far (position + 1)", optional=True, eager=True),
 ))
 MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     _positions("token positions of this forward call"),
