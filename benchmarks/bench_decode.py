@@ -66,7 +66,7 @@ def decode_ms(model, context: int, tokens: int, mode) -> tuple[float, float, flo
 
 
 def read_floor_ms(model, context: int) -> tuple[float, float]:
-    """(MB of DSA indexer keys a decode step at `context` must read, ms to read them at this thread's
+    """(MB of DSA indexer keys a decode step at `context` must read, ms to read them at this process's
     measured bandwidth): the O(T) part of a decode step that no amount of overhead removal avoids.
     Bandwidth: the best of 5 `torch.sum`s over a buffer of the same size (what the scan streams)."""
     from engine.decode_step import static_capacity
@@ -75,8 +75,10 @@ def read_floor_ms(model, context: int) -> tuple[float, float]:
     if dsa is None:
         return 0.0, 0.0
     slots = static_capacity(context + 1, dsa.topk)
-    nbytes = len(dsa.layers) * slots * dsa.head_dim * 4  # fp32 keys, every slot of every DSA layer's buffer
-    buf = torch.ones(nbytes // 4)
+    dtype = next(model.parameters()).dtype  # the caches' dtype
+    item = torch.empty((), dtype=dtype).element_size()
+    nbytes = len(dsa.layers) * slots * dsa.head_dim * item  # every slot of every DSA layer's key buffer
+    buf = torch.ones(nbytes // item, dtype=dtype)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

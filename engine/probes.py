@@ -4,7 +4,8 @@
   the positions mean). `SIGNALS` is the catalogue; the recorder and the trace schema read it.
 - `ProbePoint`: one signal of one layer, named by family + layer and by its module path
   (`model.layers.3.self_attn:dsa.topk`). A layer calls `point.emit(**tensors)` only when
-  `point.sink is not None`, so with nothing attached the cost is that one `None` check.
+  `point.listening` (a sink attached, or the decode step collecting), so with nothing attached the
+  cost is that one check.
 - `ProbeRequest`: what the listener asks for (optional fields, which queries to measure), declared
   data the layer reads; `Sample` / `Marks` say which positions are wanted, decided on the host.
 - `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
@@ -13,7 +14,7 @@
   outputs) and the step hands them to the sink afterwards, with positions from the host.
 
 Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
-(`if point.sink is not None: point.emit(...)`, any optional measure an `engine.ops` function); give
+(`if point.listening: point.emit(...)`, any optional measure an `engine.ops` function); give
 it a table in `workbench/trace/schema.py` (`signal=`, `field=` on the columns it fills) and a
 request + reducer entry in `workbench/recorders/recorder.py`.
 

@@ -222,10 +222,10 @@ class GatedMLA(nn.Module):
                                        impl=self.runtime.kernels)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
-            if self.probe_topk.sink is not None:
+            if self.probe_topk.listening:
                 self.probe_topk.emit(positions=torch.arange(start, start + T), indices=idx,
                                      scores=scores if self.probe_topk.request.wants("scores") else None)
-            if self.probe_dense_mass.sink is not None:
+            if self.probe_dense_mass.listening:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
         sparse = idx is not None and not self.runtime.reads_dense(self.layer_idx) and start + T > self.indexer.topk
 

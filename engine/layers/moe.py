@@ -121,19 +121,18 @@ class RoutedExperts(nn.Module):
             return self._dense[(dtype, device)]
         return quant  # type: ignore[return-value]
 
-    def prepare(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Build what `forward` keeps between calls for inputs of `dtype` on `device` (the slot map, the
-        dequantized stacks), so that a traced step finds them instead of making them."""
+    def prepare(self, dtype: torch.dtype, device: torch.device
+                ) -> tuple[torch.Tensor, tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]]:
+        """What `forward` reads for inputs of `dtype` on `device`: the slot map and the stacks, made and
+        kept at the first call (the decode step calls this before its trace, so the trace finds them)."""
         if device not in self._slot_tensor:
             self._slot_tensor[device] = torch.tensor(self._slot_of, device=device)
-        self.stacks(dtype)
+        return self._slot_tensor[device], self.stacks(dtype)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [N, in], ids/weights [N, k] -> sum over the locally held experts [N, in] (fp32)."""
-        self.prepare(h.dtype, ids.device)
-        w1, w3, w2 = self.stacks(h.dtype)
-        return routed_experts(h, ids, weights, self._slot_tensor[ids.device], w1, w3, w2, self.act,
-                              mxfp8=self.runtime.mxfp8_activations)
+        slot_of, (w1, w3, w2) = self.prepare(h.dtype, ids.device)
+        return routed_experts(h, ids, weights, slot_of, w1, w3, w2, self.act, mxfp8=self.runtime.mxfp8_activations)
 
 
 class LatentMoE(nn.Module):
