@@ -25,6 +25,7 @@ needle prompts (and on training-world ones at 2K, the generalisation gap).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -41,7 +42,7 @@ from training.demo_model import (_git_commit, tokens_left, eval_table, export_an
                                  write_eval_files)
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
-from training.model_setup import trainable_model, trained_demo_config
+from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
 from training.wording import varied_world
 from workbench.retrieval_text import TRAIN
@@ -58,9 +59,27 @@ class Stage:
     length: int
 
 
-def schedule(scale: float) -> list[Stage]:
-    """About 40 minutes on one CPU core at scale 1 (4-8K tokens per step, ~800 tokens/s), evaluations aside."""
-    base = [Stage(120, 2, 2048), Stage(110, 1, 4096), Stage(80, 1, 8192)]
+DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """`STEPSxBATCHxLENGTH,...` -> stages (a clear error for anything else)."""
+    stages = []
+    for part in text.split(","):
+        try:
+            steps, size, length = (int(x) for x in part.strip().split("x"))
+        except ValueError:
+            raise SystemExit(f"--stages: {part!r} is not STEPSxBATCHxLENGTH (e.g. 120x2x2048)") from None
+        if min(steps, size, length) < 1:
+            raise SystemExit(f"--stages: {part!r} has a value below 1")
+        stages.append(Stage(steps, size, length))
+    return stages
+
+
+def schedule(scale: float, stages: str = DEFAULT_STAGES) -> list[Stage]:
+    """About 40 minutes on one CPU core at scale 1 with the default stages (4-8K tokens per step,
+    ~800 tokens/s), evaluations aside."""
+    base = parse_stages(stages)
     return [Stage(max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
 
 
@@ -80,16 +99,43 @@ def lr_scale(step: int, total: int, warmup: int = 20, floor: float = 0.25) -> fl
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def row_world(share: float):
+def row_world(share: float, gaps: bool = False):
     """Each row's world: a freshly drawn phrasing with probability `share`, else TRAIN as the base
     run saw it (so its own wording is kept)."""
     def draw(rng: random.Random):
-        return varied_world(rng) if rng.random() < share else TRAIN
+        return varied_world(rng, gaps=gaps) if rng.random() < share else TRAIN
     return draw
 
 
+def is_checkpoint(base: Path) -> bool:
+    """A written checkpoint (`builtin:NAME` or a directory with config.json), not a training state."""
+    return str(base).startswith("builtin:") or (base / "config.json").exists()
+
+
+def base_settings(base: Path) -> tuple[int, int]:
+    """(seed, topk) of the base: a training state's, or a checkpoint's training.json (seed 0 and its
+    config's top-k when it has none)."""
+    if not is_checkpoint(base):
+        _, seed, topk = state_io.base_settings(base)
+        return seed, topk
+    from engine.builtin import model_dir
+    info_file = Path(model_dir(str(base))) / "training.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    if "topk" not in info:
+        config = json.loads((Path(model_dir(str(base))) / "config.json").read_text())
+        info["topk"] = int(config.get("index_topk", 64))
+    return int(info.get("seed", 0)), int(info["topk"])
+
+
 def load_base(base_dir: Path, model: torch.nn.Module) -> dict:
-    """The base run's last weights into `model` (every tensor, shapes checked; the base is only read)."""
+    """The base's weights into `model` (every tensor, shapes checked; the base is only read): the
+    last step of a training state, or a written checkpoint (MXFP4 experts dequantized; how the
+    continuation of the shipped `builtin:demo` starts once the state that made it is gone)."""
+    if is_checkpoint(base_dir):
+        info = load_checkpoint_weights(model, base_dir)
+        seed, topk = base_settings(base_dir)
+        return {"base_dir": str(base_dir), "base_step": 0, "base_commit": info.get("commit", ""),
+                "base_command": info.get("command", ""), "checkpoint": True, "seed": seed, "topk": topk}
     d = state_io.latest(base_dir)
     if d is None:
         raise SystemExit(f"{base_dir}: no saved step (no latest.json): train the base model first")
@@ -113,7 +159,9 @@ COLUMNS = ["step", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
+    p.add_argument("--base", type=Path, required=True,
+                   help="the finished base run's state directory, or a written checkpoint (builtin:demo, a "
+                        "directory with config.json); read only")
     p.add_argument("--state", type=Path, required=True, help="this run's resumable state directory")
     p.add_argument("--out", type=Path, default=None, help="final checkpoint directory (default STATE/final)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.01 = smoke test)")
@@ -122,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--indexer-lr", type=float, default=1e-3)
     p.add_argument("--varied-share", type=float, default=0.7, help="rows with a freshly drawn fact wording")
     p.add_argument("--drill-share", type=float, default=0.5, help="rows that are recall drills (base run: 0.4)")
+    p.add_argument("--stages", type=str, default=DEFAULT_STAGES, help="STEPSxBATCHxLENGTH,... (before --scale)")
+    p.add_argument("--stream", type=int, default=STREAM,
+                   help="batches are training.tasks.batch(stream + step); give another run another stream")
+    p.add_argument("--gaps", action="store_true",
+                   help="varied wording puts made-up words and symbols between key and value (wording.gap_link)")
+    p.add_argument("--first-weight", type=float, default=None,
+                   help="loss weight of each answer's first value token (default: as the rest of the value)")
+    p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
+                   help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=60)
     p.add_argument("--eval-during", type=str, default="2048,8192", help="held-out lengths of the quick evals")
@@ -135,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     args.state.mkdir(parents=True, exist_ok=True)
-    stages = schedule(args.scale)
+    stages = schedule(args.scale, args.stages)
     total = sum(s.steps for s in stages)
     tok = Tokenizer.byte_level()
-    probe, seed, topk = state_io.base_settings(args.base)
+    seed, topk = base_settings(args.base)
     config = trained_demo_config(topk)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)
@@ -159,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     optimizers = {"main": opt_main, "indexer": opt_index}
     settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
                 "varied_share": args.varied_share, "drill_share": args.drill_share}
+    # recorded (and checked on resume) only when set, so states of runs before these options still resume
+    extra = {"stages": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight}
+    settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM)})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -185,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
                mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
     gen = torch.Generator()
-    worlds = row_world(args.varied_share)
+    worlds = row_world(args.varied_share, args.gaps)
     model.runtime.dsa_force_dense = False
     during = [int(x) for x in args.eval_during.split(",") if x]
     ema = None
@@ -195,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         scale = lr_scale(step, total)
         for g in opt_main.param_groups:
             g["lr"] = args.lr * scale
-        ids, weights = batch(tok, seed, STREAM + step, stage.batch, stage.length, drill_share=args.drill_share,
-                             world=worlds)
-        gen.manual_seed(seed * 1_000_003 + STREAM + step)
+        ids, weights = batch(tok, seed, args.stream + step, stage.batch, stage.length, drill_share=args.drill_share,
+                             world=worlds, first_weight=args.first_weight)
+        gen.manual_seed(seed * 1_000_003 + args.stream + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
         loss, answer = weighted_loss(model(ids), ids, weights)
@@ -251,9 +311,16 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
     """Quantize + write the checkpoint (the untrained tower attached), reload it with the engine's
     loader, evaluate held-out needles (and training-world ones at 2K), write the data files."""
     full, config = with_tower(model, run_info["topk"], run_info["seed"])
-    out, shipped = export_and_reload(full, config, out, {
-        "loss_lengthen.csv": args.state / "loss.csv",
-        "loss.csv": Path(run_info["base"]["base_dir"]).parent / "loss.csv"})
+    losses = {args.loss_name: args.state / "loss.csv"}
+    if run_info["base"].get("checkpoint"):   # carry the base checkpoint's curves (loss.csv, loss_lengthen.csv, ...)
+        from engine.builtin import model_dir
+        for f in sorted(Path(model_dir(run_info["base"]["base_dir"])).glob("loss*.csv")):
+            if f.name == args.loss_name:
+                raise SystemExit(f"--loss-name {args.loss_name} is the name of the base's curve {f}: pick another")
+            losses[f.name] = f
+    else:
+        losses["loss.csv"] = Path(run_info["base"]["base_dir"]).parent / "loss.csv"
+    out, shipped = export_and_reload(full, config, out, losses)
     rows = held_out_needle(shipped, tok, args)
     train_rows = needle_accuracy(shipped, tok, lengths=(2048,), samples=8, modes=("sparse",), world=TRAIN, seed=99)
     size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows)

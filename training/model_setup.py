@@ -13,9 +13,11 @@ tokens); it is trained, exported and loaded like every other tensor.
 
 from __future__ import annotations
 
-import torch
-
+import json
 import math
+from pathlib import Path
+
+import torch
 
 from engine.config import ModelConfig, VisionConfig
 from engine.model import KimiForCausalLM
@@ -70,6 +72,35 @@ def _rescale_vision_init(model: KimiForCausalLM) -> None:
     w.mul_(math.sqrt(w.shape[-1] / (w.shape[1] * w.shape[2] * w.shape[3])))
     table = embed.pos_emb.weight  # [H0, W0, D]
     table.mul_(0.5 * math.sqrt(table.shape[-1]))
+
+
+@torch.no_grad()
+def load_checkpoint_weights(model: KimiForCausalLM, reference: str | Path) -> dict:
+    """A written checkpoint (a directory or `builtin:NAME`) into the trainable `model`: every text
+    tensor as stored (bf16 floats widened), the MXFP4 experts dequantized to the dense trainable
+    ones, the vision tower (if any) left out. Returns the checkpoint's `training.json` (or {}), so a
+    continuation can start from the shipped model when no training state is left."""
+    from engine.weights.load import load_model
+    from engine.builtin import model_dir
+
+    loaded = load_model(str(reference), dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    missing = []
+    for name, target in own.items():
+        if name in loaded:
+            source = loaded[name]
+        elif name + "_packed" in loaded:
+            source = mxfp4.dequantize(loaded[name + "_packed"], loaded[name + "_scale"])
+        else:
+            missing.append(name)
+            continue
+        if source.shape != target.shape:
+            raise SystemExit(f"{reference}: {name} has shape {list(source.shape)}, the model expects {list(target.shape)}")
+        target.copy_(source)
+    if missing:
+        raise SystemExit(f"{reference}: no tensor for {missing[:5]} ({len(missing)} in all)")
+    info = Path(model_dir(reference)) / "training.json"
+    return json.loads(info.read_text()) if info.exists() else {}
 
 
 class TrainedSource:

@@ -82,13 +82,44 @@ def _sentence(rng: random.Random, noun: str, prep: str, link: str) -> str:
     return lead + body.replace(" :", ":") + rng.choice((". ", ". ", "; ", "! ")).rstrip() + " "
 
 
-def _pairs(rng: random.Random, n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+# Symbols that may stand between a key and its value in `gaps` wording. "=" is left out on purpose:
+# the held-out world links with it ("{k} access = {v}"), so it stays a symbol the model never saw there.
+_GAP_SYMBOLS = ("->", "=>", "~", "|", "#", ">>", "::", "/", "-", "*", ",", ";")
+
+
+def gap_link(rng: random.Random) -> str:
+    """What stands between a key and its value in `gaps` wording: one to four made-up or training
+    words, symbols, or both, so that the value is "the first number after the key" and not a token
+    at a fixed distance from it. Measured on the shipped len1/b checkpoint (held-out, 2K and 8K,
+    teacher-forced): every failed prompt but one had only the first digit wrong; the later digits
+    were copied right, so the needle was found but the jump from the key to the value's start
+    depended on the training links."""
+    parts = []
+    for _ in range(rng.choice((1, 1, 2, 2, 3, 4))):
+        r = rng.random()
+        if r < 0.4:
+            parts.append(pseudo_word(rng) + rng.choice(("", "", "s", "ed", "ing")))
+        elif r < 0.6:
+            parts.append(rng.choice(_GAP_SYMBOLS))
+        elif r < 0.8:
+            parts.append(rng.choice(_LINKS))
+        else:
+            parts.append(rng.choice(("the", "a", "its", "now", "then", "still", "for", "at", "to", "by", "as")))
+    return " ".join(parts)
+
+
+def _pairs(rng: random.Random, n: int, gaps: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     needles, questions = [], []
     for _ in range(n):
         noun = rng.choice(_NOUNS) if rng.random() < 0.75 else pseudo_word(rng)
         prep = rng.choice(_PREPS)
         link = rng.choice(_LINKS) if rng.random() < 0.8 else pseudo_word(rng)
-        needles.append(_sentence(rng, noun, prep, link))
+        in_fact = noun
+        if gaps and rng.random() < 0.7:
+            link = gap_link(rng)
+            if rng.random() < 0.3:    # more after the carrier noun too: "{k} pin ~ {v}"
+                in_fact = f"{noun} {gap_link(rng)}"
+        needles.append(_sentence(rng, in_fact, prep, link))
         q = rng.choice(_QUESTIONS).format(n=noun, p=prep, k="{k}")
         questions.append(q[0].upper() + q[1:])
     return tuple(needles), tuple(questions)
@@ -117,13 +148,15 @@ def varied_filler(rng: random.Random, n: int = 6) -> dict[str, tuple[str, ...]]:
     return {"subjects": subjects, "verbs": verbs, "objects": objects, "tails": tails, "shapes": shapes}
 
 
-def varied_world(rng: random.Random, templates: int = 4, filler: bool = True) -> World:
+def varied_world(rng: random.Random, templates: int = 4, filler: bool = True, gaps: bool = False) -> World:
     """The training world with `templates` freshly drawn needle and key-value phrasings (each needle
     with its matching question) and, with `filler`, freshly mixed filler (`varied_filler`), for one
     document. Both, because a needle sentence new to the model was found at 2K in the training
-    filler but not in new filler: it must be found by its key, not by standing out."""
-    needles, needle_questions = _pairs(rng, templates)
-    kv_facts, kv_questions = _pairs(rng, templates)
+    filler but not in new filler: it must be found by its key, not by standing out. With `gaps`,
+    most links between key and value are `gap_link` draws (another stream of random draws, so a
+    run's batches depend on the flag)."""
+    needles, needle_questions = _pairs(rng, templates, gaps)
+    kv_facts, kv_questions = _pairs(rng, templates, gaps)
     pools = varied_filler(rng) if filler else {}
     return dataclasses.replace(TRAIN, name=VARIED_NAME, needles=needles, needle_questions=needle_questions,
                                kv_facts=kv_facts, kv_questions=kv_questions, **pools)

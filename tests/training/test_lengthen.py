@@ -24,7 +24,7 @@ def base(tmp_path):
     return d
 
 
-def _tiny(scale: float) -> list[lengthen.Stage]:
+def _tiny(scale: float, stages: str = "") -> list[lengthen.Stage]:
     return [lengthen.Stage(1, 1, 256), lengthen.Stage(1, 1, 384)]
 
 
