@@ -16,7 +16,8 @@ from tests.helpers import assert_close
 from engine import decode_step, load_model
 from engine.decode_step import DecodeStep, decode_forward, static_capacity
 from engine.cache import MLACache
-from engine.ops.dsa.masked import masked_indexer_topk, score_rank
+from engine.ops.dsa import masked
+from engine.ops.dsa.masked import masked_indexer_topk, pruned_top_slots, score_rank
 from engine.ops.dsa.reference import indexer_topk
 from engine.session import Session
 
@@ -58,6 +59,51 @@ def test_static_step_obeys_the_consistency_law(models, variant):
     got = decode_logits(model, ids, 8, "static")
     assert_close(got, full, "static decode logits")
     assert float(((got - full).norm(dim=-1) / full.norm(dim=-1)).max()) <= 5e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_step_with_block_pruned_topk_obeys_the_consistency_law(models, variant, monkeypatch):
+    """The same law with every indexer top-k of the step taken through `pruned_top_slots` (blocks of 4)."""
+    monkeypatch.setattr(masked, "PRUNE_BLOCK", 4)
+    monkeypatch.setattr(masked, "PRUNE_MIN_RATIO", 1)
+    calls = []
+    monkeypatch.setattr(masked, "pruned_top_slots", lambda *a, **kw: calls.append(1) or pruned_top_slots(*a, **kw))
+    model = models[variant]
+    ids = ids_of(90, seed=3)
+    with torch.inference_mode():
+        full = model(torch.tensor([ids]))[0]
+    got = decode_logits(model, ids, 8, "static")
+    assert bool(calls) == (model.config.dsa is not None)
+    assert float(((got - full).norm(dim=-1) / full.norm(dim=-1)).max()) <= 5e-5
+
+
+def test_pruned_top_slots_equal_a_full_rank_topk_with_ties_and_masks():
+    """Heavy ties (scores on a coarse grid, equal block maxima), -0.0/+0.0, masked (-inf) slots and
+    rows with fewer visible slots than top-k: the same slots as one top-k over every slot's rank."""
+    g = torch.Generator().manual_seed(0)
+    for block, topk, cap, grid in ((4, 8, 128, 2.0), (8, 5, 320, 0.5), (64, 3, 1024, 0.25), (4, 16, 64, 1.0)):
+        scores = (torch.randn(3, 2, cap, generator=g) / grid).round() * grid
+        scores[0, 0, ::7] = -0.0
+        scores[1, 1, cap // 3:] = float("-inf")      # few visible slots
+        scores[2, 0, 5:] = float("-inf")             # fewer visible than top-k
+        expected = score_rank(scores, torch.arange(cap)).topk(topk, dim=-1).values
+        got = pruned_top_slots(scores, topk, block)
+        want = (cap - 1) - (expected & 0xFFFFFFFF)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values), (block, topk, cap)
+
+
+def test_masked_topk_prunes_blocks_on_long_buffers_and_equals_the_reference():
+    g = torch.Generator().manual_seed(1)
+    B, Hi, D, topk, cap = 2, 2, 8, 4, 4 * 4 * masked.PRUNE_BLOCK
+    k = torch.randn(B, cap, D, generator=g)
+    k[:, 100:400] = k[:, 100:101]   # ties across many blocks
+    for pos in (2, 300, cap - 1):
+        q = torch.randn(B, 1, Hi, D, generator=g)
+        w = torch.randn(B, 1, Hi, generator=g)
+        ref_idx, ref_s = indexer_topk(q, w, k[:, :pos + 1], torch.tensor([pos]), topk)
+        idx, s = masked_indexer_topk(q, w, k, torch.tensor([pos]), topk)
+        assert torch.equal(idx, ref_idx), pos
+        torch.testing.assert_close(s, ref_s, rtol=1e-5, atol=1e-6)
 
 
 def test_masked_topk_equals_blockwise_reference_with_ties():
