@@ -63,3 +63,25 @@ def test_export_carries_the_untrained_tower(base, tmp_path) -> None:
     assert all(torch.equal(state[k], fresh[k]) for k in state if k.startswith("vision."))
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert load_model(export(full, config, tmp_path / "ckpt")).vision is not None
+
+
+def test_starts_from_a_written_checkpoint_with_its_experts_dequantized(tmp_path) -> None:
+    """`--base` may be a checkpoint (how `builtin:demo` is continued once its training state is gone):
+    the trainable model then computes what the engine's loader computes from the same files."""
+    source = trainable_model(trained_demo_config(64), 3)
+    full, config = lengthen.with_tower(source, 64, 3)
+    ckpt = export(full, config, tmp_path / "ckpt")
+    model = trainable_model(trained_demo_config(64), 0)
+    info = lengthen.load_base(ckpt, model)
+    assert info["checkpoint"] and info["topk"] == 64 and lengthen.base_settings(ckpt) == (0, 64)
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids), load_model(ckpt)(ids))
+
+
+def test_stages_parse_and_reject_bad_text() -> None:
+    assert lengthen.parse_stages("3x2x256, 1x1x512") == [lengthen.Stage(3, 2, 256), lengthen.Stage(1, 1, 512)]
+    for bad in ("3x2", "ax2x256", "0x1x256"):
+        with pytest.raises(SystemExit, match="--stages"):
+            lengthen.parse_stages(bad)

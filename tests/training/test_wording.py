@@ -5,23 +5,26 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 import torch
 
 from engine.tokenizer import Tokenizer
 from training.tasks import HELD_OUT, batch, build
-from training.wording import varied_world
+from training.tasks import W_ANSWER
+from training.wording import gap_link, varied_world
 
 from tests.training.test_tasks import _STOP, _words
 
 TOK = Tokenizer.byte_level()
 
 
-def test_varied_wording_never_uses_held_out_words() -> None:
+@pytest.mark.parametrize("gaps", [False, True])
+def test_varied_wording_never_uses_held_out_words(gaps: bool) -> None:
     held_out = _words(HELD_OUT)
     rng = random.Random(0)
     seen = set()
     for _ in range(300):
-        w = varied_world(rng)
+        w = varied_world(rng, gaps=gaps)
         pools = (w.needles, w.needle_questions, w.kv_facts, w.kv_questions, w.subjects, w.verbs, w.objects, w.tails,
                  w.shapes)
         text = re.sub(r"\{[^}]*\}", " ", " ".join(" ".join(p) for p in pools))
@@ -48,3 +51,28 @@ def test_batch_with_a_world_is_deterministic_and_differs_from_the_train_world() 
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     default = batch(TOK, 0, 3, 2, 512)
     assert not torch.equal(a[0], default[0])
+
+
+def test_gap_links_put_varied_text_between_key_and_value_and_never_an_equals_sign() -> None:
+    """`gaps` wording: the value is the first number after its key, whatever stands between them; "="
+    (the held-out world's link, "{k} access = {v}") is never generated."""
+    rng = random.Random(2)
+    links = [gap_link(rng) for _ in range(500)]
+    assert len(set(links)) > 300 and not any("=" in x and "=>" not in x for x in links)
+    assert not any(ch.isdigit() for x in links for ch in x)
+    between = set()
+    for _ in range(200):
+        for needle in varied_world(rng, gaps=True).needles:
+            assert "=" not in needle.replace("=>", "")
+            text = needle.format(k="KEY", v="4321")
+            between.add(text[text.index("KEY") + 3: text.index("4321")] if text.index("KEY") < text.index("4321") else "")
+    assert len(between) > 300
+
+
+def test_first_weight_weighs_only_each_answers_first_value_token() -> None:
+    plain = build(TOK, HELD_OUT, random.Random(5), 512, kinds=["needle"], questions=1)
+    heavy = build(TOK, HELD_OUT, random.Random(5), 512, kinds=["needle"], questions=1, first_weight=3.0)
+    assert plain.ids == heavy.ids
+    changed = [i for i, (a, b) in enumerate(zip(plain.weights, heavy.weights)) if a != b]
+    assert len(changed) == 1 and plain.weights[changed[0]] == W_ANSWER and heavy.weights[changed[0]] == 3.0
+    assert TOK.decode([heavy.ids[changed[0]]]) == heavy.answer[0]
