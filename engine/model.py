@@ -25,7 +25,7 @@ from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import GatedMLA
 from engine.layers.moe import LatentMoE
-from engine.numerics import nonfinite_error
+from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
 from engine.parallel.ep import expert_range
 from engine.parallel.mesh import SINGLE, ParallelContext, check_divisible
@@ -241,6 +241,6 @@ class KimiForCausalLM(nn.Module):
         if last_only:
             hidden = hidden[:, -1:]
         logits = comm.all_gather(self.lm_head(hidden), self.parallel, dim=-1, tag="lm_head")
-        if not bool(torch.isfinite(logits).all()):  # one reduction; the culprit is only searched on failure
+        if not all_finite(logits):  # one reduction; the culprit is only searched on failure
             raise nonfinite_error(self, input_ids, logits, state)
         return logits

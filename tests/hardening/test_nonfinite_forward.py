@@ -53,3 +53,20 @@ def test_a_session_stops_with_the_error_not_a_sampler_traceback(model):
     finally:
         with torch.no_grad():
             weight.copy_(saved)
+
+
+def test_all_finite_answers_like_the_elementwise_test() -> None:
+    from engine.numerics import all_finite
+
+    big = torch.full((4, 8), 3e38)   # finite values whose sum overflows: the exact test decides
+    cases = [torch.zeros(0), torch.randn(5, 7), big, big.bfloat16()]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for base in (torch.randn(3, 9), big):
+            t = base.clone()
+            t[1, 2] = bad
+            cases.append(t)
+    mixed = torch.randn(3, 4)
+    mixed[0, 0], mixed[2, 3] = float("inf"), float("-inf")   # their sum is NaN, never mistaken for finite
+    cases.append(mixed)
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all()), t
