@@ -268,13 +268,14 @@ def export_and_reload(model, config, out: Path, losses: dict[str, Path]):
     return out, load_model(out)
 
 
-def held_out_needle(shipped, tok: Tokenizer, args) -> list[dict]:
+def held_out_needle(shipped, tok: Tokenizer, args, style: str = "key") -> list[dict]:
     """Needle accuracy of the written checkpoint at `--eval-lengths` x depths 10/50/90%, held-out wording."""
     lengths = [int(x) for x in args.eval_lengths.split(",") if x]
     counts = [int(x) for x in args.eval_samples.split(",") if x]
     samples = {n: counts[min(i, len(counts) - 1)] for i, n in enumerate(lengths)}
     print(f"evaluating the written checkpoint (MXFP4 experts) at {lengths} ...", flush=True)
-    return needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples, batch_tokens=8192)
+    return needle_accuracy(shipped, tok, lengths=lengths, depths=(0.1, 0.5, 0.9), samples=samples, batch_tokens=8192,
+                           style=style)
 
 
 def write_eval_files(out: Path, config, run_info: dict, rows: list[dict], during_training: list, **extra) -> int:

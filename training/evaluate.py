@@ -23,12 +23,12 @@ from workbench.retrieval_text import World
 
 
 def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float,
-          world: World = HELD_OUT) -> tuple[list[int], int, dict]:
-    s = needle_prompt(tok, world, rng, length, depth)
+          world: World = HELD_OUT, style: str = "key") -> tuple[list[int], int, dict]:
+    s = needle_prompt(tok, world, rng, length, depth, style)
     before, ans, after = answer_ids(tok, s.response)
     prompt = s.ids[: s.prompt_len]
     target = before + ans + after[:1]
-    value_at = len(before) + len(ans) - len(tok.encode(s.answer))   # the value's offset in `target`
+    value_at = len(before) + len(tok.encode(s.prefill))   # where the model's own part starts in `target`
     return prompt + target, len(prompt), {"needle": [s.facts[0].start, s.facts[0].end], "answer": s.answer,
                                           "value_at": value_at}
 
@@ -36,10 +36,11 @@ def _case(tok: Tokenizer, rng: random.Random, length: int, depth: float,
 @torch.no_grad()
 def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), depths=(0.1, 0.5, 0.9),
                     samples: int | dict = 4, modes=("sparse", "dense"), seed: int = 1234,
-                    batch_tokens: int = 16384, world: World = HELD_OUT) -> list[dict]:
+                    batch_tokens: int = 16384, world: World = HELD_OUT, style: str = "key") -> list[dict]:
     """Rows {length, depth, mode, correct, total, accuracy, seconds}: one per (length, depth, mode).
     `world`: HELD_OUT (the default: wording the training generator never produces) or TRAIN (the
-    training distribution itself, to tell a generalisation gap from a capacity limit)."""
+    training distribution itself, to tell a generalisation gap from a capacity limit). `style`: the
+    model's answer style (`answer_parts`); "value given the key" is everything after the prefilled part."""
     was_training = model.training
     model.eval()
     saved = model.runtime.dsa_force_dense
@@ -50,7 +51,7 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
             for depth in depths:
                 # the same prompts for both modes: the comparison is paired
                 rng = random.Random(seed * 7919 + length * 31 + int(depth * 100))
-                cases = [_case(tok, rng, length, depth, world) for _ in range(n)]
+                cases = [_case(tok, rng, length, depth, world, style) for _ in range(n)]
                 for mode in modes:
                     model.runtime.dsa_force_dense = mode == "dense"
                     started = time.perf_counter()

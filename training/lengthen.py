@@ -45,7 +45,7 @@ from training.evaluate import needle_accuracy, summary
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
 from training.wording import varied_world
-from workbench.retrieval_text import TRAIN
+from workbench.retrieval_text import ANSWER_STYLES, TRAIN
 
 # Batches are `training.tasks.batch(step + STREAM)`: the base run used steps 0..1559 and
 # `training.extend` 1_000_000 + step, so no batch of either is repeated.
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="varied wording puts made-up words and symbols between key and value (wording.gap_link)")
     p.add_argument("--first-weight", type=float, default=None,
                    help="loss weight of each answer's first value token (default: as the rest of the value)")
+    p.add_argument("--answer-style", choices=ANSWER_STYLES, default="key",
+                   help="answers as `key: value`, or the document quoted from the key through the value "
+                        "(workbench.retrieval_text.answer_parts); recorded in training.json")
     p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
                    help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
@@ -217,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
                 "varied_share": args.varied_share, "drill_share": args.drill_share}
     # recorded (and checked on resume) only when set, so states of runs before these options still resume
-    extra = {"stages": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight}
-    settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM)})
+    extra = {"stages": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight,
+             "answer_style": args.answer_style}
+    settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM, "key")})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_info["base"] = load_base(args.base, model)
         print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
-    run_info.update(seed=seed, topk=topk)
+    run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
 
     log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS)
     interactive = sys.stderr.isatty()
@@ -256,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for g in opt_main.param_groups:
             g["lr"] = args.lr * scale
         ids, weights = batch(tok, seed, args.stream + step, stage.batch, stage.length, drill_share=args.drill_share,
-                             world=worlds, first_weight=args.first_weight)
+                             world=worlds, first_weight=args.first_weight, style=args.answer_style)
         gen.manual_seed(seed * 1_000_003 + args.stream + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
@@ -291,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"topk-mass {coverage:.2f} lr {args.lr * scale:.2e} {ema:.0f} tok/s "
                   f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)
         if during and (step % args.eval_every == 0 or step == total):   # before the save: it keeps the eval
-            rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",))
+            rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",),
+                                   style=args.answer_style)
             metrics["evals"].append({"step": step, "rows": rows})
             print(f"eval step {step} (held-out needle, value (whole response), fp32): {summary(rows)}", flush=True)
         if step % args.save_every == 0 or step == total or step == args.stop_after:
@@ -321,8 +326,9 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
     else:
         losses["loss.csv"] = Path(run_info["base"]["base_dir"]).parent / "loss.csv"
     out, shipped = export_and_reload(full, config, out, losses)
-    rows = held_out_needle(shipped, tok, args)
-    train_rows = needle_accuracy(shipped, tok, lengths=(2048,), samples=8, modes=("sparse",), world=TRAIN, seed=99)
+    rows = held_out_needle(shipped, tok, args, style=args.answer_style)
+    train_rows = needle_accuracy(shipped, tok, lengths=(2048,), samples=8, modes=("sparse",), world=TRAIN, seed=99,
+                                 style=args.answer_style)
     size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows)
     (out / "EVAL.md").write_text(
         "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"

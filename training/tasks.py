@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.tokenizer import Message, Tokenizer, parse_answer
-from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_text, response_value, value_string
+from workbench.retrieval_text import (HELD_OUT, TRAIN, World, answer_parts, filler, response_text, response_value,
+                                      value_string)
 
 # loss weights: the answer's value, a value restated in the document (retrievable from its first
 # mention), the answer's restated key and the fixed assistant scaffold, everything else (the filler)
@@ -59,7 +60,8 @@ class Sample:
     facts: list[Fact] = field(default_factory=list)
     prompt_len: int = 0          # tokens up to and including the first generation prompt
     answer: str = ""             # first question's answer (the value)
-    response: str = ""           # first question's whole response text (`key: value`)
+    response: str = ""           # first question's whole response text (`key: value`, or the quoted span)
+    prefill: str = ""            # the part of `response` a demo prefills (`key: `, or the key)
 
 
 def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
@@ -155,8 +157,8 @@ def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | 
 
 
 def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
-           layout: str, key_weight: float = W_KEY,
-           first_weight: float | None = None) -> tuple[list[int], list[tuple[list[int], float]]]:
+           layout: str, key_weight: float = W_KEY, first_weight: float | None = None,
+           style: str = "key") -> tuple[list[int], list[tuple[list[int], float]]]:
     """The ids before the document (head) and the (ids, loss weight) pieces after it (tail)."""
     tail: list[tuple[list[int], float]] = []
     for i, f in enumerate(asked):
@@ -167,8 +169,9 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
         tail.append((q_ids, W_CONTEXT))
         tail.append((tok.chat_prompt([], add_generation_prompt=True), W_CONTEXT))
         before, _, after = answer_ids(tok, "")
-        key_part = tok.encode(response_text(f.key, f.answer)[: -len(f.answer)])
-        value = tok.encode(f.answer)
+        response, prefill = answer_parts(style, f.key, f.answer, f.text)
+        key_part = tok.encode(prefill)
+        value = tok.encode(response[len(prefill):])   # the value (key style) or the quoted rest of the span
         if first_weight is None:
             tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value, W_ANSWER), (after, W_SCAFFOLD)]
         else:   # the value's first token is the jump from the key to the value; the rest is a copy
@@ -183,7 +186,8 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
 
 def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kinds: list[str] | None = None,
           depths: list[float] | None = None, questions: int | None = None, layout: str | None = None,
-          drill: bool = False, key_weight: float = W_KEY, first_weight: float | None = None) -> Sample:
+          drill: bool = False, key_weight: float = W_KEY, first_weight: float | None = None,
+          style: str = "key") -> Sample:
     """One sample of about `length` tokens (exactly `length` unless the fixed parts are longer).
 
     Args:
@@ -194,6 +198,7 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         drill: a recall drill instead of a document: as many facts as fit, little filler, every fact
             restated in the second half in random order (dense practice for the retrieval circuit).
         first_weight: loss weight of each answer's first value token (default: W_ANSWER like the rest).
+        style: how answers are worded (`workbench.retrieval_text.answer_parts`: "key" or "span").
     """
     restate = kinds is None
     if drill:
@@ -213,7 +218,7 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         askable = [f for f in facts if f.question and not f.restated]
         rng.shuffle(askable)
         asked = askable[: n_questions or rng.randint(1, min(3, len(askable)))]
-        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight)
+        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight, style)
         fact_ids = [tok.encode(f.text) for f in facts]
         fixed = len(head) + sum(len(i) for i in fact_ids) + sum(len(i) for i, _ in tail)
         if fixed <= length:
@@ -264,19 +269,20 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         weights += [w] * len(piece)
         if i == 1:
             prompt_len = len(ids)
+    response, prefill = answer_parts(style, asked[0].key, asked[0].answer, asked[0].text)
     return Sample(ids=ids, weights=weights, facts=facts, prompt_len=prompt_len, answer=asked[0].answer,
-                  response=response_text(asked[0].key, asked[0].answer))
+                  response=response, prefill=prefill)
 
 
 def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill_share: float = DRILL_SHARE,
           world: Callable[[random.Random], World] | None = None,
-          first_weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          first_weight: float | None = None, style: str = "key") -> tuple[torch.Tensor, torch.Tensor]:
     """Training batch `step`: ids [size, length] and loss weights [size, length] for the next-token
     targets (weights[:, t] weighs predicting ids[:, t + 1]; the last column is 0).
 
     Deterministic in (seed, step), so a resumed run sees exactly the batches it would have seen.
     `world(rng)` draws each row's world (default: TRAIN, drawing nothing, so the base run's batches
-    are unchanged); `drill_share`: share of rows that are recall drills; `first_weight`: see `build`.
+    are unchanged); `drill_share`: share of rows that are recall drills; `first_weight`, `style`: see `build`.
     """
     rng = random.Random(seed * 1_000_003 + step)
     ids = torch.zeros(size, length, dtype=torch.long)
@@ -284,7 +290,8 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill
     for b in range(size):
         row_world = TRAIN if world is None else world(rng)
         s = build(tok, row_world, rng, length, drill=rng.random() < drill_share,
-                  key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY, first_weight=first_weight)
+                  key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY, first_weight=first_weight,
+                  style=style)
         n = min(length, len(s.ids))
         # long fixed parts can overshoot a short length: keep the end (the question and answer)
         row, w = s.ids[len(s.ids) - n:], s.weights[len(s.ids) - n:]
@@ -293,9 +300,11 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill
     return ids, weights
 
 
-def needle_prompt(tok: Tokenizer, world: World, rng: random.Random, length: int, depth: float) -> Sample:
+def needle_prompt(tok: Tokenizer, world: World, rng: random.Random, length: int, depth: float,
+                  style: str = "key") -> Sample:
     """One needle-retrieval prompt (plain layout, one question) with its needle at `depth`."""
-    return build(tok, world, rng, length, kinds=["needle"], depths=[depth], questions=1, layout="plain")
+    return build(tok, world, rng, length, kinds=["needle"], depths=[depth], questions=1, layout="plain",
+                 style=style)
 
 
 __all__ = ["HELD_OUT", "TRAIN", "Fact", "Sample", "answer_ids", "batch", "build", "needle_prompt", "parse_answer",

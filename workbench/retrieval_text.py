@@ -137,8 +137,12 @@ def filler(world: World, rng: random.Random, n_bytes: int) -> str:
     return "".join(parts)
 
 
+ANSWER_STYLES = ("key", "span")
+
+
 def response_text(key: str, value: str) -> str:
-    """The trained demo model's answer: the key it was asked about, then the value (`amber tower: 4821`).
+    """The trained demo model's answer in the `key` style: the key it was asked about, then the value
+    (`amber tower: 4821`).
 
     Restating the key first puts the key phrase right before the value, as it stands in the document,
     so retrieving the value is a match on the words just before it (what DSA's top-k can select).
@@ -146,7 +150,35 @@ def response_text(key: str, value: str) -> str:
     return f"{key}: {value}"
 
 
+def answer_parts(style: str, key: str, value: str, fact_text: str = "") -> tuple[str, str]:
+    """(whole response, the part of it a demo prefills) of an answer in `style`.
+
+    `key`: `amber tower: 4821`, prefilled `amber tower: ` (the model produces the value).
+    `span`: the document quoted from the key through the value (`amber tower reads 4821` for the
+    fact `... the code of the amber tower reads 4821.`), prefilled `amber tower`. Every token after
+    the key is then a copy of the token that follows the same text in the document (what an
+    induction head does, whatever the wording), where the `key` style must jump from the key over
+    words it may never have seen to the value's first token. Facts whose text does not hold the key
+    before the value (variable tracking) answer in the `key` style.
+    """
+    if style not in ANSWER_STYLES:
+        raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+    if style == "span" and key and key in fact_text:
+        start = fact_text.index(key)
+        at = fact_text.find(value, start + len(key))
+        if at >= 0:
+            return fact_text[start:at + len(value)], key
+    return response_text(key, value), response_text(key, "")
+
+
 def response_value(response: str) -> str:
-    """The value in a `response_text` answer (everything after the first ': '; the whole text without one)."""
-    _, sep, value = response.partition(": ")
-    return (value if sep else response).strip()
+    """The value in an answer of either style: its last word (values are digit strings: `4821`,
+    `4-8-2-1`), or everything after the first ': ' for a `key`-style answer whose value has spaces."""
+    text = response.strip()
+    if not text:
+        return ""
+    head, sep, value = text.partition(": ")
+    last = text.split()[-1]
+    if sep and " " in value.strip() and not any(ch.isdigit() for ch in last):
+        return value.strip()   # a quoted phrase in the key style (`amber tower: red stone`)
+    return last
