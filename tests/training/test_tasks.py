@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 import torch
 
 from engine.tokenizer import Tokenizer
@@ -64,3 +65,28 @@ def test_batches_are_deterministic() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
     assert float(a[1][:, -1].abs().sum()) == 0.0
+
+
+def test_span_answers_quote_the_document_from_the_key_through_the_value() -> None:
+    from workbench.retrieval_text import answer_parts
+
+    fact = "Write this down somewhere safe, the combination for the polar vault reads 8-1-5-9. "
+    assert answer_parts("span", "polar vault", "8-1-5-9", fact) == ("polar vault reads 8-1-5-9", "polar vault")
+    assert answer_parts("key", "polar vault", "8-1-5-9", fact) == ("polar vault: 8-1-5-9", "polar vault: ")
+    # no key before the value in the fact (variable tracking): the key style
+    assert answer_parts("span", "K7", "512", "Then K7 takes the value of A3. ") == ("K7: 512", "K7: ")
+    with pytest.raises(ValueError, match="answer style"):
+        answer_parts("quote", "k", "1")
+    for response, value in (("polar vault reads 8-1-5-9", "8-1-5-9"), ("polar vault: 4821", "4821"),
+                            ("tomune dafogi -> kiva 0042", "0042"), ("amber tower: red stone", "red stone"), ("", "")):
+        assert response_value(response) == value
+
+
+def test_span_samples_weigh_the_quoted_rest_as_the_answer() -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        s = build(TOK, TRAIN, rng, 768, kinds=["needle"], questions=1, layout="plain", style="span")
+        assert s.response.startswith(s.prefill) and s.response.endswith(s.answer) and s.prefill == s.facts[0].key
+        assert s.response in s.facts[0].text
+        tail = TOK.decode(s.ids[len(s.ids) - 90:])
+        assert s.response + "<|close|>" in tail
