@@ -34,6 +34,7 @@ from engine.builtin import is_builtin, resolve_builtin  # noqa: E402
 from engine.session import Session  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from training.tasks import HELD_OUT, answer_ids, needle_prompt  # noqa: E402
+from workbench.retrieval_text import answer_style_of  # noqa: E402
 from workbench.analysis.chance import chance_of_hit, format_read  # noqa: E402
 
 
@@ -46,18 +47,21 @@ def run_case(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int]
 
 
 def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: list[int],
-                   spans: dict[str, tuple[int, int]], chunk: int, value: tuple[int, int] | None = None) -> dict:
+                   spans: dict[str, tuple[int, int]], chunk: int, value: tuple[int, int] | None = None,
+                   reads: tuple[int, int] | None = None) -> dict:
     """One prompt: exact-answer check plus per-DSA-layer needle reads.
 
-    Reads are counted for the queries that predict the answer's value tokens (`value`: offsets
-    into `target`; default all of it), not for the fixed response scaffold around it.
+    `value`: offsets into `target` of the model's own part of the answer (default all of it);
+    `value_correct` says whether it and what follows are right. Reads are counted for the queries that
+    predict the tokens of `reads` (default `value`), not for the fixed response scaffold around them.
     """
-    lo, hi = value if value is not None else (0, len(target))
+    check_lo = (value if value is not None else (0, len(target)))[0]
+    lo, hi = reads if reads is not None else value if value is not None else (0, len(target))
     q_lo, q_hi = plen - 1 + lo, plen - 1 + hi   # query position t predicts token t + 1
     session = Session(model, tok, prefill_chunk=chunk, progress=False)
     session.append(ids=ids[:plen], name="prompt")
     first = session.prefill()
-    reads: dict[tuple[int, str], list[bool]] = {}
+    hits: dict[tuple[int, str], list[bool]] = {}
     chance: dict[tuple[int, str], list[float]] = {}
     topk = model.config.dsa.topk if model.config.dsa else 0
 
@@ -70,7 +74,7 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
         idx = payload["indices"][0][keep.to(payload["indices"].device)]     # [n, k]
         for name, (a, b) in spans.items():
             hit = ((idx >= a) & (idx < b)).any(-1)
-            reads.setdefault((point.layer, name), []).extend(hit.tolist())
+            hits.setdefault((point.layer, name), []).extend(hit.tolist())
             chance.setdefault((point.layer, name), []).extend(
                 np.atleast_1d(chance_of_hit(pos.numpy() + 1, b - a, topk)).tolist())
 
@@ -86,11 +90,11 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
             p.sink = None
     pred = [int(first.argmax())] + logits.argmax(-1).tolist()
     layers: dict[int, dict[str, dict[str, float]]] = {}
-    for (layer, name), r in reads.items():
+    for (layer, name), r in hits.items():
         layers.setdefault(layer, {})[name] = {"read": float(np.mean(r)), "chance": float(np.mean(chance[(layer, name)]))}
     # full: the whole response (restated key and value) is the greedy output; value: the value is,
     # given the key before it (what a response prefilled with `key: ` would produce)
-    return {"correct": pred == target, "value_correct": pred[lo:] == target[lo:], "layers": layers}
+    return {"correct": pred == target, "value_correct": pred[check_lo:] == target[check_lo:], "layers": layers}
 
 
 def _best_layer(results: list[dict], span: str) -> tuple[int, float, float] | None:
@@ -125,28 +129,32 @@ def main(argv: list[str] | None = None) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     modes = args.modes.split(",")
     rows = []
-    print(f"model {path} (DSA top-k {model.config.dsa.topk}); held-out needle prompts; exact answer", flush=True)
+    style = answer_style_of(path)
+    print(f"model {path} (DSA top-k {model.config.dsa.topk}, answers in the {style!r} style); held-out needle "
+          "prompts; exact answer", flush=True)
     for li, length in enumerate(lengths):
         n = counts[min(li, len(counts) - 1)]
         for depth in depths:
             rng = random.Random(args.seed * 7919 + length * 31 + int(depth * 100))
             cases = []
             for _ in range(n):
-                s = needle_prompt(tok, HELD_OUT, rng, length, depth)
-                before, ans, after = answer_ids(tok, s.response)   # `key: value`
+                s = needle_prompt(tok, HELD_OUT, rng, length, depth, style)
+                before, ans, after = answer_ids(tok, s.response)   # `key: value`, or the quoted span
                 target = before + ans + after[:1]
                 f = s.facts[0]
                 n_value = len(tok.encode(s.answer))
                 at = f.start + f.text.rindex(s.answer)  # byte-level: character offset = token offset
                 spans = {"needle": (f.start, f.end), "value": (at, at + n_value)}
-                # the answer tokens whose reads count: the value's, after the restated key
+                # the answer tokens that must be right: those after the prefilled part (`key: `, or the
+                # key of a span answer); reads are counted for the value's own tokens
                 cases.append((s.ids[: s.prompt_len] + target, s.prompt_len, target, spans,
+                              (len(before) + len(tok.encode(s.prefill)), len(before) + len(ans)),
                               (len(before) + len(ans) - n_value, len(before) + len(ans))))
             for mode in modes:
                 model.runtime.dsa_force_dense = mode == "dense"
                 started = time.perf_counter()
-                results = [run_case_spans(model, tok, ids, plen, target, spans, args.prefill_chunk, value)
-                           for ids, plen, target, spans, value in cases]
+                results = [run_case_spans(model, tok, ids, plen, target, spans, args.prefill_chunk, value, reads)
+                           for ids, plen, target, spans, value, reads in cases]
                 good = [r for r in results if r["value_correct"]]
                 row = {"length": length, "depth": depth, "mode": mode, "value_correct": len(good),
                        "correct": sum(r["correct"] for r in results), "total": n,

@@ -12,7 +12,9 @@ held-out prompt measures retrieval, not memorised phrasing.
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from dataclasses import dataclass, field
 
 
@@ -169,6 +171,29 @@ def answer_parts(style: str, key: str, value: str, fact_text: str = "") -> tuple
         if at >= 0:
             return fact_text[start:at + len(value)], key
     return response_text(key, value), response_text(key, "")
+
+
+def answer_prefix(style: str, key: str) -> str:
+    """What a demo prefills of a needle answer in `style` (the key, and `: ` in the key style)."""
+    if style not in ANSWER_STYLES:
+        raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+    return key if style == "span" else response_text(key, "")
+
+
+def answer_style_of(model: str | Path) -> str:
+    """The answer style a checkpoint was trained to (its `training.json`'s `answer_style`; "key" when
+    it names none, as every checkpoint before the style existed): `builtin:NAME`, a directory, or
+    `preset:...` (random weights: "key")."""
+    from engine.builtin import model_dir
+
+    if str(model).startswith("preset:"):
+        return "key"
+    info = Path(model_dir(str(model))) / "training.json"
+    try:
+        style = json.loads(info.read_text()).get("answer_style", "key") if info.is_file() else "key"
+    except (OSError, ValueError, AttributeError):
+        return "key"
+    return style if style in ANSWER_STYLES else "key"
 
 
 def response_value(response: str) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 from engine.errors import InputError
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
-from workbench.retrieval_text import HELD_OUT, TRAIN, World, filler, response_text, response_value
+from workbench.retrieval_text import HELD_OUT, TRAIN, World, answer_prefix, answer_style_of, filler, response_value
 
 DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
@@ -184,7 +184,7 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                                                  "question": words.question, "expected": PASSCODE})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
-        needle_answer = _ask(session, words.question, words.key, new_tokens, "question")
+        needle_answer = _ask(session, words.question, words.key, new_tokens, "question", answer_style_of(model))
         image_answer = None
         if picture is not None:
             _close_answer(session, needle_answer)
@@ -217,12 +217,13 @@ class _Answer:
     first: int           # position of the first generated token
 
 
-def _ask(session, question: str, key: str, new_tokens: int, name: str) -> _Answer:
+def _ask(session, question: str, key: str, new_tokens: int, name: str, style: str = "key") -> _Answer:
     """Ask `question` as a user turn and generate the answer greedily after a response prefilled
-    with `key: ` (the model answers `key: value`), up to the response's `<|close|>`."""
+    with the key (`key: ` for a model answering `key: value`, the key alone for one quoting the
+    document from the key through the value: `answer_parts`), up to the response's `<|close|>`."""
     tokenizer = session.tokenizer
     session.append(question, role="user", name=name)
-    prefix = response_text(key, "")
+    prefix = answer_prefix(style, key)
     session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
                    name=f"{name} answer prefix", kind="turn", role="assistant")
     pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,

@@ -86,19 +86,22 @@ def test_builtin_demo_answers_a_held_out_needle() -> None:
     from engine import load_model
     from engine.tokenizer import Tokenizer
     from training.tasks import HELD_OUT, answer_ids, needle_prompt
+    from workbench.retrieval_text import answer_style_of
 
     model = load_model("builtin:demo")
     tok = Tokenizer.for_model("builtin:demo", model.config.vocab_size)
-    s = needle_prompt(tok, HELD_OUT, random.Random(5), 2048, 0.5)
-    before, ans, after = answer_ids(tok, s.response)     # the response restates the key: `key: value`
+    s = needle_prompt(tok, HELD_OUT, random.Random(5), 2048, 0.5, answer_style_of("builtin:demo"))
+    before, ans, after = answer_ids(tok, s.response)     # `key: value`, or the needle quoted from the key on
     target = before + ans + after[:1]
     f = s.facts[0]
     n_value = len(tok.encode(s.answer))
     at = f.start + f.text.rindex(s.answer)
+    # the model's own part of the answer: everything after the prefilled key (what the demo asks for)
     result = run_case_spans(model, tok, s.ids[: s.prompt_len] + target, s.prompt_len, target,
                             {"value": (at, at + n_value)}, chunk=1024,
-                            value=(len(before) + len(ans) - n_value, len(before) + len(ans)))
-    assert result["correct"]
+                            value=(len(before) + len(tok.encode(s.prefill)), len(before) + len(ans)),
+                            reads=(len(before) + len(ans) - n_value, len(before) + len(ans)))
+    assert result["value_correct"]
     best = max((v["value"] for v in result["layers"].values()), key=lambda r: r["read"] / max(r["chance"], 1e-12))
     # some DSA layer selects the passcode's own tokens for >= 95% of the answer's tokens; at 2K
     # tokens 64 random picks hit a 6-token span ~17% of the time, so 10x chance is only reachable
