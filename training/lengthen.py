@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
                 "varied_share": args.varied_share, "drill_share": args.drill_share}
     # recorded (and checked on resume) only when set, so states of runs before these options still resume
-    extra = {"stages": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight,
+    # ("stage_spec": run_info's "stages" holds the parsed stages)
+    extra = {"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight,
              "answer_style": args.answer_style}
     settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM, "key")})
 
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     resumed = state_io.latest(args.state)
     if resumed is not None:
         info = state_io.load(resumed, model, optimizers)
-        changed = {k: (info.get(k), v) for k, v in settings.items() if info.get(k) != v}
+        # options a state saved before they existed (absent from its state.json) are not compared
+        changed = {k: (info.get(k), v) for k, v in settings.items()
+                   if info.get(k) != v and (k in info or k in ("scale", "lr", "indexer_lr"))}
         if changed:
             raise SystemExit(f"{args.state} holds a run with other settings {changed} (saved, given); "
                              "pass the same ones or another --state")
