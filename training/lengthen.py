@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="varied wording puts made-up words and symbols between key and value (wording.gap_link)")
     p.add_argument("--first-weight", type=float, default=None,
                    help="loss weight of each answer's first value token (default: as the rest of the value)")
+    p.add_argument("--close-weight", type=float, default=None,
+                   help="loss weight of the <|close|> after each answer (default: as the scaffold, 0.3)")
     p.add_argument("--answer-style", choices=ANSWER_STYLES, default="key",
                    help="answers as `key: value`, or the document quoted from the key through the value "
                         "(workbench.retrieval_text.answer_parts); recorded in training.json")
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     # recorded (and checked on resume) only when set, so states of runs before these options still resume
     # ("stage_spec": run_info's "stages" holds the parsed stages)
     extra = {"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight,
-             "answer_style": args.answer_style}
+             "answer_style": args.answer_style, "close_weight": args.close_weight}
     settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM, "key")})
 
     step = 0
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         for g in opt_main.param_groups:
             g["lr"] = args.lr * scale
         ids, weights = batch(tok, seed, args.stream + step, stage.batch, stage.length, drill_share=args.drill_share,
-                             world=worlds, first_weight=args.first_weight, style=args.answer_style)
+                             world=worlds, first_weight=args.first_weight, style=args.answer_style,
+                             close_weight=args.close_weight)
         gen.manual_seed(seed * 1_000_003 + args.stream + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)

@@ -158,7 +158,7 @@ def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | 
 
 def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
            layout: str, key_weight: float = W_KEY, first_weight: float | None = None,
-           style: str = "key") -> tuple[list[int], list[tuple[list[int], float]]]:
+           style: str = "key", close_weight: float | None = None) -> tuple[list[int], list[tuple[list[int], float]]]:
     """The ids before the document (head) and the (ids, loss weight) pieces after it (tail)."""
     tail: list[tuple[list[int], float]] = []
     for i, f in enumerate(asked):
@@ -173,10 +173,13 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
         key_part = tok.encode(prefill)
         value = tok.encode(response[len(prefill):])   # the value (key style) or the quoted rest of the span
         if first_weight is None:
-            tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value, W_ANSWER), (after, W_SCAFFOLD)]
+            tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value, W_ANSWER)]
         else:   # the value's first token is the jump from the key to the value; the rest is a copy
-            tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value[:1], first_weight), (value[1:], W_ANSWER),
-                     (after, W_SCAFFOLD)]
+            tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value[:1], first_weight), (value[1:], W_ANSWER)]
+        if close_weight is None:
+            tail.append((after, W_SCAFFOLD))
+        else:   # the `<|close|>` that ends the value, where copying on would emit the document's next character
+            tail += [(after[:1], close_weight), (after[1:], W_SCAFFOLD)]
     if layout == "plain":
         head = tok.chat_prompt([Message("system", rng.choice(world.systems))], add_generation_prompt=False)
     else:
@@ -187,7 +190,7 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
 def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kinds: list[str] | None = None,
           depths: list[float] | None = None, questions: int | None = None, layout: str | None = None,
           drill: bool = False, key_weight: float = W_KEY, first_weight: float | None = None,
-          style: str = "key") -> Sample:
+          style: str = "key", close_weight: float | None = None) -> Sample:
     """One sample of about `length` tokens (exactly `length` unless the fixed parts are longer).
 
     Args:
@@ -199,6 +202,7 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
             restated in the second half in random order (dense practice for the retrieval circuit).
         first_weight: loss weight of each answer's first value token (default: W_ANSWER like the rest).
         style: how answers are worded (`workbench.retrieval_text.answer_parts`: "key" or "span").
+        close_weight: loss weight of the `<|close|>` right after each answer (default: W_SCAFFOLD).
     """
     restate = kinds is None
     if drill:
@@ -218,7 +222,7 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         askable = [f for f in facts if f.question and not f.restated]
         rng.shuffle(askable)
         asked = askable[: n_questions or rng.randint(1, min(3, len(askable)))]
-        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight, style)
+        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight, style, close_weight)
         fact_ids = [tok.encode(f.text) for f in facts]
         fixed = len(head) + sum(len(i) for i in fact_ids) + sum(len(i) for i, _ in tail)
         if fixed <= length:
@@ -276,13 +280,14 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
 
 def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill_share: float = DRILL_SHARE,
           world: Callable[[random.Random], World] | None = None,
-          first_weight: float | None = None, style: str = "key") -> tuple[torch.Tensor, torch.Tensor]:
+          first_weight: float | None = None, style: str = "key",
+          close_weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Training batch `step`: ids [size, length] and loss weights [size, length] for the next-token
     targets (weights[:, t] weighs predicting ids[:, t + 1]; the last column is 0).
 
     Deterministic in (seed, step), so a resumed run sees exactly the batches it would have seen.
     `world(rng)` draws each row's world (default: TRAIN, drawing nothing, so the base run's batches
-    are unchanged); `drill_share`: share of rows that are recall drills; `first_weight`, `style`: see `build`.
+    are unchanged); `drill_share`: share of rows that are recall drills; `first_weight`, `style`, `close_weight`: see `build`.
     """
     rng = random.Random(seed * 1_000_003 + step)
     ids = torch.zeros(size, length, dtype=torch.long)
@@ -291,7 +296,7 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill
         row_world = TRAIN if world is None else world(rng)
         s = build(tok, row_world, rng, length, drill=rng.random() < drill_share,
                   key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY, first_weight=first_weight,
-                  style=style)
+                  style=style, close_weight=close_weight)
         n = min(length, len(s.ids))
         # long fixed parts can overshoot a short length: keep the end (the question and answer)
         row, w = s.ids[len(s.ids) - n:], s.weights[len(s.ids) - n:]

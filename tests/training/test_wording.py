@@ -76,3 +76,11 @@ def test_first_weight_weighs_only_each_answers_first_value_token() -> None:
     changed = [i for i, (a, b) in enumerate(zip(plain.weights, heavy.weights)) if a != b]
     assert len(changed) == 1 and plain.weights[changed[0]] == W_ANSWER and heavy.weights[changed[0]] == 3.0
     assert TOK.decode([heavy.ids[changed[0]]]) == heavy.answer[0]
+
+
+def test_close_weight_weighs_only_the_close_after_each_answer() -> None:
+    plain = build(TOK, HELD_OUT, random.Random(6), 512, kinds=["needle"], questions=1)
+    heavy = build(TOK, HELD_OUT, random.Random(6), 512, kinds=["needle"], questions=1, close_weight=2.0)
+    changed = [i for i, (a, b) in enumerate(zip(plain.weights, heavy.weights)) if a != b]
+    assert plain.ids == heavy.ids and len(changed) == 1 and heavy.weights[changed[0]] == 2.0
+    assert heavy.ids[changed[0]] == TOK.close_id and TOK.decode(heavy.ids[changed[0] - len(heavy.answer):changed[0]]) == heavy.answer
