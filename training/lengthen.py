@@ -60,6 +60,9 @@ class Stage:
 
 
 DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
+# what a run saved before these options existed ran with
+OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "stream": STREAM, "gaps": False, "first_weight": None,
+                   "answer_style": "key", "close_weight": None}
 
 
 def parse_stages(text: str) -> list[Stage]:
@@ -223,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                 "varied_share": args.varied_share, "drill_share": args.drill_share}
     # recorded (and checked on resume) only when set, so states of runs before these options still resume
     # ("stage_spec": run_info's "stages" holds the parsed stages)
-    extra = {"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps, "first_weight": args.first_weight,
-             "answer_style": args.answer_style, "close_weight": args.close_weight}
-    settings.update({k: v for k, v in extra.items() if v not in (None, False, DEFAULT_STAGES, STREAM, "key")})
+    settings.update({"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
+                     "first_weight": args.first_weight, "answer_style": args.answer_style,
+                     "close_weight": args.close_weight})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -234,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     resumed = state_io.latest(args.state)
     if resumed is not None:
         info = state_io.load(resumed, model, optimizers)
-        # options a state saved before they existed (absent from its state.json) are not compared
-        changed = {k: (info.get(k), v) for k, v in settings.items()
-                   if info.get(k) != v and (k in info or k in ("scale", "lr", "indexer_lr"))}
+        # a state saved before an option existed ran with its default
+        changed = {k: (info.get(k, OPTION_DEFAULTS.get(k)), v) for k, v in settings.items()
+                   if info.get(k, OPTION_DEFAULTS.get(k)) != v}
         if changed:
             raise SystemExit(f"{args.state} holds a run with other settings {changed} (saved, given); "
                              "pass the same ones or another --state")

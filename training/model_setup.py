@@ -23,7 +23,8 @@ from engine.config import ModelConfig, VisionConfig
 from engine.model import KimiForCausalLM
 from engine.presets import _k3_family
 from engine.ops.mxfp4 import reference as mxfp4
-from engine.weights.load import fill
+from engine.builtin import model_dir
+from engine.weights.load import fill, load_model
 from engine.weights.names import TensorSpec
 from engine.weights.random_init import RandomSource, storage_dtype
 from engine.weights.write import write_checkpoint
@@ -80,9 +81,6 @@ def load_checkpoint_weights(model: KimiForCausalLM, reference: str | Path) -> di
     tensor as stored (bf16 floats widened), the MXFP4 experts dequantized to the dense trainable
     ones, the vision tower (if any) left out. Returns the checkpoint's `training.json` (or {}), so a
     continuation can start from the shipped model when no training state is left."""
-    from engine.weights.load import load_model
-    from engine.builtin import model_dir
-
     loaded = load_model(str(reference), dtype=torch.float32).state_dict()
     own = model.state_dict()
     missing = []

@@ -45,6 +45,8 @@ def test_continues_the_base_resumes_and_leaves_the_base_alone(base, tmp_path, mo
 
     with pytest.raises(SystemExit, match="other settings"):   # a resume must keep the run's settings
         lengthen.main(args + ["--lr", "1e-4"])
+    with pytest.raises(SystemExit, match="other settings"):   # the data options too (their defaults recorded)
+        lengthen.main(args + ["--gaps"])
     assert lengthen.main(args) == 0   # resumes at step 1
     rows = list(csv.DictReader(open(state / "loss.csv")))
     assert [r["step"] for r in rows] == ["0", "1"] and [r["length"] for r in rows] == ["256", "384"]
