@@ -38,7 +38,7 @@ from engine.cache import KDAState, MLACache, ModelState
 from engine.errors import InputError
 from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
-from engine.numerics import nonfinite_error
+from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
 from engine.probes import ProbePoint
 
@@ -220,7 +220,7 @@ class DecodeStep:
         finite = False
         try:
             logits = self._run(x, state, start, compiled)
-            finite = bool(torch.isfinite(logits).all())
+            finite = all_finite(logits)
         finally:
             for point, _ in listening:
                 point.collecting = False

@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
+from engine.weights.load import parse_model_path
 from training import state as state_io
 from training.demo_model import (_git_commit, tokens_left, eval_table, export_and_reload, held_out_needle, weighted_loss,
                                  write_eval_files)
@@ -121,13 +122,10 @@ def base_settings(base: Path) -> tuple[int, int]:
     if not is_checkpoint(base):
         _, seed, topk = state_io.base_settings(base)
         return seed, topk
-    from engine.builtin import model_dir
-    info_file = Path(model_dir(str(base))) / "training.json"
+    config, root = parse_model_path(str(base))
+    info_file = Path(root) / "training.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
-    if "topk" not in info:
-        config = json.loads((Path(model_dir(str(base))) / "config.json").read_text())
-        info["topk"] = int(config.get("index_topk", 64))
-    return int(info.get("seed", 0)), int(info["topk"])
+    return int(info.get("seed", 0)), int(info.get("topk", config.dsa.topk))
 
 
 def load_base(base_dir: Path, model: torch.nn.Module) -> dict:

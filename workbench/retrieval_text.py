@@ -163,13 +163,12 @@ def answer_parts(style: str, key: str, value: str, fact_text: str = "") -> tuple
     words it may never have seen to the value's first token. Facts whose text does not hold the key
     before the value (variable tracking) answer in the `key` style.
     """
-    if style not in ANSWER_STYLES:
-        raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+    prefix = answer_prefix(style, key)
     if style == "span" and key and key in fact_text:
         start = fact_text.index(key)
         at = fact_text.find(value, start + len(key))
         if at >= 0:
-            return fact_text[start:at + len(value)], key
+            return fact_text[start:at + len(value)], prefix
     return response_text(key, value), response_text(key, "")
 
 
@@ -182,28 +181,31 @@ def answer_prefix(style: str, key: str) -> str:
 
 def answer_style_of(model: str | Path) -> str:
     """The answer style a checkpoint was trained to (its `training.json`'s `answer_style`; "key" when
-    it names none, as every checkpoint before the style existed): `builtin:NAME`, a directory, or
-    `preset:...` (random weights: "key")."""
+    it has no such file or field, as every checkpoint before the style existed): `builtin:NAME`, a
+    directory, or `preset:...` (random weights: "key"). A training.json that is not a JSON object or
+    names an unknown style is an error that names the file."""
     from engine.builtin import model_dir
 
     if str(model).startswith("preset:"):
         return "key"
     info = Path(model_dir(str(model))) / "training.json"
-    try:
-        style = json.loads(info.read_text()).get("answer_style", "key") if info.is_file() else "key"
-    except (OSError, ValueError, AttributeError):
+    if not info.is_file():
         return "key"
-    return style if style in ANSWER_STYLES else "key"
+    try:
+        data = json.loads(info.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{info}: not valid JSON ({exc})") from None
+    style = data.get("answer_style", "key") if isinstance(data, dict) else None
+    if style not in ANSWER_STYLES:
+        raise ValueError(f"{info}: answer_style must be one of {ANSWER_STYLES}, got {style!r}")
+    return style
 
 
-def response_value(response: str) -> str:
-    """The value in an answer of either style: its last word (values are digit strings: `4821`,
-    `4-8-2-1`), or everything after the first ': ' for a `key`-style answer whose value has spaces."""
+def response_value(response: str, style: str = "key") -> str:
+    """The value in an answer of `style`: everything after the first ': ' (`key`; the whole text
+    without one), or the last word of the quoted span (`span`: needle values are digit strings)."""
     text = response.strip()
-    if not text:
-        return ""
-    head, sep, value = text.partition(": ")
-    last = text.split()[-1]
-    if sep and " " in value.strip() and not any(ch.isdigit() for ch in last):
-        return value.strip()   # a quoted phrase in the key style (`amber tower: red stone`)
-    return last
+    if style == "span":
+        return text.split()[-1] if text else ""
+    _, sep, value = text.partition(": ")
+    return (value if sep else text).strip()

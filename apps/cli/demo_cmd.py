@@ -213,6 +213,7 @@ def demo_picture():
 @dataclass
 class _Answer:
     prefix: str          # the response's prefilled start (the restated key)
+    style: str           # the answer style (`workbench.retrieval_text.answer_parts`)
     pieces: list[str]    # the generated tokens' text
     first: int           # position of the first generated token
 
@@ -228,7 +229,7 @@ def _ask(session, question: str, key: str, new_tokens: int, name: str, style: st
                    name=f"{name} answer prefix", kind="turn", role="assistant")
     pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,
                                                    add_generation_prompt=False, stop_ids=(tokenizer.close_id,))]
-    return _Answer(prefix, pieces, len(session.tokens) - len(pieces))
+    return _Answer(prefix, style, pieces, len(session.tokens) - len(pieces))
 
 
 def _close_answer(session, answer: _Answer) -> None:
@@ -251,7 +252,7 @@ def _judge(answer: _Answer, expected: str, topk, span: tuple[int, int]) -> dict:
     text = "".join(answer.pieces)
     closed = "<|close|>" in text       # the response section ended, as the format requires
     response = answer.prefix + text.split("<|close|>", 1)[0]
-    return {"answer": response, "scaffold_ok": closed, "correct": closed and response_value(response) == expected,
+    return {"answer": response, "scaffold_ok": closed, "correct": closed and response_value(response, answer.style) == expected,
             "expected": expected, "readers": layers_reading(topk, span[0], span[1], queries=queries)}
 
 

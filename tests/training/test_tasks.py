@@ -77,9 +77,10 @@ def test_span_answers_quote_the_document_from_the_key_through_the_value() -> Non
     assert answer_parts("span", "K7", "512", "Then K7 takes the value of A3. ") == ("K7: 512", "K7: ")
     with pytest.raises(ValueError, match="answer style"):
         answer_parts("quote", "k", "1")
-    for response, value in (("polar vault reads 8-1-5-9", "8-1-5-9"), ("polar vault: 4821", "4821"),
-                            ("tomune dafogi -> kiva 0042", "0042"), ("amber tower: red stone", "red stone"), ("", "")):
-        assert response_value(response) == value
+    for response, style, value in (("polar vault reads 8-1-5-9", "span", "8-1-5-9"), ("polar vault: 4821", "key", "4821"),
+                                   ("tomune dafogi -> kiva 0042", "span", "0042"),
+                                   ("amber tower: red stone", "key", "red stone"), ("", "key", ""), ("", "span", "")):
+        assert response_value(response, style) == value
 
 
 def test_span_samples_weigh_the_quoted_rest_as_the_answer() -> None:
@@ -90,3 +91,15 @@ def test_span_samples_weigh_the_quoted_rest_as_the_answer() -> None:
         assert s.response in s.facts[0].text
         tail = TOK.decode(s.ids[len(s.ids) - 90:])
         assert s.response + "<|close|>" in tail
+
+
+def test_answer_style_of_reads_training_json_and_names_a_bad_one(tmp_path) -> None:
+    from workbench.retrieval_text import answer_style_of
+
+    assert answer_style_of("preset:tiny") == "key" and answer_style_of(tmp_path) == "key"   # no training.json
+    (tmp_path / "training.json").write_text('{"answer_style": "span"}')
+    assert answer_style_of(tmp_path) == "span"
+    for bad, match in (('{"answer_style": "quote"}', "answer_style"), ("{oops", "not valid JSON"), ("[1]", "answer_style")):
+        (tmp_path / "training.json").write_text(bad)
+        with pytest.raises(ValueError, match=match):
+            answer_style_of(tmp_path)
