@@ -41,6 +41,7 @@ from engine.weights.load import parse_model_path
 from training import state as state_io
 from training.demo_model import (_git_commit, tokens_left, eval_table, export_and_reload, held_out_needle, weighted_loss,
                                  write_eval_files)
+from training.copy_targets import CopySupervision
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
@@ -63,7 +64,7 @@ class Stage:
 DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
 # what a run saved before these options existed ran with
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "stream": STREAM, "gaps": False, "first_weight": None,
-                   "answer_style": "key", "close_weight": None}
+                   "answer_style": "key", "close_weight": None, "copy_weight": None}
 
 
 def parse_stages(text: str) -> list[Stage]:
@@ -156,6 +157,7 @@ def with_tower(model: torch.nn.Module, topk: int, seed: int) -> tuple[torch.nn.M
 
 
 COLUMNS = ["step", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s"]
+COPY_COLUMNS = ["copy_loss", "copy_mass"]   # runs with --copy-weight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-style", choices=ANSWER_STYLES, default="key",
                    help="answers as `key: value`, or the document quoted from the key through the value "
                         "(workbench.retrieval_text.answer_parts); recorded in training.json")
+    p.add_argument("--copy-weight", type=float, default=None,
+                   help="weight of the copy-attention targets (training.copy_targets): the last DSA layer's "
+                        "attention from a copied token's row to the token it copies (default: off)")
     p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
                    help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
@@ -205,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     config = trained_demo_config(topk)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)
+    copier = CopySupervision(model) if args.copy_weight else None
     balance = ExpertBalance(model)
 
     params = dict(model.named_parameters())
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     # ("stage_spec": run_info's "stages" holds the parsed stages)
     settings.update({"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
                      "first_weight": args.first_weight, "answer_style": args.answer_style,
-                     "close_weight": args.close_weight})
+                     "close_weight": args.close_weight, "copy_weight": args.copy_weight})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
     run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
 
-    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS)
+    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS + (COPY_COLUMNS if copier else []))
     interactive = sys.stderr.isatty()
     bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
                mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
@@ -265,16 +271,24 @@ def main(argv: list[str] | None = None) -> int:
         scale = lr_scale(step, total)
         for g in opt_main.param_groups:
             g["lr"] = args.lr * scale
-        ids, weights = batch(tok, seed, args.stream + step, stage.batch, stage.length, drill_share=args.drill_share,
-                             world=worlds, first_weight=args.first_weight, style=args.answer_style,
-                             close_weight=args.close_weight)
+        ids, weights, pairs = batch(tok, seed, args.stream + step, stage.batch, stage.length,
+                                    drill_share=args.drill_share, world=worlds, first_weight=args.first_weight,
+                                    style=args.answer_style, close_weight=args.close_weight, copies=True)
         gen.manual_seed(seed * 1_000_003 + args.stream + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
+        if copier is not None:
+            copier.active, copier.pairs = True, pairs
         loss, answer = weighted_loss(model(ids), ids, weights)
         kl = distill.take()
-        (loss + (kl if kl is not None else 0.0)).backward()
+        copy_loss, copy_mass = copier.take() if copier is not None else (None, float("nan"))
+        total_loss = loss + (kl if kl is not None else 0.0)
+        if copy_loss is not None:
+            total_loss = total_loss + args.copy_weight * copy_loss
+        total_loss.backward()
         distill.active = False
+        if copier is not None:
+            copier.active = False
         torch.nn.utils.clip_grad_norm_([params[n] for n in main_names], 1.0)
         opt_main.step()
         opt_main.zero_grad(set_to_none=True)
@@ -289,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         kl_value = float(kl.detach()) if kl is not None else float("nan")
         tps = ids.numel() / (time.perf_counter() - t0)
         ema = tps if ema is None else 0.9 * ema + 0.1 * tps
+        copy_value = float(copy_loss.detach()) if copy_loss is not None else float("nan")
         writer.writerow([step, stage.length, f"{loss_value:.5f}", f"{answer:.5f}", f"{kl_value:.5f}",
-                         f"{coverage:.4f}", f"{args.lr * scale:.6f}", f"{tps:.1f}"])
+                         f"{coverage:.4f}", f"{args.lr * scale:.6f}", f"{tps:.1f}"]
+                        + ([f"{copy_value:.5f}", f"{copy_mass:.4f}"] if copier else []))
         step += 1
         bar.set_postfix_str(f"L={stage.length} loss {loss_value:.3f} ans {answer:.3f} kl {kl_value:.3f} "
                             f"{ema:.0f} tok/s", refresh=False)
@@ -299,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
             left = tokens_left(stages, step)
             print(f"step {step}/{total} L={stage.length} loss {loss_value:.3f} answer {answer:.3f} kl {kl_value:.3f} "
-                  f"topk-mass {coverage:.2f} lr {args.lr * scale:.2e} {ema:.0f} tok/s "
+                  f"topk-mass {coverage:.2f} " + (f"copy {copy_value:.3f} mass {copy_mass:.2f} " if copier else "")
+                  + f"lr {args.lr * scale:.2e} {ema:.0f} tok/s "
                   f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)
         if during and (step % args.eval_every == 0 or step == total):   # before the save: it keeps the eval
             rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",),
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     log.close()
     distill.remove()
+    if copier is not None:
+        copier.remove()
     if args.no_final:
         return 0
     return finalize(model, tok, args, out, run_info, metrics)

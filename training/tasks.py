@@ -62,6 +62,9 @@ class Sample:
     answer: str = ""             # first question's answer (the value)
     response: str = ""           # first question's whole response text (`key: value`, or the quoted span)
     prefill: str = ""            # the part of `response` a demo prefills (`key: `, or the key)
+    # (query row, key position) pairs: the row whose next token is a copy of the token at the key
+    # position (an answer's value, or a restated value, and the same token in the fact it came from)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _tags(tok: Tokenizer, opening: bool, name: str) -> list[int]:
@@ -156,10 +159,29 @@ def _place(rng: random.Random, facts: list[Fact], n: int, depths: list[float] | 
     return sorted(((placed[id(f)], f) for f in facts), key=lambda p: p[0])
 
 
+def _copied_at(f: Fact, copied: str) -> int:
+    """Character offset in the document of the fact that holds `f`'s answer (`source_fact`) where
+    `copied` (an answer's text after its prefill) stands; -1 when it does not."""
+    src = source_fact(f)
+    if f.key and f.key in src.text:
+        return src.text.find(copied, src.text.index(f.key) + len(f.key))
+    return src.text.rfind(copied)
+
+
+def source_fact(f: Fact) -> Fact:
+    """The fact whose text holds `f`'s value: the first mention of a restated fact, the assignment a
+    variable-tracking question goes back to, else `f` itself."""
+    return f.after if (f.restated or f.kind == "var") and f.after is not None else f
+
+
 def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
            layout: str, key_weight: float = W_KEY, first_weight: float | None = None,
-           style: str = "key", close_weight: float | None = None) -> tuple[list[int], list[tuple[list[int], float]]]:
-    """The ids before the document (head) and the (ids, loss weight) pieces after it (tail)."""
+           style: str = "key", close_weight: float | None = None,
+           answers: list[tuple[int, Fact, str]] | None = None) -> tuple[list[int], list[tuple[list[int], float]]]:
+    """The ids before the document (head) and the (ids, loss weight) pieces after it (tail).
+
+    `answers`, when given, receives (index of the tail piece where the copied part of the answer
+    starts, the fact asked, that part's text) per question."""
     tail: list[tuple[list[int], float]] = []
     for i, f in enumerate(asked):
         if i == 0 and layout == "message":
@@ -172,6 +194,8 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
         response, prefill = answer_parts(style, f.key, f.answer, f.text)
         key_part = tok.encode(prefill)
         value = tok.encode(response[len(prefill):])   # the value (key style) or the quoted rest of the span
+        if answers is not None:
+            answers.append((len(tail) + 2, f, response[len(prefill):]))
         if first_weight is None:
             tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value, W_ANSWER)]
         else:   # the value's first token is the jump from the key to the value; the rest is a copy
@@ -222,7 +246,8 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         askable = [f for f in facts if f.question and not f.restated]
         rng.shuffle(askable)
         asked = askable[: n_questions or rng.randint(1, min(3, len(askable)))]
-        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight, style, close_weight)
+        answers: list[tuple[int, Fact, str]] = []
+        head, tail = _frame(tok, world, rng, asked, layout, key_weight, first_weight, style, close_weight, answers)
         fact_ids = [tok.encode(f.text) for f in facts]
         fixed = len(head) + sum(len(i) for i in fact_ids) + sum(len(i) for i, _ in tail)
         if fixed <= length:
@@ -267,31 +292,53 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
     rest = tok.encode(text[cursor:])
     ids += rest
     weights += [W_CONTEXT] * len(rest)
+    copies: list[tuple[int, int]] = []
+    for f in facts:   # a restated value copies its first mention
+        if f.restated and f.after is not None:
+            _add_copies(copies, tok, f.start + len(tok.encode(f.text[: f.text.rindex(f.answer)])), f, f.answer)
     prompt_len = 0
+    starts = {piece: (f, copied) for piece, f, copied in answers}
     for i, (piece, w) in enumerate(tail):
+        if i in starts:
+            _add_copies(copies, tok, len(ids), *starts[i])
         ids += piece
         weights += [w] * len(piece)
         if i == 1:
             prompt_len = len(ids)
     response, prefill = answer_parts(style, asked[0].key, asked[0].answer, asked[0].text)
     return Sample(ids=ids, weights=weights, facts=facts, prompt_len=prompt_len, answer=asked[0].answer,
-                  response=response, prefill=prefill)
+                  response=response, prefill=prefill, copies=copies)
+
+
+def _add_copies(copies: list[tuple[int, int]], tok: Tokenizer, at: int, f: Fact, copied: str) -> None:
+    """(query row, key position) for each token of `copied` standing at position `at`: the row before
+    it predicts it, and the key is the same token in the fact the value came from. Byte-level ids,
+    so character offsets of ASCII text are token offsets (checked: a mismatch adds nothing)."""
+    src = source_fact(f)
+    offset = _copied_at(f, copied)
+    if offset < 0 or src.start < 0:
+        return
+    key = src.start + len(tok.encode(src.text[:offset]))
+    n = len(tok.encode(copied))
+    copies += [(at + j - 1, key + j) for j in range(n) if key + j < at + j]
 
 
 def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill_share: float = DRILL_SHARE,
           world: Callable[[random.Random], World] | None = None,
           first_weight: float | None = None, style: str = "key",
-          close_weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          close_weight: float | None = None, copies: bool = False) -> tuple[torch.Tensor, ...]:
     """Training batch `step`: ids [size, length] and loss weights [size, length] for the next-token
     targets (weights[:, t] weighs predicting ids[:, t + 1]; the last column is 0).
 
     Deterministic in (seed, step), so a resumed run sees exactly the batches it would have seen.
     `world(rng)` draws each row's world (default: TRAIN, drawing nothing, so the base run's batches
     are unchanged); `drill_share`: share of rows that are recall drills; `first_weight`, `style`, `close_weight`: see `build`.
+    With `copies`, also [size, P, 2] (query row, key position) pairs (`Sample.copies`, -1 padding).
     """
     rng = random.Random(seed * 1_000_003 + step)
     ids = torch.zeros(size, length, dtype=torch.long)
     weights = torch.zeros(size, length)
+    pairs: list[list[tuple[int, int]]] = []
     for b in range(size):
         row_world = TRAIN if world is None else world(rng)
         s = build(tok, row_world, rng, length, drill=rng.random() < drill_share,
@@ -302,7 +349,15 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill
         row, w = s.ids[len(s.ids) - n:], s.weights[len(s.ids) - n:]
         ids[b, :n] = torch.tensor(row)
         weights[b, : n - 1] = torch.tensor(w[1:])
-    return ids, weights
+        cut = len(s.ids) - n
+        pairs.append([(q - cut, k - cut) for q, k in s.copies if k >= cut])
+    if not copies:
+        return ids, weights
+    table = torch.full((size, max(1, max(map(len, pairs))), 2), -1, dtype=torch.long)
+    for b, rows in enumerate(pairs):
+        if rows:
+            table[b, : len(rows)] = torch.tensor(rows)
+    return ids, weights, table
 
 
 def needle_prompt(tok: Tokenizer, world: World, rng: random.Random, length: int, depth: float,

@@ -1,0 +1,90 @@
+"""Attention targets for copying: the DSA layers learn to attend from an answer to the fact it copies.
+
+Why: the shipped demo model finds the needle (its last DSA layer selects the value's tokens for
+every answer token) but gets the value's first digit wrong after link words it never saw, while
+the later digits, copied token after token, are right (training/README.md). The language-model loss
+reaches the attention that makes that first jump only through the one answer token it decides, and
+weakly. Here every token that is a copy of an earlier one (an answer's value after the restated key,
+a restated value in the document; `training.tasks.Sample.copies`) also gives its query row a direct
+target: the position of the token it copies, in the last DSA layer's dense attention (the one that
+copies: on the shipped model its heads put a mean 44% of their attention on the copied token, the
+first DSA layer 0.3%; `layers="all"` supervises every DSA layer).
+
+The loss per (query row, key position) pair and layer is -log(mean over heads of the head's
+attention probability on the key): a mixture over heads, so one head may specialise in copying
+while the others keep their own jobs (a head that already attends gets most of the gradient).
+Gradients reach the layer's query and key projections and, through the layer's input, the layers
+below (which must mark the first digit after a key as the one to find). Only the pairs' query rows
+are scored, so the largest tensor is [B, heads, pairs, T].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.layers.mla import GatedMLA
+from engine.model import KimiForCausalLM
+
+
+def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(-log mean-over-heads attention on each pair's key, averaged over pairs; the mean probability)
+    of `module`'s dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key
+    position; -1 rows are padding). Recomputed from the module's own weights, as its forward does
+    (no rotary: the MLA here is NoPE, as `training.distill` assumes too)."""
+    B, T, _ = x.shape
+    valid = pairs[..., 0] >= 0                                                   # [B, P]
+    rows = pairs[..., 0].clamp(0, T - 1)
+    keys = pairs[..., 1].clamp(0, T - 1)
+    H, nope = module.num_heads, module.nope
+    xr = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))                # [B, P, D]
+    q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(xr))).unflatten(-1, (H, nope + module.rope))
+    latent, k_rope = module.kv_a_proj_with_mqa(x).split([module.kv_lora_rank, module.rope], dim=-1)
+    kv = module.kv_b_proj(module.kv_a_layernorm(latent)).unflatten(-1, (H, nope + module.v_dim))
+    k = torch.cat((kv[..., :nope], k_rope.unsqueeze(2).expand(-1, -1, H, -1)), -1)  # [B, T, H, Dk]
+    scores = torch.einsum("bphd,bthd->bhpt", q.float(), k.float()) * module.scale
+    invisible = torch.arange(T, device=x.device)[None, None, :] > rows[:, :, None]   # [B, P, T]
+    logp = torch.log_softmax(scores.masked_fill(invisible[:, None], float("-inf")), dim=-1)
+    at = logp.gather(-1, keys[:, None, :, None].expand(-1, H, -1, 1)).squeeze(-1)     # [B, H, P]
+    mixture = torch.logsumexp(at, dim=1) - math.log(H)                                # [B, P]
+    n = valid.sum().clamp_min(1)
+    loss = -(mixture * valid).sum() / n
+    return loss, float((mixture.detach().exp() * valid).sum() / n)
+
+
+class CopySupervision:
+    """Forward pre-hooks on the last DSA layer (`layers="last"`) or every one (`"all"`); while `active`
+    with `pairs` set, each forward adds one `copy_attention_loss` per layer to `losses` (and its mean
+    probability to `mass`)."""
+
+    def __init__(self, model: KimiForCausalLM, layers: str = "last") -> None:
+        if layers not in ("last", "all"):
+            raise ValueError(f"layers must be 'last' or 'all', got {layers!r}")
+        dsa = [m for m in model.modules() if isinstance(m, GatedMLA) and m.indexer is not None]
+        self.layers = dsa[-1:] if layers == "last" else dsa
+        self.active = False
+        self.pairs: torch.Tensor | None = None   # [B, P, 2]
+        self.losses: list[torch.Tensor] = []
+        self.mass: list[float] = []
+        self._handles = [m.register_forward_pre_hook(self._hook) for m in self.layers]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _hook(self, module: GatedMLA, args: tuple) -> None:
+        if not self.active or self.pairs is None or not bool((self.pairs[..., 0] >= 0).any()):
+            return
+        with torch.enable_grad():
+            loss, mass = copy_attention_loss(module, args[0], self.pairs.to(args[0].device))
+        self.losses.append(loss)
+        self.mass.append(mass)
+
+    def take(self) -> tuple[torch.Tensor | None, float]:
+        """(sum of the collected losses, mean probability on the targets), and clear them."""
+        if not self.losses:
+            return None, float("nan")
+        out, mass = torch.stack(self.losses).sum(), sum(self.mass) / len(self.mass)
+        self.losses, self.mass = [], []
+        return out, mass
