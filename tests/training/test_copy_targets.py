@@ -115,3 +115,16 @@ def test_lengthen_records_the_copy_columns_and_refuses_to_resume_without_the_opt
     assert lengthen.main(args) == 0
     rows = list(csv.DictReader(open(state / "loss.csv")))
     assert len(rows) == 2 and all(float(r["copy_loss"]) > 0 and 0 <= float(r["copy_mass"]) <= 1 for r in rows)
+
+
+def test_jump_probe_reports_each_case_on_a_saved_state(tmp_path, capsys) -> None:
+    from training import jump_probe
+    from training import state as state_io
+
+    state_io.save(tmp_path / "s", 1, trainable_model(trained_demo_config(64), 0), {}, {"seed": 0, "topk": 64})
+    assert jump_probe.main(["--state", str(tmp_path / "s"), "--length", "384", "--prompts", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[-1].startswith("384 tokens, 2 prompts: value right")
+    cases = jump_probe.probe(jump_probe.load(None, tmp_path / "s"), TOK, 384, 1)
+    assert len(cases[0].head_probs) == 4 and all(0 <= p <= 1 for p in cases[0].head_probs)
+    assert len(cases[0].top_keys) == 3
