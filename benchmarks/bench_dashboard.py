@@ -130,10 +130,14 @@ def bytes_to_browser(trace: Path) -> dict:
             with_data = _wait_data(browser, 600_000)
             time.sleep(2)  # a deferred view's first update may still be in flight
             at_open = (browser.counters.http_bytes, browser.counters.ws_bytes)
-            browser.page.locator(".k3-dsa-tokens .k3-token").nth(5).click()
-            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=120_000)
-            time.sleep(1)
-            return {"trace": str(trace), "trace_bytes_on_disk": trace_bytes(trace)["total"],
+            shown = browser.page.locator(".k3-dsa-tokens .k3-token").count()
+            if shown > 5:
+                browser.page.locator(".k3-dsa-tokens .k3-token").nth(5).click()
+                browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=120_000)
+                time.sleep(1)
+            # else: the generated text never reached the page (seen at 1M in about half the opens: the
+            # server's models hold the tokens, the browser's do not); report it instead of failing the run
+            return {"generated_tokens_shown": shown, "trace": str(trace), "trace_bytes_on_disk": trace_bytes(trace)["total"],
                     "seconds_to_all_views_with_data": round(loaded, 1),
                     "seconds_to_every_view_showing_trace_data": with_data and round(with_data - start, 1),
                     "http_bytes_static": at_open[0], "ws_bytes_at_open": at_open[1],
