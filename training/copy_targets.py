@@ -28,11 +28,26 @@ from engine.layers.mla import GatedMLA
 from engine.model import KimiForCausalLM
 
 
-def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(-log mean-over-heads attention on each pair's key, averaged over pairs; the mean probability)
-    of `module`'s dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key
-    position; -1 rows are padding). Recomputed from the module's own weights, as its forward does
-    (no rotary: the MLA here is NoPE, as `training.distill` assumes too)."""
+def first_of_runs(pairs: torch.Tensor) -> torch.Tensor:
+    """`pairs` [B, P, 2] with every pair that continues a copy (its (query - 1, key - 1) is a pair of the
+    same row) set to -1: what is left is the jump to each copied run's first token."""
+    out = pairs.clone()
+    for b in range(pairs.shape[0]):
+        have = {(int(q), int(k)) for q, k in pairs[b].tolist() if q >= 0}
+        for i, (q, k) in enumerate(pairs[b].tolist()):
+            if q >= 0 and (q - 1, k - 1) in have:
+                out[b, i] = -1
+    return out
+
+
+def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor,
+                        heads: str = "mixture") -> tuple[torch.Tensor, float]:
+    """(-log attention on each pair's key, averaged over pairs; the mean probability) of `module`'s
+    dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key position; -1 rows
+    are padding). `heads="mixture"`: the mean over heads' probabilities (the loss and the probability
+    reported); `"best"`: the most attending head's, so only that head is pushed. Recomputed from the
+    module's own weights, as its forward does (no rotary: the MLA here is NoPE, as `training.distill`
+    assumes too)."""
     B, T, _ = x.shape
     valid = pairs[..., 0] >= 0                                                   # [B, P]
     rows = pairs[..., 0].clamp(0, T - 1)
@@ -47,7 +62,7 @@ def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor) 
     invisible = torch.arange(T, device=x.device)[None, None, :] > rows[:, :, None]   # [B, P, T]
     logp = torch.log_softmax(scores.masked_fill(invisible[:, None], float("-inf")), dim=-1)
     at = logp.gather(-1, keys[:, None, :, None].expand(-1, H, -1, 1)).squeeze(-1)     # [B, H, P]
-    mixture = torch.logsumexp(at, dim=1) - math.log(H)                                # [B, P]
+    mixture = torch.logsumexp(at, dim=1) - math.log(H) if heads == "mixture" else at.max(dim=1).values  # [B, P]
     n = valid.sum().clamp_min(1)
     loss = -(mixture * valid).sum() / n
     return loss, float((mixture.detach().exp() * valid).sum() / n)
@@ -58,9 +73,13 @@ class CopySupervision:
     with `pairs` set, each forward adds one `copy_attention_loss` per layer to `losses` (and its mean
     probability to `mass`)."""
 
-    def __init__(self, model: KimiForCausalLM, layers: str = "last") -> None:
+    def __init__(self, model: KimiForCausalLM, layers: str = "last", heads: str = "mixture",
+                 first_only: bool = False) -> None:
         if layers not in ("last", "all"):
             raise ValueError(f"layers must be 'last' or 'all', got {layers!r}")
+        if heads not in ("mixture", "best"):
+            raise ValueError(f"heads must be 'mixture' or 'best', got {heads!r}")
+        self.heads, self.first_only = heads, first_only
         dsa = [m for m in model.modules() if isinstance(m, GatedMLA) and m.indexer is not None]
         self.layers = dsa[-1:] if layers == "last" else dsa
         self.active = False
@@ -76,8 +95,9 @@ class CopySupervision:
     def _hook(self, module: GatedMLA, args: tuple) -> None:
         if not self.active or self.pairs is None or not bool((self.pairs[..., 0] >= 0).any()):
             return
+        pairs = first_of_runs(self.pairs) if self.first_only else self.pairs
         with torch.enable_grad():
-            loss, mass = copy_attention_loss(module, args[0], self.pairs.to(args[0].device))
+            loss, mass = copy_attention_loss(module, args[0], pairs.to(args[0].device), self.heads)
         self.losses.append(loss)
         self.mass.append(mass)
 

@@ -64,7 +64,8 @@ class Stage:
 DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
 # what a run saved before these options existed ran with
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "stream": STREAM, "gaps": False, "first_weight": None,
-                   "answer_style": "key", "close_weight": None, "copy_weight": None}
+                   "answer_style": "key", "close_weight": None, "copy_weight": None,
+                   "copy_heads": "mixture", "copy_first_only": False}
 
 
 def parse_stages(text: str) -> list[Stage]:
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-weight", type=float, default=None,
                    help="weight of the copy-attention targets (training.copy_targets): the last DSA layer's "
                         "attention from a copied token's row to the token it copies (default: off)")
+    p.add_argument("--copy-heads", choices=("mixture", "best"), default="mixture",
+                   help="copy targets push the heads' mean attention (mixture) or only the most attending head's")
+    p.add_argument("--copy-first-only", action="store_true",
+                   help="copy targets only for the first token of each copied run (the jump), not the rest")
     p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
                    help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     config = trained_demo_config(topk)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)
-    copier = CopySupervision(model) if args.copy_weight else None
+    copier = CopySupervision(model, heads=args.copy_heads, first_only=args.copy_first_only) if args.copy_weight else None
     balance = ExpertBalance(model)
 
     params = dict(model.named_parameters())
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     # ("stage_spec": run_info's "stages" holds the parsed stages)
     settings.update({"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
                      "first_weight": args.first_weight, "answer_style": args.answer_style,
-                     "close_weight": args.close_weight, "copy_weight": args.copy_weight})
+                     "close_weight": args.close_weight, "copy_weight": args.copy_weight,
+                     "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only})
 
     step = 0
     metrics: dict = {"evals": []}

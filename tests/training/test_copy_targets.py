@@ -128,3 +128,26 @@ def test_jump_probe_reports_each_case_on_a_saved_state(tmp_path, capsys) -> None
     cases = jump_probe.probe(jump_probe.load(None, tmp_path / "s"), TOK, 384, 1)
     assert len(cases[0].head_probs) == 4 and all(0 <= p <= 1 for p in cases[0].head_probs)
     assert len(cases[0].top_keys) == 3
+
+
+def test_first_of_runs_keeps_the_jump_of_each_copied_run() -> None:
+    from training.copy_targets import first_of_runs
+
+    pairs = torch.tensor([[[10, 3], [11, 4], [12, 5], [30, 20], [-1, -1]], [[7, 1], [9, 2], [10, 3], [-1, -1], [-1, -1]]])
+    kept = first_of_runs(pairs)
+    assert kept.tolist() == [[[10, 3], [-1, -1], [-1, -1], [30, 20], [-1, -1]],
+                             [[7, 1], [9, 2], [-1, -1], [-1, -1], [-1, -1]]]
+
+
+def test_best_head_loss_is_the_most_attending_heads() -> None:
+    torch.manual_seed(0)
+    model = trainable_model(trained_demo_config(), 0)
+    mod = _dsa(model)[-1]
+    x = torch.randn(1, 64, 128)
+    pairs = torch.tensor([[[20, 5], [63, 0]]])
+    with torch.no_grad():
+        mix, _ = copy_attention_loss(mod, x, pairs, "mixture")
+        best, best_mass = copy_attention_loss(mod, x, pairs, "best")
+    assert float(best) <= float(mix) + 1e-6 and 0 < best_mass <= 1
+    with pytest.raises(ValueError, match="heads"):
+        CopySupervision(model, heads="all")
