@@ -194,7 +194,7 @@ def _frame(tok: Tokenizer, world: World, rng: random.Random, asked: list[Fact],
         response, prefill = answer_parts(style, f.key, f.answer, f.text)
         key_part = tok.encode(prefill)
         value = tok.encode(response[len(prefill):])   # the value (key style) or the quoted rest of the span
-        if answers is not None:
+        if answers is not None:   # the value follows the two pieces appended next (scaffold, key)
             answers.append((len(tail) + 2, f, response[len(prefill):]))
         if first_weight is None:
             tail += [(before, W_SCAFFOLD), (key_part, key_weight), (value, W_ANSWER)]
@@ -313,7 +313,8 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
 def _add_copies(copies: list[tuple[int, int]], tok: Tokenizer, at: int, f: Fact, copied: str) -> None:
     """(query row, key position) for each token of `copied` standing at position `at`: the row before
     it predicts it, and the key is the same token in the fact the value came from. Byte-level ids,
-    so character offsets of ASCII text are token offsets (checked: a mismatch adds nothing)."""
+    so character offsets are token offsets (`tests/training/test_copy_targets.py` checks that every
+    pair names equal tokens); a copied text not found in its fact adds nothing."""
     src = source_fact(f)
     offset = _copied_at(f, copied)
     if offset < 0 or src.start < 0:
