@@ -40,18 +40,11 @@ def first_of_runs(pairs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor,
-                        heads: str = "mixture") -> tuple[torch.Tensor, float]:
-    """(-log attention on each pair's key, averaged over pairs; the mean probability) of `module`'s
-    dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key position; -1 rows
-    are padding). `heads="mixture"`: the mean over heads' probabilities (the loss and the probability
-    reported); `"best"`: the most attending head's, so only that head is pushed. Recomputed from the
-    module's own weights, as its forward does (no rotary: the MLA here is NoPE, as `training.distill`
-    assumes too)."""
-    B, T, _ = x.shape
-    valid = pairs[..., 0] >= 0                                                   # [B, P]
-    rows = pairs[..., 0].clamp(0, T - 1)
-    keys = pairs[..., 1].clamp(0, T - 1)
+def row_attention_logp(module: GatedMLA, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, H, P, T] log of `module`'s dense causal attention from query rows `rows` [B, P] over every
+    key of input `x` [B, T, D], recomputed from the module's own weights (no rotary: the MLA here is
+    NoPE, as `training.distill` assumes too). Only the rows' queries are computed."""
+    T = x.shape[1]
     H, nope = module.num_heads, module.nope
     xr = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))                # [B, P, D]
     q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(xr))).unflatten(-1, (H, nope + module.rope))
@@ -60,7 +53,22 @@ def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor,
     k = torch.cat((kv[..., :nope], k_rope.unsqueeze(2).expand(-1, -1, H, -1)), -1)  # [B, T, H, Dk]
     scores = torch.einsum("bphd,bthd->bhpt", q.float(), k.float()) * module.scale
     invisible = torch.arange(T, device=x.device)[None, None, :] > rows[:, :, None]   # [B, P, T]
-    logp = torch.log_softmax(scores.masked_fill(invisible[:, None], float("-inf")), dim=-1)
+    return torch.log_softmax(scores.masked_fill(invisible[:, None], float("-inf")), dim=-1)
+
+
+def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor,
+                        heads: str = "mixture") -> tuple[torch.Tensor, float]:
+    """(-log attention on each pair's key, averaged over pairs; the mean probability) of `module`'s
+    dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key position; -1 rows
+    are padding). `heads="mixture"`: the mean over heads' probabilities (the loss and the probability
+    reported); `"best"`: the most attending head's, so only that head is pushed. Recomputed from the
+    module's own weights, as its forward does (no rotary: the MLA here is NoPE, as `training.distill`
+    assumes too)."""
+    T = x.shape[1]
+    valid = pairs[..., 0] >= 0                                                   # [B, P]
+    keys = pairs[..., 1].clamp(0, T - 1)
+    H = module.num_heads
+    logp = row_attention_logp(module, x, pairs[..., 0].clamp(0, T - 1))
     at = logp.gather(-1, keys[:, None, :, None].expand(-1, H, -1, 1)).squeeze(-1)     # [B, H, P]
     mixture = torch.logsumexp(at, dim=1) - math.log(H) if heads == "mixture" else at.max(dim=1).values  # [B, P]
     n = valid.sum().clamp_min(1)

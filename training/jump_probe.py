@@ -24,6 +24,7 @@ import torch
 from engine.layers.mla import GatedMLA
 from engine.tokenizer import Tokenizer
 from training import state as state_io
+from training.copy_targets import row_attention_logp
 from training.evaluate import _case
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from workbench.retrieval_text import HELD_OUT, TRAIN
@@ -46,7 +47,6 @@ def probe(model: torch.nn.Module, tok: Tokenizer, length: int, prompts: int, see
     mod = [m for m in model.modules() if isinstance(m, GatedMLA) and m.indexer is not None][-1]
     seen: dict[str, torch.Tensor] = {}
     handle = mod.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
-    H, nope = mod.num_heads, mod.nope
     rng = random.Random(seed)
     out = []
     try:
@@ -60,12 +60,7 @@ def probe(model: torch.nn.Module, tok: Tokenizer, length: int, prompts: int, see
             start, end = meta["needle"]
             text = tok.decode(seq[start:end])
             value_pos = start + len(tok.encode(text[: text.rindex(meta["answer"])]))
-            x = seen["x"]
-            q = mod.q_b_proj(mod.q_a_layernorm(mod.q_a_proj(x[:, row]))).unflatten(-1, (H, nope + mod.rope))
-            latent, k_rope = mod.kv_a_proj_with_mqa(x[:, : row + 1]).split([mod.kv_lora_rank, mod.rope], dim=-1)
-            kv = mod.kv_b_proj(mod.kv_a_layernorm(latent)).unflatten(-1, (H, nope + mod.v_dim))
-            k = torch.cat((kv[..., :nope], k_rope.unsqueeze(2).expand(-1, -1, H, -1)), -1)
-            p = torch.softmax(torch.einsum("bhd,bthd->bht", q, k) * mod.scale, -1)[0]   # [H, row + 1]
+            p = row_attention_logp(mod, seen["x"][:, : row + 1], torch.tensor([[row]]))[0, :, 0].exp()   # [H, row + 1]
             top = p.max(0).values.topk(min(3, p.shape[-1])).indices.tolist()
             out.append(JumpCase(first_right=pred[at] == want[at], value_right=pred[at:] == want[at:],
                                 head_probs=[round(float(v), 3) for v in p[:, value_pos]],
