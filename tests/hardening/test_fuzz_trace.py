@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from workbench.trace import TraceError, TraceWriter, open_trace
@@ -68,6 +68,7 @@ def _copy(template, tmp_path_factory):
 @given(key=st.sampled_from(["tokens", "parts", "policy", "model", "segments", "status", "schema_version"]),
        value=JSON, sub=st.none() | st.sampled_from(["dsa_bin_tokens", "layers", "num_experts", "summary",
                                                      "max_position_embeddings", "tokens", "dsa_key_counts"]))
+@example(key="parts", value={"\n": None}, sub=None)  # a table name with a newline once split the error over two lines
 def test_mutated_session_json(template, tmp_path_factory, key, value, sub):
     path = _copy(template, tmp_path_factory)
     session = json.loads((path / "session.json").read_text())

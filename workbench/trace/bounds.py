@@ -48,7 +48,8 @@ def check_session(session: dict, file: Path) -> None:
         raise TraceCorruptError(f"{file}: field `parts` must be an object {{table: part count}}, "
                                 f"got {type(parts).__name__}")
     for name, count in parts.items():
-        _int(count, f"{file}: field `parts.{name}`", 0, 10 ** 9)
+        # the key is the file's own text: repr keeps a newline or a control character in it on one line
+        _int(count, f"{file}: field `parts[{name!r:.60}]`", 0, 10 ** 9)
     policy = session.get("policy", {})
     if not isinstance(policy, dict):
         raise TraceCorruptError(f"{file}: field `policy` must be an object, got {type(policy).__name__}")
