@@ -135,8 +135,8 @@ def bytes_to_browser(trace: Path) -> dict:
                 browser.page.locator(".k3-dsa-tokens .k3-token").nth(5).click()
                 browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=120_000)
                 time.sleep(1)
-            # else: the generated text never reached the page (seen at 1M in about half the opens: the
-            # server's models hold the tokens, the browser's do not); report it instead of failing the run
+            # else: the generated text never reached the page (before `apps/dashboard/page_gate.py`, about
+            # half the first opens at 1M); report it instead of failing the run
             return {"generated_tokens_shown": shown, "trace": str(trace), "trace_bytes_on_disk": trace_bytes(trace)["total"],
                     "seconds_to_all_views_with_data": round(loaded, 1),
                     "seconds_to_every_view_showing_trace_data": with_data and round(with_data - start, 1),

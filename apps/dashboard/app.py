@@ -30,6 +30,7 @@ from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
+from apps.dashboard.page_gate import PageGate
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
 from apps.dashboard.side_by_side import SideBySide
@@ -131,6 +132,7 @@ class Dashboard(pn.viewable.Viewer):
                                    css_classes=["k3-alert"])
         self.source = text_pane("", sizing_mode="stretch_width", css_classes=["k3-source"])
         self._callback = None
+        self._gate: PageGate | None = None
         self._show_status()
 
     # the other views are built on first use (`views()`); a notebook cell showing only the session map
@@ -183,9 +185,12 @@ class Dashboard(pn.viewable.Viewer):
             if sync:
                 self.state.sync()
             self.state.start()
+        self._gate = PageGate(on_open=self._tick)
         self._callback = pn.state.add_periodic_callback(self._tick, period=self.config.refresh_ms)
 
     def _tick(self) -> None:
+        if self._gate is not None and not self._gate.open():
+            return  # the browser is pulling and drawing the page: an update now could be lost (page_gate.py)
         self.state.poll()
         if self.runner is not None:
             self.runner.poll()
