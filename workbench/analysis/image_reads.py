@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.analysis.chance import format_hits
-from workbench.analysis.common import Frame, column, list_values
+from workbench.analysis.common import Frame, column, list_offsets
 
 __all__ = ["PatchReads", "format_patches", "image_grid", "patch_reads"]
 
@@ -142,9 +142,8 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
         keep &= (qpos >= queries[0]) & (qpos <= queries[1])
     if layers is not None:
         keep &= np.isin(layer_col, list(layers))
-    keys, owner = list_values(topk, "selected") if len(topk) else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    keys = keys.astype(np.int64)
-    picks_per_row = np.bincount(owner, minlength=len(layer_col)) if len(layer_col) else np.zeros(0, np.int64)
+    keys, offsets = list_offsets(topk, "selected") if len(topk) else (np.zeros(0, np.int64), np.zeros(1, np.int64))
+    picks_per_row = np.diff(offsets)
 
     found = sorted(set(layer_col[keep].tolist())) if layers is None else sorted(set(int(l) for l in layers))
     L = len(found)
@@ -153,28 +152,35 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
     picks = np.zeros(L, np.int64)
     expected = np.zeros(L, np.float64)
     log_miss = np.zeros((L, n_cells), np.float64)
-    index = {l: i for i, l in enumerate(found)}
-    # key -> patch cell (or -1): image tokens are sorted positions, so a searchsorted suffices
-    at = np.searchsorted(pos, keys)
-    at_ok = at < len(pos)
-    hit = np.zeros(len(keys), dtype=bool)
-    hit[at_ok] = pos[at[at_ok]] == keys[at_ok]
-    hit &= keep[owner]
-    for i_row in np.flatnonzero(keep):
-        li = index[int(layer_col[i_row])]
-        n_queries[li] += 1
-        picks[li] += int(picks_per_row[i_row])
-    if hit.any():
-        rows_of_hits = np.fromiter((index[int(l)] for l in layer_col[owner[hit]]), dtype=np.int64, count=int(hit.sum()))
-        np.add.at(counts, (rows_of_hits, cell[at[hit]]), 1)
+    # key -> patch cell: only keys inside the image's position range can be patches (a cheap compare over
+    # every key, in the keys' own dtype), and only those are looked up among the image's sorted positions
+    if len(pos) and len(keys):
+        flat = np.flatnonzero((keys >= int(pos[0])) & (keys <= int(pos[-1])))
+        at = np.searchsorted(pos, keys[flat])
+        inside = at < len(pos)
+        inside[inside] = pos[at[inside]] == keys[flat[inside]]
+        flat, at = flat[inside], at[inside]
+        owner = np.searchsorted(offsets, flat, side="right") - 1
+        kept_hit = keep[owner]
+        owner, at = owner[kept_hit], at[kept_hit]
+    else:
+        owner = at = np.zeros(0, np.int64)
+    # layer -> row of the result, as a lookup table (the loops over rows and hits run in numpy)
+    row_of_layer = np.full(int(max(found)) + 1 if found else 1, -1, np.int64)
+    row_of_layer[list(found)] = np.arange(L)
+    kept_rows = np.flatnonzero(keep)
+    kept_li = row_of_layer[layer_col[kept_rows]]
+    np.add.at(n_queries, kept_li, 1)
+    np.add.at(picks, kept_li, picks_per_row[kept_rows])
+    if len(owner):
+        np.add.at(counts, (row_of_layer[layer_col[owner]], cell[at]), 1)
     # chance: each kept row picks k of its p + 1 visible keys; the image patches it can see are those <= p
-    kept = np.flatnonzero(keep)
+    kept, rows_li = kept_rows, kept_li
     if len(kept) and len(pos):
         visible_keys = qpos[kept] + 1
         k = np.minimum(picks_per_row[kept], visible_keys).astype(np.float64)
         p_pick = k / visible_keys
         seen = np.searchsorted(pos, qpos[kept], side="right")  # image patches at positions <= p
-        rows_li = np.fromiter((index[int(l)] for l in layer_col[kept]), dtype=np.int64, count=len(kept))
         np.add.at(expected, rows_li, p_pick * seen)
         # a row that picked every visible key makes its patches certain: log(1e-12) stands for log(0)
         log_keep = np.log1p(-np.minimum(p_pick, 1.0 - 1e-12))

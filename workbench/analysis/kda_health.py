@@ -152,17 +152,17 @@ def memory_health(kda_norms: Frame, segments: pd.DataFrame | None = None, platea
                 half_final = np.where(decay[-1] < 1, LN2 / -np.log(np.clip(decay[-1], 1e-12, 1.0)), np.inf)
         else:
             half_final = np.full(n_heads, np.nan)
-        for h in range(n_heads):
-            rows.append({"layer": int(layer), "head": h, "final_norm": norms[-1, h], "peak_norm": peak[h],
-                         "saturate_position": int(saturate[h]),
-                         "saturate_fraction": saturate[h] / max(int(pos[-1]), 1),
-                         "forget_position": int(forget[h]), "forget_drop": drop[h],
-                         "min_eff_rank": min_rank[h], "min_eff_rank_position": int(min_at[h]),
-                         "final_eff_rank": final_rank[h], "half_life": half_final[h],
-                         "global_share": share[-1, h] if share is not None else np.nan,
-                         "mean_beta": wf["mean_beta"][h], "mean_decay": wf["mean_decay"][h],
-                         "norm_growth_per_1k": wf["norm_growth_per_1k"][h]})
-    out = pd.DataFrame(rows)
+        # one frame per layer from whole columns (a dict per head cost ~1 s on 69 x 96 heads)
+        rows.append(pd.DataFrame({
+            "layer": np.full(n_heads, int(layer)), "head": np.arange(n_heads), "final_norm": norms[-1],
+            "peak_norm": peak, "saturate_position": saturate.astype(np.int64),
+            "saturate_fraction": saturate / max(int(pos[-1]), 1), "forget_position": forget.astype(np.int64),
+            "forget_drop": drop, "min_eff_rank": min_rank, "min_eff_rank_position": min_at.astype(np.int64),
+            "final_eff_rank": final_rank, "half_life": half_final,
+            "global_share": share[-1] if share is not None else np.full(n_heads, np.nan),
+            "mean_beta": wf["mean_beta"].to_numpy(), "mean_decay": wf["mean_decay"].to_numpy(),
+            "norm_growth_per_1k": wf["norm_growth_per_1k"].to_numpy()}))
+    out = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
     if len(out):
         forget = out["forget_position"].to_numpy()
         out["forget_segment"] = np.where(forget >= 0, segment_of(np.maximum(forget, 0), segments), -1)
