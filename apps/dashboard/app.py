@@ -12,6 +12,7 @@ Layout only; the views live in `components/`, the data path in `state.py`, drive
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -35,7 +36,7 @@ from apps.dashboard.security import AccessError, is_local, new_token, resolve_tr
 from apps.dashboard.session_runner import SessionRunner, find_models
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.spare import SpareDashboard
-from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
+from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState, prefold
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
 FIGURE_CHROME_PX = 140
@@ -321,6 +322,7 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
     if config.trace is not None and config.compare is None:
         spare = SpareDashboard(lambda: build_dashboard(config))
         spare.fill()
+        threading.Thread(target=prefold, args=(config.trace, config.root), name="prefold", daemon=True).start()
 
     def app() -> pn.viewable.Viewable:  # Panel calls a plain function once per browser session
         return create_app(config, spare=spare)
