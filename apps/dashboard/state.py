@@ -286,21 +286,6 @@ class TraceFollower:
             raise failure
 
 
-def prefold(path: str | Path, root: str | Path | None = None) -> None:
-    """Fold a trace into its shared reducers ahead of the first page (the server calls it at start, in a
-    thread). The first page of a fresh server then finds the trace reduced, like a reload does, and
-    goes out with its data instead of receiving it after it has loaded (128K demo trace: 2.6 s to
-    every view with data on a fresh server against 1.7 s on a reload, before this). Errors are left
-    to the page's own follower, which shows them."""
-    follower = TraceFollower(path, root=root)
-    try:
-        follower.compute()
-    except Exception:  # noqa: BLE001 - an optimisation only: the page's follower reads and reports it
-        pass
-    finally:
-        follower.stop(timeout=0)
-
-
 class DashboardState(param.Parameterized):
     """What every view watches: the latest frame, the shared token selection and the source.
 

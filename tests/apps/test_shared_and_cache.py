@@ -13,7 +13,7 @@ import numpy as np
 from apps.dashboard import shared_reducers, summary_cache
 from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
                                      SessionMapReducer, ViewOptions)
-from apps.dashboard.state import TraceFollower, prefold
+from apps.dashboard.state import TraceFollower
 from workbench.trace import open_trace
 
 BINS = 128
@@ -43,28 +43,6 @@ def test_followers_of_one_trace_share_its_reducers(small_trace: Path, tmp_path: 
     b = TraceFollower(copy)
     assert b.compute().kda is not shown
     b.stop()
-
-
-def test_prefold_leaves_the_trace_reduced_for_the_first_page(small_trace: Path, tmp_path: Path) -> None:
-    """What `serve()` runs at start: the first page's follower then finds every view already reduced."""
-    copy = tmp_path / "fresh"
-    shutil.copytree(small_trace, copy)
-    shared_reducers.forget_all()
-    prefold(copy)
-    page = TraceFollower(copy)
-    shared = page._shared
-    assert shared.trace is not None  # opened once, by prefold
-
-    def memoised() -> dict:
-        return {(name, key): id(value) for name, r in shared.views.items() for key, (_, value) in r._memo.items()}
-
-    before = memoised()
-    assert before  # prefold reduced every view it could
-    frame = page.compute()
-    assert frame.error is None and frame.dsa.heat is not None and frame.kda is not None
-    assert memoised() == before  # the page's reduce answered from what prefold computed: nothing recomputed
-    page.stop()
-    prefold(tmp_path / "missing")  # a trace that is not there: nothing raised (the page reports it)
 
 
 def test_kda_summaries_come_back_from_disk_equal(small_trace: Path, tmp_path: Path, monkeypatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from apps.dashboard.app import Dashboard, DashboardConfig, build_dashboard, create_app
@@ -46,3 +47,20 @@ def test_own_trace_request_takes_the_spare_others_build_their_own(small_trace: P
     assert held is not None and held is not other.dashboard  # a `?trace=` request built its own
     other.dashboard.close()
     held.close()
+
+
+def test_the_servers_first_spare_reduces_its_trace_before_a_page_takes_it(small_trace: Path) -> None:
+    config = DashboardConfig(trace=small_trace, root=small_trace.parent, drive=False)
+    first = build_dashboard(config, follow=True)
+    later = build_dashboard(config)
+    try:
+        assert first.state.follower.alive and not later.state.follower.alive
+        deadline = time.monotonic() + 30
+        while first.state.follower.completed == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # a page taking it applies the waiting frame at once, before its document is sent
+        assert first.state.poll() and first.state.frame.session.status == "complete"
+        assert first.session_map.drawn_marker.object and first.dsa.drawn_marker.object
+    finally:
+        first.close()
+        later.close()
