@@ -160,3 +160,40 @@ def test_a_resumed_snapshot_still_shows_the_picture(tmp_path: Path) -> None:
     assert image is not None and image.image_id == seg["id"] and image.problem == ""
     assert image.picture is not None and max(image.picture.shape) <= SCREEN_SIDE
     state.close()
+
+
+def test_answer_reads_come_back_from_the_summary_cache_equal(image_trace: Path, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    from apps.dashboard import shared_reducers
+    from apps.dashboard.reducers.image_reads import patch_reads_from_json, patch_reads_json
+
+    def answer():  # a fresh server's first reduce of the trace: nothing shared, only the disk cache
+        shared_reducers.forget_all()
+        state = DashboardState(image_trace)
+        try:
+            return state.sync().dsa.image.answer
+        finally:
+            state.close()
+            shared_reducers.forget_all()
+
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    cold = answer()
+    files = list((tmp_path / "cache").rglob("*.image_answer_reads.json"))
+    assert len(files) == 1
+    calls = []
+    monkeypatch.setattr("apps.dashboard.reducers.image_reads.patch_reads",
+                        lambda *a, **k: calls.append(1) or patch_reads(*a, **k))
+    warm = answer()
+    assert calls == []  # answered from the cache, no top-k rows read
+    for name in ("counts", "queries", "picks", "expected", "log_miss"):
+        np.testing.assert_array_equal(getattr(warm, name), getattr(cold, name))
+    assert warm.layers == cold.layers and warm.summary() == cold.summary()
+    # a damaged or foreign cache entry is recomputed, never trusted
+    good = json.loads(files[0].read_text())
+    for bad in ({**good, "counts": good["counts"][:-1]}, {**good, "grid": [1, 1]}, {**good, "layers": ["x"]},
+                {**good, "log_miss": "nan"}, [], None):
+        assert patch_reads_from_json(bad, cold.image_id, cold.grid) is None
+    assert patch_reads_from_json(patch_reads_json(cold), cold.image_id, cold.grid) is not None
+    files[0].write_text("{not json")
+    again = answer()
+    assert calls and again.summary() == cold.summary()
