@@ -11,7 +11,8 @@ answers; Panel's conversion to Bokeh models is the other half) made the browser 
 to do. `serve()` builds one for its `--trace` at start and again after each page that used it has
 loaded (Panel's onload), so the build never competes with a page being sent or drawn. Only a request
 for the server's own trace uses it: another `?trace=`, a comparison or an error message builds its
-own, as before. The spare's follower thread starts only when a page takes it.
+own, as before. The spare's follower thread starts only when a page takes it, except the server's
+first spare's (`app.build_dashboard(follow=True)`): the first page then finds its trace reduced.
 """
 
 from __future__ import annotations
