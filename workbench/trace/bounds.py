@@ -48,8 +48,10 @@ def check_session(session: dict, file: Path) -> None:
         raise TraceCorruptError(f"{file}: field `parts` must be an object {{table: part count}}, "
                                 f"got {type(parts).__name__}")
     for name, count in parts.items():
-        # the key is the file's own text: repr keeps a newline or a control character in it on one line
-        _int(count, f"{file}: field `parts[{name!r:.60}]`", 0, 10 ** 9)
+        # the key is the file's own text: one that is not a plain name is shown as repr (a newline or a
+        # control character in it must not split the error)
+        shown = f"parts.{name}" if name.isidentifier() else f"parts[{name!r:.60}]"
+        _int(count, f"{file}: field `{shown}`", 0, 10 ** 9)
     policy = session.get("policy", {})
     if not isinstance(policy, dict):
         raise TraceCorruptError(f"{file}: field `policy` must be an object, got {type(policy).__name__}")

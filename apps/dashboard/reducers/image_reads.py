@@ -126,7 +126,8 @@ def _answer_reads(trace: Trace, tokens, image_id: int, grid: tuple[int, int], sp
     cached = patch_reads_from_json(summary_cache.load_json(cache_key, "image_answer_reads"), image_id, grid)
     if cached is not None:
         return cached
-    reads = patch_reads(trace.table("dsa_topk", positions=span), tokens, image_id, grid, queries=span)
+    rows = trace.table("dsa_topk", columns=["layer", "position", "selected"], positions=span)
+    reads = patch_reads(rows, tokens, image_id, grid, queries=span)
     summary_cache.save_json(cache_key, "image_answer_reads", patch_reads_json(reads))
     return reads
 
