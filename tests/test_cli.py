@@ -79,3 +79,16 @@ def test_python_dash_m_workbench():
     result = subprocess.run([sys.executable, "-m", "workbench", "inspect", "--preset", "tiny"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "parameters:" in result.stdout
+
+
+def test_run_with_a_trace_writes_the_dashboards_summaries(tmp_path, capsys, monkeypatch):
+    """A finished recording is reduced for the dashboard at once: its first page reads summaries."""
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    argv = ["run", "--model", "preset:tiny", "--prompt", "Hello there", "--max-new-tokens", "4", "--temperature", "0",
+            "--trace", str(tmp_path / "t")]
+    assert main(argv) == 0
+    assert "dashboard summaries written" in capsys.readouterr().err
+    assert any((tmp_path / "cache").rglob("*.json")) and any((tmp_path / "cache").rglob("*.arrow"))
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")  # off: nothing written, nothing said
+    assert main(argv[:-1] + [str(tmp_path / "t2")]) == 0
+    assert "dashboard summaries" not in capsys.readouterr().err

@@ -11,6 +11,7 @@ import codecs
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
@@ -95,6 +96,22 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_trace_target(args.trace, overwrite=args.overwrite_trace)
 
 
+def write_dashboard_summaries(trace: Path) -> None:
+    """Reduce the finished trace for the dashboard now (seconds after a recording that took far longer),
+    so its first page reads summaries instead of every part; a failure only costs that speed-up."""
+    from apps.dashboard.state import write_summaries  # Panel and Bokeh load only here
+
+    started = time.perf_counter()
+    try:
+        written = write_summaries(trace)
+    except Exception as exc:  # noqa: BLE001 - the trace is complete on disk; the dashboard reads it anyway
+        print(f"dashboard summaries not written ({type(exc).__name__}: {exc}); the dashboard reads the parts",
+              file=sys.stderr)
+        return
+    if written:
+        print(f"dashboard summaries written ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
     families = record_families(args.record) if args.trace is not None else FAMILIES
     if ctx.is_leader:
@@ -122,6 +139,7 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
     out.write(decoder.decode(b"", final=True) + "\n")
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)
+        write_dashboard_summaries(args.trace)
     if args.save is not None:
         session.save(args.save, overwrite=args.overwrite)
         print(f"saved snapshot to {args.save}", file=sys.stderr)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,9 +13,7 @@ from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
 
 SMALL_POLICY = Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_stride=512, moe_window_every=1024,
                       decode_tokens=256, decode_flush_every=16)
-# the dashboard's on-disk summaries of finished traces (`apps/dashboard/summary_cache.py`) go to a
-# temporary directory, never ~/.cache: set at import, before any fixture records or reduces a trace
-os.environ["K3WB_DASHBOARD_CACHE"] = tempfile.mkdtemp(prefix="k3wb-test-summary-cache-")
+# the dashboard's summary cache is a temporary directory for every test (tests/conftest.py)
 
 HOSTILE = ["<script>window.__k3wb_pwned = 1</script>", "<img src=x onerror=\"window.__k3wb_pwned=2\">", "&amp;"]
 
