@@ -7,8 +7,8 @@ only and the language-model loss never reaches it (top-k selection has no gradie
 - warm-up (`sparse=False`): KL over every visible key, while the rest of the model is frozen;
 - sparse training (`sparse=True`): KL over the keys the indexer selects (its top-k), as V3.2 does.
 
-The dense distribution is recomputed here from the layer's own input (a forward pre-hook on the
-`GatedMLA` module) with the module's weights; the index scores come from the engine's
+The dense distribution is recomputed from the layer's own input (a forward pre-hook on the
+`GatedMLA` module) with the module's weights (`training.row_attention`); the index scores come from the engine's
 `engine.ops.dsa.reference.indexer_scores`. Only sampled query rows are scored, so the largest
 tensor is [B, heads, queries, T], never [T, T].
 
@@ -25,6 +25,7 @@ from engine.layers.mla import GatedMLA
 from engine.layers.moe import Router
 from engine.model import KimiForCausalLM
 from engine.ops.dsa.reference import indexer_scores
+from training.row_attention import row_attention_logp
 
 
 class IndexerDistill:
@@ -47,21 +48,12 @@ class IndexerDistill:
         if not self.active or self.rows is None:
             return
         x = args[0].detach()
-        B, T, _ = x.shape
+        T = x.shape[1]
         rows = self.rows.to(x.device)                          # [B, n]
-        n = rows.shape[1]
-        H, nope = module.num_heads, module.nope
         with torch.no_grad():
-            q_resid = module.q_a_layernorm(module.q_a_proj(x))
-            q = module.q_b_proj(q_resid).unflatten(-1, (H, nope + module.rope))
-            latent, k_rope = module.kv_a_proj_with_mqa(x).split([module.kv_lora_rank, module.rope], dim=-1)
-            kv = module.kv_b_proj(module.kv_a_layernorm(latent)).unflatten(-1, (H, nope + module.v_dim))
-            k = torch.cat((kv[..., :nope], k_rope.unsqueeze(2).expand(-1, -1, H, -1)), -1)   # [B, T, H, D]
-            qs = q.gather(1, rows[:, :, None, None].expand(-1, -1, H, q.shape[-1]))            # [B, n, H, D]
-            scores = torch.einsum("bnhd,bshd->bhns", qs.float(), k.float()) * module.scale
+            q_resid = module.q_a_layernorm(module.q_a_proj(x))                                # the indexer's input
             invisible = torch.arange(T, device=x.device)[None, None, :] > rows[:, :, None]    # [B, n, T]
-            probs = torch.softmax(scores.masked_fill(invisible[:, None], float("-inf")), dim=-1)
-            target = probs.sum(1)
+            target = row_attention_logp(module, x, rows).exp().sum(1)                        # heads summed
             target = target / target.sum(-1, keepdim=True)                                   # [B, n, T]
         with torch.enable_grad():
             iq, iw = module.indexer.queries(q_resid.detach(), x)
