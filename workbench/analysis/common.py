@@ -25,15 +25,8 @@ def column(frame: Frame, name: str) -> np.ndarray:
 
 def list_values(frame: Frame, name: str) -> tuple[np.ndarray, np.ndarray]:
     """A list column flattened: (values [N], row index [N]) with row index into the frame's rows."""
-    if isinstance(frame, pa.Table):
-        lists = frame[name].combine_chunks() if frame.num_rows else pa.array([], frame.schema.field(name).type)
-        lengths = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)
-        values = pc.list_flatten(lists).to_numpy(zero_copy_only=False)
-    else:
-        cells = [np.asarray(v) if v is not None else np.zeros(0) for v in frame[name].tolist()]
-        lengths = np.fromiter((len(c) for c in cells), dtype=np.int64, count=len(cells))
-        values = np.concatenate(cells) if cells else np.zeros(0)
-    return values, np.repeat(np.arange(len(lengths)), lengths)
+    values, offsets = list_offsets(frame, name)
+    return values, np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
 
 
 def list_offsets(frame: Frame, name: str) -> tuple[np.ndarray, np.ndarray]:
