@@ -46,9 +46,8 @@ def copy_attention_loss(module: GatedMLA, x: torch.Tensor, pairs: torch.Tensor,
     """(-log attention on each pair's key, averaged over pairs; the mean probability) of `module`'s
     dense attention for input `x` [B, T, D] and `pairs` [B, P, 2] (query row, key position; -1 rows
     are padding). `heads="mixture"`: the mean over heads' probabilities (the loss and the probability
-    reported); `"best"`: the most attending head's, so only that head is pushed. Recomputed from the
-    module's own weights, as its forward does (no rotary: the MLA here is NoPE, as `training.distill`
-    assumes too)."""
+    reported); `"best"`: the most attending head's, so only that head is pushed. The attention is
+    recomputed from the module's own weights (`training.row_attention`)."""
     T = x.shape[1]
     valid = pairs[..., 0] >= 0                                                   # [B, P]
     keys = pairs[..., 1].clamp(0, T - 1)

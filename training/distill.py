@@ -8,8 +8,8 @@ only and the language-model loss never reaches it (top-k selection has no gradie
 - sparse training (`sparse=True`): KL over the keys the indexer selects (its top-k), as V3.2 does.
 
 The dense distribution is recomputed from the layer's own input (a forward pre-hook on the
-`GatedMLA` module) with the module's weights (`training.row_attention`); the index scores come from the engine's
-`engine.ops.dsa.reference.indexer_scores`. Only sampled query rows are scored, so the largest
+`GatedMLA` module) with the module's weights (`training.row_attention`); the index scores come from
+the engine's `engine.ops.dsa.reference.indexer_scores`. Only sampled query rows are scored, so the largest
 tensor is [B, heads, queries, T], never [T, T].
 
 Experts: the router's `e_score_correction_bias` (selection only) moves against each expert's

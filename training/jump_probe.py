@@ -24,9 +24,9 @@ import torch
 from engine.layers.mla import GatedMLA
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.row_attention import row_attention_logp
 from training.evaluate import _case
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
+from training.row_attention import row_attention_logp
 from workbench.retrieval_text import HELD_OUT, TRAIN
 
 

@@ -15,8 +15,8 @@ from engine.layers.mla import GatedMLA
 
 def row_attention_logp(module: GatedMLA, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """[B, H, P, T] log of `module`'s dense causal attention from query rows `rows` [B, P] over every
-    key of input `x` [B, T, D], recomputed from the module's own weights (no rotary: the MLA here is
-    NoPE, as `training.distill` assumes too). Only the rows' queries are computed."""
+    key of input `x` [B, T, D], recomputed from the module's own weights. Only the rows' queries are
+    computed."""
     T = x.shape[1]
     H, nope = module.num_heads, module.nope
     xr = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))                # [B, P, D]

@@ -175,19 +175,18 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
     if len(owner):
         np.add.at(counts, (row_of_layer[layer_col[owner]], cell[at]), 1)
     # chance: each kept row picks k of its p + 1 visible keys; the image patches it can see are those <= p
-    kept, rows_li = kept_rows, kept_li
-    if len(kept) and len(pos):
-        visible_keys = qpos[kept] + 1
-        k = np.minimum(picks_per_row[kept], visible_keys).astype(np.float64)
+    if len(kept_rows) and len(pos):
+        visible_keys = qpos[kept_rows] + 1
+        k = np.minimum(picks_per_row[kept_rows], visible_keys).astype(np.float64)
         p_pick = k / visible_keys
-        seen = np.searchsorted(pos, qpos[kept], side="right")  # image patches at positions <= p
-        np.add.at(expected, rows_li, p_pick * seen)
+        seen = np.searchsorted(pos, qpos[kept_rows], side="right")  # image patches at positions <= p
+        np.add.at(expected, kept_li, p_pick * seen)
         # a row that picked every visible key makes its patches certain: log(1e-12) stands for log(0)
         log_keep = np.log1p(-np.minimum(p_pick, 1.0 - 1e-12))
         # a row's log(1 - q) applies to the first `seen` image tokens (by position): difference array + cumsum
         diff = np.zeros((L, len(pos) + 1), np.float64)
-        np.add.at(diff, (rows_li, np.zeros(len(kept), np.int64)), log_keep)
-        np.add.at(diff, (rows_li, seen), -log_keep)
+        np.add.at(diff, (kept_li, np.zeros(len(kept_rows), np.int64)), log_keep)
+        np.add.at(diff, (kept_li, seen), -log_keep)
         log_miss[:, cell] = np.cumsum(diff, axis=1)[:, :len(pos)]
     return PatchReads(int(image_id), (int(grid[0]), int(grid[1])), tuple(found), counts.reshape(L, *grid),
                       n_queries, picks, expected, log_miss)
