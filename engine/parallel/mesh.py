@@ -28,6 +28,12 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: its functions take `group=group.WORLD` as
+# a default argument, bound when the module is first imported. Imported later (torch._dynamo pulls
+# it in on first use), they would hold the default group alive after destroy_process_group, and
+# gloo's threads would then be torn down during interpreter shutdown, which aborts now and then
+# ("terminate called without an active exception").
+import torch.distributed.nn  # noqa: F401
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
@@ -173,6 +179,10 @@ def shutdown(ctx: ParallelContext) -> None:
         ctx.watchdog.stop()
     dist.barrier(group=ctx.group)
     dist.destroy_process_group()
+    # drop the context's reference too (the model's layers share this context), so the group's
+    # gloo threads are joined here and not during interpreter teardown, where they abort now and
+    # then; the context no longer `communicates` (it could not: the group is destroyed)
+    object.__setattr__(ctx, "group", None)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -47,7 +48,20 @@ def main() -> int:
         tokens = [t.id for t in session.generate(max_new_tokens=args.new_tokens, temperature=0)]
         if ctx.is_leader and args.out:
             save_file({"logits": logits.float().contiguous(), "tokens": torch.tensor(tokens)}, args.out)
+    # the model still holds the context here: shutdown must have released the group anyway, or
+    # gloo's threads end during interpreter teardown, which aborts the process now and then
+    left = [name for name in _native_thread_names() if "gloo" in name]
+    if left:
+        print(f"gloo threads still running after shutdown: {left}", file=sys.stderr)
+        return 4
     return 0
+
+
+def _native_thread_names() -> list[str]:
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    if not tasks.is_dir():  # not Linux: nothing to check
+        return []
+    return [(task / "comm").read_text().strip() for task in tasks.iterdir()]
 
 
 if __name__ == "__main__":
