@@ -265,6 +265,10 @@ class DecodeStep:
             for data in payloads:
                 if finish is not None and finish(point, data, start, state.layers[point.layer]):
                     continue
+                if any(t.is_cuda for t in data.values()):
+                    # outputs of a CUDA graph replay live in its memory pool and are overwritten by the
+                    # next replay, while a listener may keep them until its flush: copy them out now
+                    data = {k: t.clone() for k, t in data.items()}
                 rows = next(iter(data.values())).shape[1]
                 if rows not in positions:
                     positions[rows] = torch.arange(start, start + rows)
