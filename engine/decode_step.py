@@ -188,8 +188,9 @@ class DecodeStep:
                    runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens)
         params = next(self.model.parameters())
         listeners = tuple((p.sink is not None, p.request) for p, _ in self._points)
+        # BACKEND: each compiler has its own compiled function, whose first step must run its guards
         return (batch, caches, kda, stacks, options, listeners, params.dtype, params.device, state.key_start is None,
-                torch.is_grad_enabled(), torch.is_inference_mode_enabled(), id(self.model.parallel))
+                torch.is_grad_enabled(), torch.is_inference_mode_enabled(), id(self.model.parallel), BACKEND)
 
     def _compiled(self, device: torch.device) -> Callable:
         fn = self._fns.get(BACKEND)
