@@ -175,16 +175,18 @@ class KDAHealthReducer(Reducer[KDAHealthData]):
 
     def _fold_table(self, table: pa.Table) -> None:
         layer = table["layer"].to_numpy()
-        position = table["position"].to_numpy().astype(np.int64)
+        position = table["position"].to_numpy().astype(np.int64, copy=False)
         stats = {}
         for name in _COLUMNS[2:]:
             stats[name] = _matrix(table[name])
         if stats["norm"] is None:
             return
-        # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer
-        order = np.argsort(layer, kind="stable")
-        layer, position = layer[order], position[order]
-        stats = {k: (v[order] if v is not None else None) for k, v in stats.items()}
+        # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer;
+        # a part the recorder wrote layer after layer is grouped already (no copy of its matrices)
+        if (np.diff(layer) < 0).any():
+            order = np.argsort(layer, kind="stable")
+            layer, position = layer[order], position[order]
+            stats = {k: (v[order] if v is not None else None) for k, v in stats.items()}
         layers, starts = np.unique(layer, return_index=True)
         ends = np.append(starts[1:], len(layer))
         for l, a, b in zip(layers.tolist(), starts.tolist(), ends.tolist()):

@@ -58,7 +58,7 @@ def flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
     lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
     if (lengths != lengths[0]).any():
         return np.zeros(0, np.float32), 0
-    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32)
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
     return values, int(lengths[0])
 
 
@@ -78,7 +78,7 @@ class KDANormFolder:
         if table.num_rows == 0:
             return {}, None
         layer = table["layer"].to_numpy()
-        pos = table["position"].to_numpy().astype(np.int64)
+        pos = table["position"].to_numpy().astype(np.int64, copy=False)
         flat, heads = flat_lists(table["norm"])
         if heads == 0:
             return {}, None
