@@ -229,7 +229,7 @@ class DecodeStep:
                     point.collected.clear()
         if not finite:
             raise nonfinite_error(self.model, x, logits, state)
-        self._hand_on(listening, state)
+        self._hand_on(listening, state, copy_out=device.type == "cuda")
         self.steps += 1
         return logits
 
@@ -255,9 +255,12 @@ class DecodeStep:
         return logits
 
     @staticmethod
-    def _hand_on(listening: list[tuple[ProbePoint, Callable | None]], state: ModelState) -> None:
+    def _hand_on(listening: list[tuple[ProbePoint, Callable | None]], state: ModelState, *,
+                 copy_out: bool = False) -> None:
         """Give each sink what its point collected during the step, with the step's host positions;
-        a module's `finish_probe` completes payloads that need a host decision (`dsa.dense_mass`)."""
+        a module's `finish_probe` completes payloads that need a host decision (`dsa.dense_mass`).
+        `copy_out` (CUDA): outputs of a CUDA graph replay live in its memory pool and are overwritten
+        by the next replay, while a listener may keep them until its flush, so they are copied first."""
         start = state.length
         positions: dict[int, torch.Tensor] = {}  # one host tensor per row count, shared by the points
         for point, finish in listening:
@@ -266,9 +269,7 @@ class DecodeStep:
             for data in payloads:
                 if finish is not None and finish(point, data, start, state.layers[point.layer]):
                     continue
-                if any(t.is_cuda for t in data.values()):
-                    # outputs of a CUDA graph replay live in its memory pool and are overwritten by the
-                    # next replay, while a listener may keep them until its flush: copy them out now
+                if copy_out:
                     data = {k: t.clone() for k, t in data.items()}
                 rows = next(iter(data.values())).shape[1]
                 if rows not in positions:
