@@ -39,7 +39,9 @@ from training import state as state_io
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.model_setup import export, trainable_model, trained_demo_config
-from training.tasks import batch
+from training.tasks import DRILL_SHARE, batch
+from training.wording import varied_world
+from workbench.retrieval_text import ANSWER_STYLES, TRAIN
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,28 @@ class Stage:
     length: int
 
 
-def schedule(scale: float) -> list[Stage]:
-    """About 90 minutes on 2 free CPU cores at scale 1 (4,096 tokens per step)."""
-    base = [Stage("dense", 800, 8, 512), Stage("dense", 250, 4, 1024),
-            Stage("warmup", 60, 4, 1024),
-            Stage("sparse", 250, 4, 1024), Stage("sparse", 200, 2, 2048)]
-    return [Stage(s.phase, max(1, round(s.steps * scale)), s.batch, s.length) for s in base]
+DEFAULT_STAGES = "dense:800x8x512,dense:250x4x1024,warmup:60x4x1024,sparse:250x4x1024,sparse:200x2x2048"
+PHASES = ("dense", "warmup", "sparse")
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """`PHASE:STEPSxBATCHxLENGTH,...` -> stages (a clear error for anything else)."""
+    stages = []
+    for part in text.split(","):
+        phase, _, sizes = part.strip().partition(":")
+        try:
+            steps, size, length = (int(x) for x in sizes.split("x"))
+        except ValueError:
+            raise SystemExit(f"--stages: {part!r} is not PHASE:STEPSxBATCHxLENGTH (e.g. dense:800x8x512)") from None
+        if phase not in PHASES or min(steps, size, length) < 1:
+            raise SystemExit(f"--stages: {part!r}: the phase must be one of {PHASES} and every size at least 1")
+        stages.append(Stage(phase, steps, size, length))
+    return stages
+
+
+def schedule(scale: float, stages: str = DEFAULT_STAGES) -> list[Stage]:
+    """About 90 minutes on 2 free CPU cores at scale 1 with the default stages (4,096 tokens per step)."""
+    return [Stage(s.phase, max(1, round(s.steps * scale)), s.batch, s.length) for s in parse_stages(stages)]
 
 
 def stage_at(stages: list[Stage], step: int) -> tuple[int, Stage]:
@@ -101,6 +119,10 @@ def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return (ce * w).sum() / w.sum(), answer_loss
 
 
+# Options added after the first shipped run; a state saved before them ran with these values.
+OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "varied_share": 0.0, "gaps": False, "drill_share": DRILL_SHARE,
+                   "first_weight": None, "answer_style": "key"}
+
 LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s",
                 "expert_max_load"]
 
@@ -123,13 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-final", action="store_true", help="stop after training (no export/evaluation)")
     p.add_argument("--stop-after", type=int, default=None, help="save and exit after this step (tests resuming)")
     p.add_argument("--eval-samples-during", type=int, default=2, help="held-out samples per depth in quick evals")
+    p.add_argument("--stages", type=str, default=DEFAULT_STAGES, help="PHASE:STEPSxBATCHxLENGTH,... (before --scale)")
+    p.add_argument("--varied-share", type=float, default=0.0,
+                   help="rows whose facts are worded afresh (training.wording.varied_world); 0: the six TRAIN wordings")
+    p.add_argument("--gaps", action="store_true", help="varied wordings put made-up words/symbols between key and value")
+    p.add_argument("--drill-share", type=float, default=DRILL_SHARE, help="rows that are recall drills")
+    p.add_argument("--first-weight", type=float, default=None, help="loss weight of each answer's first value token")
+    p.add_argument("--answer-style", choices=ANSWER_STYLES, default="key",
+                   help="key: answers `key: value`; span: the document quoted from the key through the value")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     state_dir = args.state or args.out.with_name(args.out.name + ".state")
     state_dir.mkdir(parents=True, exist_ok=True)
-    stages = schedule(args.scale)
+    stages = schedule(args.scale, args.stages)
+    options = {"stage_spec": args.stages, "varied_share": args.varied_share, "gaps": args.gaps,
+               "drill_share": args.drill_share, "first_weight": args.first_weight, "answer_style": args.answer_style}
     total = sum(s.steps for s in stages)
     config = trained_demo_config(args.topk)
     tok = Tokenizer.byte_level()
@@ -158,12 +190,21 @@ def main(argv: list[str] | None = None) -> int:
         if info.get("seed") != args.seed or info.get("scale") != args.scale or info.get("topk") != args.topk:
             raise SystemExit(f"{state_dir} holds a run with seed {info.get('seed')}, scale {info.get('scale')}, "
                              f"topk {info.get('topk')}; pass the same settings or another --state")
+        changed = {k: (info.get(k, OPTION_DEFAULTS[k]), v) for k, v in options.items()
+                   if info.get(k, OPTION_DEFAULTS[k]) != v}
+        if changed:
+            raise SystemExit(f"{state_dir} holds a run with other settings {changed} (saved, given); "
+                             "pass the same ones or another --state")
         step = int(info["step"])
         metrics = info.get("metrics", metrics)
         print(f"resumed from {resumed} at step {step}/{total}", flush=True)
     log, writer = state_io.open_loss_log(state_dir / "loss.csv", step, LOSS_COLUMNS)
     run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:]), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
-                "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
+                "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit(),
+                **options}
+    # no draw at all when no row is reworded, so the first shipped run's batches are unchanged
+    worlds = None if args.varied_share <= 0 else (
+        lambda rng: varied_world(rng, gaps=args.gaps) if rng.random() < args.varied_share else TRAIN)
 
     dense_total = sum(s.steps for s in stages if s.phase != "warmup")
     interactive = sys.stderr.isatty()
@@ -175,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     while step < total:
         _, stage = stage_at(stages, step)
         t0 = time.perf_counter()
-        ids, weights = batch(tok, args.seed, step, stage.batch, stage.length)
+        ids, weights = batch(tok, args.seed, step, stage.batch, stage.length, drill_share=args.drill_share,
+                             world=worlds, first_weight=args.first_weight, style=args.answer_style)
         gen.manual_seed(args.seed * 1_000_003 + step)
         warmup = stage.phase == "warmup"
         model.runtime.dsa_force_dense = stage.phase != "sparse"
@@ -246,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.eval_every == 0 or step == total:
             distill.active = False  # quick evals are plain forwards
             rows = needle_accuracy(model, tok, lengths=(stage.length,), depths=(0.1, 0.5, 0.9),
-                                   samples=args.eval_samples_during, modes=("sparse", "dense"))
+                                   samples=args.eval_samples_during, modes=("sparse", "dense"),
+                                   style=args.answer_style)
             metrics["evals"].append({"step": step, "rows": rows})
             print(f"eval step {step} (held-out needle, in-memory fp32 model): {summary(rows)}", flush=True)
     bar.close()
@@ -296,7 +339,7 @@ def write_eval_files(out: Path, config, run_info: dict, rows: list[dict], during
 def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dict, metrics: dict) -> int:
     """Quantize + write the checkpoint, reload it with the engine's loader, evaluate, write data files."""
     out, shipped = export_and_reload(model, config, args.out, {"loss.csv": state_dir / "loss.csv"})
-    rows = held_out_needle(shipped, tok, args)
+    rows = held_out_needle(shipped, tok, args, style=run_info.get("answer_style", "key"))
     size = write_eval_files(out, config, run_info, rows, metrics["evals"])
     write_model_card(out, config, run_info, rows, size, sum(q.numel() for q in model.parameters()))
     print(f"wrote {out} ({size / 2**20:.1f} MiB); held-out needle accuracy: {summary(rows)}", flush=True)

@@ -24,7 +24,7 @@ import torch
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import eval_table, finalize, schedule
+from training.demo_model import DEFAULT_STAGES, eval_table, finalize, schedule
 from training.evaluate import summary
 from training.model_setup import trainable_model, trained_demo_config
 
@@ -69,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     if "base" in info:  # a `training.extend` state (the tower and longer documents): its own finalize
         return _export_extended(args, step_dir, info)
     seed, scale, topk = int(info["seed"]), float(info["scale"]), int(info["topk"])
-    stages = schedule(scale)
+    stages = schedule(scale, info.get("stage_spec", DEFAULT_STAGES))
     total = sum(s.steps for s in stages)
     step = int(info["step"])
     config = trained_demo_config(topk)
     model = trainable_model(config, seed)
     state_io.load(step_dir, model, {})
     model.eval()
-    run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "indexer_lr", "stages") if k in info}
+    run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "indexer_lr", "stages", "stage_spec", "varied_share",
+                                     "gaps", "drill_share", "first_weight", "answer_style") if k in info}
     run_info["command"] = info.get("command", "python -m training.demo_model")
     run_info["commit"] = info.get("commit", "")
     run_info["exported_step"] = step
