@@ -38,6 +38,7 @@ from engine.tokenizer import Tokenizer
 from training import state as state_io
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
+from training.image_tasks import forward_with_images, image_accuracy, image_batch
 from training.model_setup import export, trainable_model, trained_demo_config
 from training.tasks import DRILL_SHARE, batch
 from training.wording import varied_world
@@ -121,7 +122,8 @@ def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 # Options added after the first shipped run; a state saved before them ran with these values.
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "varied_share": 0.0, "gaps": False, "drill_share": DRILL_SHARE,
-                   "first_weight": None, "answer_style": "key"}
+                   "first_weight": None, "answer_style": "key", "image_every": 0, "image_batch": 8,
+                   "image_length": 256, "tower_from": 0, "tower_lr_scale": 0.1}
 
 LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s",
                 "expert_max_load"]
@@ -153,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-weight", type=float, default=None, help="loss weight of each answer's first value token")
     p.add_argument("--answer-style", choices=ANSWER_STYLES, default="key",
                    help="key: answers `key: value`; span: the document quoted from the key through the value")
+    p.add_argument("--image-every", type=int, default=0,
+                   help="every Nth step (outside the indexer warm-up) also trains on a batch of image questions "
+                        "(training.image_tasks; the model carries the vision tower); 0: text only")
+    p.add_argument("--image-batch", type=int, default=8, help="image questions per image batch")
+    p.add_argument("--image-length", type=int, default=256, help="tokens per image-question row")
+    p.add_argument("--tower-from", type=int, default=0,
+                   help="step from which the projector trains, and the tower at --tower-lr-scale of its rate; "
+                        "before it both stay at their seeded init (a tower trained from the start collapses)")
+    p.add_argument("--tower-lr-scale", type=float, default=0.1)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -161,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     stages = schedule(args.scale, args.stages)
     options = {"stage_spec": args.stages, "varied_share": args.varied_share, "gaps": args.gaps,
-               "drill_share": args.drill_share, "first_weight": args.first_weight, "answer_style": args.answer_style}
+               "drill_share": args.drill_share, "first_weight": args.first_weight, "answer_style": args.answer_style,
+               "image_every": args.image_every, "image_batch": args.image_batch, "image_length": args.image_length,
+               "tower_from": args.tower_from, "tower_lr_scale": args.tower_lr_scale}
     total = sum(s.steps for s in stages)
-    config = trained_demo_config(args.topk)
+    images_on = args.image_every > 0
+    config = trained_demo_config(args.topk, vision=images_on)
     tok = Tokenizer.byte_level()
     model = trainable_model(config, args.seed)
     distill = IndexerDistill(model)
@@ -171,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
     index_params = {n: q for n, q in model.named_parameters() if ".indexer." in n}
     bias = {n for n, _ in model.named_parameters() if n.endswith("e_score_correction_bias")}
-    main_params = {n: q for n, q in model.named_parameters() if n not in index_params and n not in bias}
+    vision_params = {n: q for n, q in model.named_parameters() if n.startswith("vision.")}
+    main_params = {n: q for n, q in model.named_parameters()
+                   if n not in index_params and n not in bias and n not in vision_params}
     for n, q in model.named_parameters():
         if n in bias:
             q.requires_grad_(False)
@@ -181,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                                  lr=args.lr, betas=(0.9, 0.95))
     opt_index = torch.optim.AdamW(list(index_params.values()), lr=args.indexer_lr, betas=(0.9, 0.95), weight_decay=0.0)
     optimizers = {"main": opt_main, "indexer": opt_index}
+    if vision_params:   # group 0: the projector at the main rate; group 1: the tower at tower_lr_scale of it
+        tower = [q for n, q in vision_params.items() if n.startswith("vision.vision_tower.")]
+        optimizers["vision"] = torch.optim.AdamW(
+            [{"params": [q for n, q in vision_params.items() if not n.startswith("vision.vision_tower.")]},
+             {"params": tower}], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     step = 0
     metrics: dict = {"evals": []}
@@ -198,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         step = int(info["step"])
         metrics = info.get("metrics", metrics)
         print(f"resumed from {resumed} at step {step}/{total}", flush=True)
-    log, writer = state_io.open_loss_log(state_dir / "loss.csv", step, LOSS_COLUMNS)
+    log, writer = state_io.open_loss_log(state_dir / "loss.csv", step,
+                                         LOSS_COLUMNS + (["image_loss"] if images_on else []))
     run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:]), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
                 "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit(),
                 **options}
@@ -213,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     tokens_seen, started = 0, time.perf_counter()
     ema_tps = None
+    last_image = float("nan")   # the log line shows the latest image batch's loss
     while step < total:
         _, stage = stage_at(stages, step)
         t0 = time.perf_counter()
@@ -228,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             q.requires_grad_(distill.active)
         for q in main_params.values():
             q.requires_grad_(not warmup)
+        image_step = images_on and not warmup and step % args.image_every == 0
+        vision_on = image_step and step >= args.tower_from
+        for q in vision_params.values():
+            q.requires_grad_(vision_on)
         # the main schedule skips the warm-up steps: its cosine runs over dense + sparse steps
         main_step = sum(min(s.steps, max(0, step - sum(x.steps for x in stages[:i])))
                         for i, s in enumerate(stages) if s.phase != "warmup")
@@ -236,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
             g["lr"] = lr
         for g in opt_index.param_groups:
             g["lr"] = args.indexer_lr
+        if vision_params:
+            opt_vision = optimizers["vision"]
+            opt_vision.param_groups[0]["lr"], opt_vision.param_groups[1]["lr"] = lr, lr * args.tower_lr_scale
         loss_value = answer_value = float("nan")
+        image_value = float("nan")
+        n_tokens = ids.numel()
         if warmup:
             with torch.no_grad():
                 model(ids)
@@ -252,9 +284,18 @@ def main(argv: list[str] | None = None) -> int:
             kl = distill.take()
             total_loss = loss + (kl if kl is not None else 0.0)
             total_loss.backward()
+            if image_step:
+                image_value, image_kl, n_image = image_loss_step(model, tok, distill, gen, args, step, stage.phase)
+                kl = kl if image_kl is None else (image_kl if kl is None else kl + image_kl)
+                last_image = image_value
+                n_tokens += n_image
             torch.nn.utils.clip_grad_norm_(list(main_params.values()), 1.0)
             opt_main.step()
             opt_main.zero_grad(set_to_none=True)
+            if vision_on:
+                torch.nn.utils.clip_grad_norm_(list(vision_params.values()), 1.0)
+                optimizers["vision"].step()
+                optimizers["vision"].zero_grad(set_to_none=True)
             if kl is not None:
                 torch.nn.utils.clip_grad_norm_(list(index_params.values()), 1.0)
                 opt_index.step()
@@ -265,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         coverage = sum(distill.coverage) / len(distill.coverage) if distill.coverage else float("nan")
         distill.coverage = []
         dt = time.perf_counter() - t0
-        tps = ids.numel() / dt
+        tps = n_tokens / dt
         ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
-        tokens_seen += ids.numel()
+        tokens_seen += n_tokens
         writer.writerow([step, stage.phase, stage.length, f"{loss_value:.5f}", f"{answer_value:.5f}", f"{kl_value:.5f}",
-                         f"{coverage:.4f}", f"{lr:.6f}", f"{tps:.1f}", f"{max_load:.2f}"])
+                         f"{coverage:.4f}", f"{lr:.6f}", f"{tps:.1f}", f"{max_load:.2f}"]
+                        + ([f"{image_value:.5f}"] if images_on else []))
         step += 1
         bar.set_postfix_str(f"{stage.phase} L={stage.length} loss {loss_value:.3f} ans {answer_value:.3f} "
                             f"kl {kl_value:.3f} {ema_tps:.0f} tok/s", refresh=False)
@@ -278,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
             left = tokens_left(stages, step)
             print(f"step {step}/{total} {stage.phase} L={stage.length} loss {loss_value:.3f} answer {answer_value:.3f} "
-                  f"kl {kl_value:.3f} topk-mass {coverage:.2f} lr {lr:.2e} {ema_tps:.0f} tok/s "
+                  f"kl {kl_value:.3f} topk-mass {coverage:.2f} lr {lr:.2e} "
+                  + (f"image {last_image:.3f} " if images_on else "") + f"{ema_tps:.0f} tok/s "
                   f"ETA {left / max(ema_tps, 1) / 60:.0f} min", flush=True)
         if step % args.save_every == 0 or step == total or step == args.stop_after:
             state_io.save(state_dir, step, model, optimizers, {**run_info, "metrics": metrics})
@@ -292,12 +335,42 @@ def main(argv: list[str] | None = None) -> int:
                                    style=args.answer_style)
             metrics["evals"].append({"step": step, "rows": rows})
             print(f"eval step {step} (held-out needle, in-memory fp32 model): {summary(rows)}", flush=True)
+            if images_on:
+                pictures = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
+                control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
+                metrics["evals"][-1].update(image=pictures, image_swapped=control)
+                print(f"eval step {step}: held-out image questions {image_line(pictures, control)}", flush=True)
     bar.close()
     log.close()
     distill.remove()
     if args.no_final:
         return 0
     return finalize(model, config, tok, args, state_dir, run_info, metrics)
+
+
+def image_loss_step(model, tok: Tokenizer, distill: IndexerDistill, gen: torch.Generator, args, step: int,
+                    phase: str) -> tuple[float, torch.Tensor | None, int]:
+    """Forward + backward of step `step`'s batch of image questions (gradients add to the text
+    batch's): read densely in the dense phase, sparse in the sparse phase with the indexer learning
+    its KL target on these rows too. Returns (its loss, its indexer KL (already backpropagated, for
+    the log), its token count)."""
+    from training.tasks import KEY_WEIGHT_STEP, W_KEY, W_KEY_LATE
+
+    ids, weights, images, mask = image_batch(tok, args.seed, step, args.image_batch, args.image_length,
+                                             vision=model.config.vision,
+                                             key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY)
+    sparse = phase == "sparse"
+    distill.active, distill.sparse = sparse, sparse
+    distill.rows = query_rows(weights, 64, gen) if sparse else None
+    loss, _ = weighted_loss(forward_with_images(model, ids, images, mask), ids, weights)
+    kl = distill.take()
+    (loss + (kl if kl is not None else 0.0)).backward()
+    return float(loss.detach()), (kl.detach() if kl is not None else None), ids.numel()
+
+
+def image_line(pictures: dict, control: dict) -> str:
+    per = " ".join(f"{a} {r['correct']}/{r['total']}" for a, r in pictures["by_attribute"].items())
+    return f"{pictures['correct']}/{pictures['total']} ({per}; swapped-image control {control['correct']}/{control['total']})"
 
 
 def export_and_reload(model, config, out: Path, losses: dict[str, Path]):
@@ -340,7 +413,14 @@ def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dic
     """Quantize + write the checkpoint, reload it with the engine's loader, evaluate, write data files."""
     out, shipped = export_and_reload(model, config, args.out, {"loss.csv": state_dir / "loss.csv"})
     rows = held_out_needle(shipped, tok, args, style=run_info.get("answer_style", "key"))
-    size = write_eval_files(out, config, run_info, rows, metrics["evals"])
+    extra = {}
+    if config.vision is not None:
+        extra["held_out_images"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision)
+        extra["held_out_images_swapped"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision,
+                                                          swap_images=True)
+        print(f"held-out image questions: {image_line(extra['held_out_images'], extra['held_out_images_swapped'])}",
+              flush=True)
+    size = write_eval_files(out, config, run_info, rows, metrics["evals"], **extra)
     write_model_card(out, config, run_info, rows, size, sum(q.numel() for q in model.parameters()))
     print(f"wrote {out} ({size / 2**20:.1f} MiB); held-out needle accuracy: {summary(rows)}", flush=True)
     return 0

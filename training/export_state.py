@@ -72,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     stages = schedule(scale, info.get("stage_spec", DEFAULT_STAGES))
     total = sum(s.steps for s in stages)
     step = int(info["step"])
-    config = trained_demo_config(topk)
+    config = trained_demo_config(topk, vision=int(info.get("image_every", 0)) > 0)
     model = trainable_model(config, seed)
     state_io.load(step_dir, model, {})
     model.eval()
     run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "indexer_lr", "stages", "stage_spec", "varied_share",
-                                     "gaps", "drill_share", "first_weight", "answer_style") if k in info}
+                                     "gaps", "drill_share", "first_weight", "answer_style", "image_every", "tower_from")
+                if k in info}
     run_info["command"] = info.get("command", "python -m training.demo_model")
     run_info["commit"] = info.get("commit", "")
     run_info["exported_step"] = step
