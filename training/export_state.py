@@ -24,8 +24,9 @@ import torch
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import DEFAULT_STAGES, eval_table, finalize, schedule
+from training.demo_model import DEFAULT_STAGES, finalize, schedule
 from training.evaluate import summary
+from training.model_card import eval_table
 from training.model_setup import trainable_model, trained_demo_config
 
 INTERIM_NOTE = """> **Interim checkpoint: training step {step} of {total}.** Exported from a training state while

@@ -43,8 +43,9 @@ from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import (_git_commit, eval_table, export_and_reload, held_out_needle, weighted_loss,
+from training.demo_model import (_git_commit, export_and_reload, held_out_needle, weighted_loss,
                                  write_eval_files)
+from training.model_card import eval_table, image_line, images_text
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import forward_with_images, image_accuracy, image_batch
@@ -266,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
             rows = needle_accuracy(model, tok, lengths=(2048,), samples=2, modes=("sparse",))
             metrics["evals"].append({"step": step, "image": images_eval, "image_swapped": control, "needle": rows})
-            per = " ".join(f"{a} {r['correct']}/{r['total']}" for a, r in images_eval["by_attribute"].items())
-            print(f"eval step {step}: images {images_eval['correct']}/{images_eval['total']} ({per}; swapped control "
-                  f"{control['correct']}/{control['total']}); needle {summary(rows)}", flush=True)
+            print(f"eval step {step}: images {image_line(images_eval, control)}; needle {summary(rows)}", flush=True)
     bar.close()
     log.close()
     distill.remove()
@@ -287,15 +286,10 @@ def finalize(model, config, tok: Tokenizer, args, run_info: dict, metrics: dict)
     control = image_accuracy(shipped, tok, args.image_eval, seed=7, vision=config.vision, swap_images=True)
     size = write_eval_files(out, config, run_info, rows, metrics["evals"], held_out_images=images,
                             held_out_images_swapped=control)
-    image_lines = "\n".join(
-        f"| {a} | {r['correct']}/{r['total']} | {control['by_attribute'].get(a, {}).get('correct', 0)}/"
-        f"{control['by_attribute'].get(a, {}).get('total', 0)} | {r['chance']:.0%} |"
-        for a, r in images["by_attribute"].items())
     (out / "EVAL.md").write_text(
         "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"
         "## Held-out needle retrieval (value given the key / prompts, whole response in brackets)\n\n"
-        f"{eval_table(rows)}\n\n## Held-out image questions (exact response)\n\n"
-        "| attribute | right | swapped-image control | chance |\n|---|---:|---:|---:|\n" + image_lines + "\n")
+        f"{eval_table(rows)}\n{images_text(images, control)[0]}")
     print(f"wrote {out} ({size / 2**20:.1f} MiB); needle: {summary(rows)}; images {images['correct']}/"
           f"{images['total']} (swapped control {control['correct']}/{control['total']})", flush=True)
     return 0

@@ -39,9 +39,10 @@ from tqdm import tqdm
 from engine.tokenizer import Tokenizer
 from engine.weights.load import parse_model_path
 from training import state as state_io
-from training.demo_model import (_git_commit, tokens_left, eval_table, export_and_reload, held_out_needle, weighted_loss,
+from training.demo_model import (_git_commit, tokens_left, export_and_reload, held_out_needle, weighted_loss,
                                  write_eval_files)
 from training.copy_targets import CopySupervision
+from training.model_card import eval_table
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
