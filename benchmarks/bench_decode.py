@@ -106,7 +106,7 @@ def read_floor_ms(model, context: int) -> tuple[float, float, float]:
     item = torch.empty((), dtype=dtype).element_size()
     nbytes = len(dsa.layers) * slots * dsa.head_dim * item  # every slot of every DSA layer's key buffer
     cached = _sum_seconds(nbytes // item, dtype)
-    big = max(4 * nbytes, 2 * last_level_cache_bytes())
+    big = max(4 * nbytes, min(2 * last_level_cache_bytes(), 2 << 30))  # at most 2 GiB beyond the keys' own size
     streamed = _sum_seconds(big // item, dtype) * nbytes / big
     return nbytes / 1e6, 1000 * cached, 1000 * streamed
 
