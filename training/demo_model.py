@@ -41,9 +41,9 @@ from training.evaluate import needle_accuracy, summary
 from training.image_tasks import forward_with_images, image_accuracy, image_batch
 from training.model_card import image_line, write_model_card
 from training.model_setup import export, trainable_model, trained_demo_config
-from training.tasks import DRILL_SHARE, batch
-from training.wording import varied_world
-from workbench.retrieval_text import ANSWER_STYLES, TRAIN
+from training.tasks import DRILL_SHARE, batch, key_weight_at
+from training.wording import row_world
+from workbench.retrieval_text import ANSWER_STYLES
 
 
 @dataclass(frozen=True)
@@ -226,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit(),
                 **options}
     # no draw at all when no row is reworded, so the first shipped run's batches are unchanged
-    worlds = None if args.varied_share <= 0 else (
-        lambda rng: varied_world(rng, gaps=args.gaps) if rng.random() < args.varied_share else TRAIN)
+    worlds = None if args.varied_share <= 0 else row_world(args.varied_share, args.gaps)
 
     dense_total = sum(s.steps for s in stages if s.phase != "warmup")
     interactive = sys.stderr.isatty()
@@ -353,11 +352,8 @@ def image_loss_step(model, tok: Tokenizer, distill: IndexerDistill, gen: torch.G
     batch's): read densely in the dense phase, sparse in the sparse phase with the indexer learning
     its KL target on these rows too. Returns (its loss, its indexer KL (already backpropagated, for
     the log), its token count)."""
-    from training.tasks import KEY_WEIGHT_STEP, W_KEY, W_KEY_LATE
-
     ids, weights, images, mask = image_batch(tok, args.seed, step, args.image_batch, args.image_length,
-                                             vision=model.config.vision,
-                                             key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY)
+                                             vision=model.config.vision, key_weight=key_weight_at(step))
     sparse = phase == "sparse"
     distill.active, distill.sparse = sparse, sparse
     distill.rows = query_rows(weights, 64, gen) if sparse else None

@@ -24,7 +24,7 @@ import torch
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import DEFAULT_STAGES, finalize, schedule
+from training.demo_model import DEFAULT_STAGES, OPTION_DEFAULTS, finalize, schedule
 from training.evaluate import summary
 from training.model_card import eval_table
 from training.model_setup import trainable_model, trained_demo_config
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     model = trainable_model(config, seed)
     state_io.load(step_dir, model, {})
     model.eval()
-    run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "indexer_lr", "stages", "stage_spec", "varied_share",
-                                     "gaps", "drill_share", "first_weight", "answer_style", "image_every", "tower_from")
-                if k in info}
+    run_info = {k: info[k] for k in ("seed", "scale", "topk", "lr", "indexer_lr", "stages", *OPTION_DEFAULTS) if k in info}
     run_info["command"] = info.get("command", "python -m training.demo_model")
     run_info["commit"] = info.get("commit", "")
     run_info["exported_step"] = step

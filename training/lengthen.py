@@ -47,7 +47,7 @@ from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
-from training.wording import varied_world
+from training.wording import row_world
 from workbench.retrieval_text import ANSWER_STYLES, TRAIN
 
 # Batches are `training.tasks.batch(step + STREAM)`: the base run used steps 0..1559 and
@@ -104,14 +104,6 @@ def lr_scale(step: int, total: int, warmup: int = 20, floor: float = 0.25) -> fl
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def row_world(share: float, gaps: bool = False):
-    """Each row's world: a freshly drawn phrasing with probability `share`, else TRAIN as the base
-    run saw it (so its own wording is kept)."""
-    def draw(rng: random.Random):
-        return varied_world(rng, gaps=gaps) if rng.random() < share else TRAIN
-    return draw
 
 
 def is_checkpoint(base: Path) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.tokenizer import Message, Tokenizer, parse_answer
-from workbench.retrieval_text import (HELD_OUT, TRAIN, World, answer_parts, filler, response_text, response_value,
+from workbench.retrieval_text import (HELD_OUT, TRAIN, World, answer_parts, filler, response_value,
                                       value_string)
 
 # loss weights: the answer's value, a value restated in the document (retrievable from its first
@@ -324,6 +324,11 @@ def _add_copies(copies: list[tuple[int, int]], tok: Tokenizer, at: int, f: Fact,
     copies += [(at + j - 1, key + j) for j in range(n) if key + j < at + j]
 
 
+def key_weight_at(step: int) -> float:
+    """Loss weight of the restated key in training batch `step` (W_KEY, then W_KEY_LATE)."""
+    return W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY
+
+
 def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill_share: float = DRILL_SHARE,
           world: Callable[[random.Random], World] | None = None,
           first_weight: float | None = None, style: str = "key",
@@ -343,7 +348,7 @@ def batch(tok: Tokenizer, seed: int, step: int, size: int, length: int, *, drill
     for b in range(size):
         row_world = TRAIN if world is None else world(rng)
         s = build(tok, row_world, rng, length, drill=rng.random() < drill_share,
-                  key_weight=W_KEY_LATE if step >= KEY_WEIGHT_STEP else W_KEY, first_weight=first_weight,
+                  key_weight=key_weight_at(step), first_weight=first_weight,
                   style=style, close_weight=close_weight)
         n = min(length, len(s.ids))
         # long fixed parts can overshoot a short length: keep the end (the question and answer)

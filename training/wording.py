@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+from typing import Callable
 
 from training.tasks import pseudo_word as _any_pseudo_word
 from workbench.retrieval_text import HELD_OUT, TRAIN, World
@@ -160,3 +161,11 @@ def varied_world(rng: random.Random, templates: int = 4, filler: bool = True, ga
     pools = varied_filler(rng) if filler else {}
     return dataclasses.replace(TRAIN, name=VARIED_NAME, needles=needles, needle_questions=needle_questions,
                                kv_facts=kv_facts, kv_questions=kv_questions, **pools)
+
+
+def row_world(share: float, gaps: bool = False) -> Callable[[random.Random], World]:
+    """Each row's world: a freshly drawn phrasing with probability `share`, else TRAIN as the base
+    run saw it (so its own wording is kept)."""
+    def draw(rng: random.Random) -> World:
+        return varied_world(rng, gaps=gaps) if rng.random() < share else TRAIN
+    return draw
