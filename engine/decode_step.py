@@ -18,8 +18,8 @@ fused and kept expert stacks) until a step of that key compiles nothing new, and
 it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can change in. The
 session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
-(`ProbePoint.collecting`: their tensors become graph outputs) and are handed to their sinks after
-it, with positions known on the host; a step whose listener asks for a field declared `eager`
+(`ProbePoint.collecting`: their tensors become graph outputs) and are handed on after it, with
+positions known on the host, into each point's backlog (delivered in bulk: `ProbePoint.deliver`); a step whose listener asks for a field declared `eager`
 (measured with host decisions inside the layer: the KDA effective rank, half-lives) runs the eager
 forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
@@ -40,7 +40,7 @@ from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
 from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
-from engine.probes import ProbePoint
+from engine.probes import ProbePoint, deliver_backlogs
 
 MIN_CAPACITY = 1024
 # each (model, batch, dtype, listener set) is one compiled graph of the same function: allow many
@@ -254,24 +254,26 @@ class DecodeStep:
             self._checked.add(key)
         return logits
 
+    def deliver(self) -> None:
+        """Hand every listening point's backlog of decode steps to its sink (`ProbePoint.deliver`)."""
+        deliver_backlogs(p for p, _ in self._points)
+
     @staticmethod
     def _hand_on(listening: list[tuple[ProbePoint, Callable | None]], state: ModelState, *,
                  copy_out: bool = False) -> None:
-        """Give each sink what its point collected during the step, with the step's host positions;
-        a module's `finish_probe` completes payloads that need a host decision (`dsa.dense_mass`).
+        """Give each point what it collected during the step, with the step's host positions: into its
+        backlog (`ProbePoint.defer`, delivered in bulk); a module's `finish_probe` completes payloads
+        that need a host decision now, while the context names this step (`dsa.dense_mass`).
         `copy_out` (CUDA): outputs of a CUDA graph replay live in its memory pool and are overwritten
         by the next replay, while a listener may keep them until its flush, so they are copied first."""
         start = state.length
-        positions: dict[int, torch.Tensor] = {}  # one host tensor per row count, shared by the points
+        positions = torch.arange(start, start + 1)  # one token per row: shared by every point's payload
         for point, finish in listening:
             payloads = list(point.collected)
-            point.collected.clear()
+            point.collected.clear()  # the same list object stays: the traced step appends to it
             for data in payloads:
                 if finish is not None and finish(point, data, start, state.layers[point.layer]):
                     continue
                 if copy_out:
                     data = {k: t.clone() for k, t in data.items()}
-                rows = next(iter(data.values())).shape[1]
-                if rows not in positions:
-                    positions[rows] = torch.arange(start, start + rows)
-                point.emit(positions=positions[rows], **data)
+                point.defer(positions, data)

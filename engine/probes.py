@@ -11,7 +11,12 @@
 - `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
   its step, phase and rank.
 - Inside the compiled decode step a listening point `collecting`: `emit` keeps the tensors (graph
-  outputs) and the step hands them to the sink afterwards, with positions from the host.
+  outputs) and the step hands them on afterwards, with positions from the host: into the point's
+  `backlog`, which reaches the sink as one emission of up to `BACKLOG_STEPS` decode steps (per-row
+  `Emission.steps`), so a decode step costs a listener one list append instead of an emission per
+  point (measured: ~0.1 ms of a 3.3 ms demo-preset step). The backlog is delivered when full, before
+  any other forward, when a generation ends, when the listener detaches, and on `deliver()` (a
+  recorder's flush), so a sink sees each point's emissions in step order and none is lost.
 
 Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
 (`if point.listening: point.emit(...)`, any optional measure an `engine.ops` function); give
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
 OPEN_END = sys.maxsize  # end of a `Marks` span that is still growing (the answer being generated)
+BACKLOG_STEPS = 64  # decode steps a listening point holds before handing them on as one emission
 
 
 @dataclass(frozen=True)
@@ -79,15 +86,15 @@ class Signal:
     def family(self) -> str:
         return self.name.split(".")[0]
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
-    @property
+    @cached_property
     def optional(self) -> frozenset[str]:
         return frozenset(f.name for f in self.fields if f.optional)
 
-    @property
+    @cached_property
     def eager(self) -> frozenset[str]:
         """Fields only the eager forward measures (`Field.eager`)."""
         return frozenset(f.name for f in self.fields if f.eager)
@@ -251,13 +258,26 @@ class ProbeContext:
 
 
 class Emission(NamedTuple):
-    """What a sink receives: the point, the context's tags, and the tensors (`point.signal`'s fields)."""
+    """What a sink receives: the point, the context's tags, and the tensors (`point.signal`'s fields).
+
+    `steps` tags each row (`positions`) of an emission that carries several decode steps (a
+    delivered backlog); None: every row belongs to `step` (then the first row's step).
+    """
 
     point: "ProbePoint"
     step: int
     phase: str
     rank: int
     data: dict[str, "torch.Tensor"]
+    steps: "torch.Tensor | None" = None
+
+    def row_steps(self) -> "torch.Tensor":
+        """The step of each row, int64 [n] on the host."""
+        import torch
+
+        if self.steps is not None:
+            return self.steps
+        return torch.full((len(self.data["positions"]),), self.step, dtype=torch.long)
 
 
 Sink = Callable[[Emission], None]
@@ -274,7 +294,8 @@ class ProbePoint:
         request: what the listener asks for (a `ProbeRequest`).
     """
 
-    __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected")
+    __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected",
+                 "backlog")
 
     def __init__(self, name: str, layer: int) -> None:
         if name not in SIGNALS:
@@ -291,6 +312,8 @@ class ProbePoint:
         # the traced step always reads the same object
         self.collecting = False
         self.collected: list[dict[str, "torch.Tensor"]] = []
+        # decode steps handed on but not yet delivered: (step, phase, rank, positions, fields)
+        self.backlog: list[tuple[int, str, int, "torch.Tensor", dict[str, "torch.Tensor"]]] = []
 
     @property
     def family(self) -> str:
@@ -313,6 +336,8 @@ class ProbePoint:
         self.request, self.sink = request, sink
 
     def detach(self) -> None:
+        """Stop listening; the listener first receives what the backlog still holds."""
+        self.deliver()
         self.sink, self.request = None, ProbeRequest()
 
     def rows(self, start: int, count: int) -> np.ndarray:
@@ -340,6 +365,34 @@ class ProbePoint:
             ctx = self.context
             sink(Emission(self, ctx.step, ctx.phase, ctx.rank, {k: v for k, v in data.items() if v is not None}))
 
+    def defer(self, positions: "torch.Tensor", data: dict[str, "torch.Tensor"]) -> None:
+        """Keep one decode step's emission (fields without positions; `positions` its host positions)
+        for the next delivery, tagged with the context as it is now."""
+        ctx = self.context
+        self.backlog.append((ctx.step, ctx.phase, ctx.rank, positions, data))
+        if len(self.backlog) >= BACKLOG_STEPS:
+            self.deliver()
+
+    def deliver(self) -> None:
+        """Hand the backlog to the sink as one emission: each field's rows concatenated along its `n`
+        dimension (as the declaration names it), each row tagged with its step."""
+        if not self.backlog:
+            return
+        items, self.backlog = self.backlog, []
+        sink = self.sink
+        if sink is None:
+            return
+        step, phase, rank, positions, data = items[0]
+        if len(items) == 1:
+            sink(Emission(self, step, phase, rank, {"positions": positions, **data}))
+            return
+        import torch
+
+        fields = {name: torch.cat([item[4][name] for item in items], self.signal.field(name).dims.index("n"))
+                  for name in data}
+        steps = torch.cat([torch.full((len(item[3]),), item[0], dtype=torch.long) for item in items])
+        sink(Emission(self, step, phase, rank, {"positions": torch.cat([item[3] for item in items]), **fields}, steps))
+
     def __repr__(self) -> str:
         where = self.full_name if self.path else f"{self.name}, layer={self.layer}"
         return f"ProbePoint({where!r}, listening={self.sink is not None})"
@@ -351,6 +404,13 @@ def bind_probes(model: "torch.nn.Module", context: ProbeContext) -> None:
         for value in vars(module).values():
             if isinstance(value, ProbePoint):
                 value.path, value.context = path, context
+
+
+def deliver_backlogs(points: "Iterator[ProbePoint] | list[ProbePoint]") -> None:
+    """Deliver every point's backlog (before a forward whose emissions must follow them)."""
+    for point in points:
+        if point.backlog:
+            point.deliver()
 
 
 def probe_points(model: "torch.nn.Module") -> Iterator[ProbePoint]:

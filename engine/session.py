@@ -286,6 +286,7 @@ class Session:
                 if step is not None and mode != "off":
                     logits = step(ids, self.state, self.device, compiled=mode == "compiled")[0].float()
                 else:
+                    self.deliver_probes()  # earlier decode steps' emissions reach listeners before these
                     x = torch.tensor([ids], dtype=torch.long, device=self.device)
                     logits = self.model(x, self.state, last_only=not all_logits, image_embeds=image_embeds,
                                         image_mask=image_mask)[0].float()
@@ -386,6 +387,20 @@ class Session:
         seg = Segment(id=len(self.segments), kind="generated", name="generated", start=len(self.tokens),
                       end=len(self.tokens), role="assistant")
         self.segments.append(seg)
+        try:
+            yield from self._decode_loop(seg, p, stops, requested)
+        finally:  # also when the caller stops iterating: listeners hold every step that ran
+            self.deliver_probes()
+
+    def deliver_probes(self) -> None:
+        """Hand listeners the decode steps' probe emissions still held in backlogs (`engine.probes`):
+        a recorder calls it before it writes; generation and any other forward call it themselves."""
+        step = getattr(self.model, "_decode_step", None)
+        if step is not None:
+            step.deliver()
+
+    def _decode_loop(self, seg: Segment, p: SamplingParams, stops: set[int],
+                     requested: float) -> Iterator[GeneratedToken]:
         for i in range(p.max_new_tokens):
             if self._stop or len(self.tokens) >= self.config.max_position_embeddings:
                 break

@@ -8,6 +8,8 @@
 - `ProbeRequest` is data the layer reads: dense-mass queries are the rows the request picks
   (stride, marks, spans; decode steps by `decode_every`), decided from host positions.
 - `ProbePoint.attach` refuses optional fields the signal does not declare and a second listener.
+- The static decode step's backlog reaches a listener in bulk with the eager forward's rows, steps
+  and positions, in order, and nothing is lost (full backlog, end of generation, next forward, detach).
 """
 
 from __future__ import annotations
@@ -140,3 +142,74 @@ def test_check_reports_departures() -> None:
     assert any("dtype torch.int32" in p for p in problems) and any("weights: shape" in p for p in problems)
     assert signal.check({**data, "entropy": torch.zeros(1, 3)}, {"B": 1, "experts_per_token": 2},
                         frozenset({"entropy"}))[0].startswith("moe.route.experts")
+
+
+def _rows_by_point(seen: list) -> dict:
+    """point name + layer -> (row steps, positions, each field's rows) over the point's emissions in order."""
+    out: dict = {}
+    for e in seen:
+        key = (e.point.name, e.point.layer)
+        steps, positions, fields = out.setdefault(key, ([], [], {}))
+        steps += e.row_steps().tolist()
+        positions += e.data["positions"].tolist()
+        for name, t in e.data.items():
+            if name != "positions":
+                fields.setdefault(name, []).append(t.movedim(e.point.signal.field(name).dims.index("n"), 0))
+    return {k: (s, p, {n: torch.cat(v) for n, v in f.items()}) for k, (s, p, f) in out.items()}
+
+
+def test_decode_step_backlog_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
+    """The static decode step hands a listener its steps in bulk (`ProbePoint.defer` / `deliver`): the
+    rows, their step tags and positions equal the eager forward's one emission per step; a backlog is
+    delivered when full, when generation ends, before the next prefill, and on detach."""
+    import engine.probes as probes
+
+    model = load_model("preset:tiny:k3.1", seed=3)
+
+    def run(compile_setting, extra_prompt: bool):
+        model.runtime.compile = compile_setting
+        seen = []
+        points = list(probe_points(model))
+        for point in points:
+            point.attach(seen.append)
+        try:
+            session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK, progress=False)
+            session.append(ids=list(range(30, 30 + PREFILL)))
+            list(session.generate(5, temperature=0, stop_ids=()))
+            if extra_prompt:
+                session.append(ids=[65, 66, 67])
+                session.prefill()
+        finally:
+            for point in points:
+                point.detach()
+        return seen
+
+    monkeypatch.setattr(probes, "BACKLOG_STEPS", 3)
+    eager = run(False, True)
+    static = run("static", True)
+    model.runtime.compile = "auto"
+    a, b = _rows_by_point(eager), _rows_by_point(static)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key][0] == b[key][0] and a[key][1] == b[key][1], key  # steps and positions, in order
+        for name in a[key][2]:
+            torch.testing.assert_close(a[key][2][name], b[key][2][name], rtol=1e-5, atol=1e-6)
+    # 4 decode steps ran (the 5th token is sampled from the last step's logits): bulk of 3, then the
+    # end of generation delivers the last one; the prefill after it follows it (dsa.dense_mass is
+    # measured on the host at its own step, by `finish_probe`, and emitted there)
+    first = next(e.point for e in static if e.phase == "decode" and e.point.name != "dsa.dense_mass")
+    decode = [e for e in static if e.phase == "decode" and e.point is first]
+    assert [len(e.data["positions"]) for e in decode] == [3, 1]
+    assert decode[0].steps.tolist() == [decode[0].step + i for i in range(3)]
+    phases = [e.phase for e in static if e.point is first]
+    assert phases[-1] == "prefill" and phases.index("decode") < len(phases) - 1
+
+    # detaching delivers what the backlog holds
+    point = next(p for p in probe_points(model) if p.name == "moe.route")
+    got = []
+    point.attach(got.append)
+    point.defer(torch.arange(7, 8), {"experts": torch.zeros(1, 1, 2, dtype=torch.long),
+                                     "weights": torch.zeros(1, 1, 2)})
+    assert got == []
+    point.detach()
+    assert len(got) == 1 and got[0].data["positions"].tolist() == [7] and point.backlog == []

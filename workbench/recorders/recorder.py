@@ -220,8 +220,9 @@ class Recorder:
     def _on_probe(self, emission: Emission) -> None:
         if self.writer is None:
             return  # other ranks run the same collectives but do not write
-        if len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
-            # decode-sized payloads are reduced in bulk at the flush: per-token Python work stays tiny
+        if emission.phase == "decode" or len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
+            # decode payloads (a backlog of steps from the decode step, or one eager step) are reduced in
+            # bulk at the flush: per-token Python work stays tiny
             self._deferred[emission.point].append(emission)
         else:
             self._reduce(emission.point, [emission])
@@ -232,7 +233,7 @@ class Recorder:
         The signal's declaration says how to line the emissions up: each field's rows (the `n` axis)
         are concatenated, and the batch row (one sequence per trace) is dropped.
         """
-        steps = torch.cat([torch.full((len(e.data["positions"]),), e.step) for e in items])
+        steps = torch.cat([e.row_steps() for e in items])
         fields = {}
         for f in point.signal.fields:
             if f.name in items[0].data:
@@ -364,6 +365,8 @@ class Recorder:
         parts on the writer's background thread while the engine runs on."""
         if self.writer is None:
             return
+        for point in self._points:  # decode steps the engine still holds for this recorder
+            point.deliver()
         if self._generated_rows:
             positions, ids, segments = zip(*self._generated_rows)
             self._generated_rows.clear()
