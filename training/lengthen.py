@@ -20,6 +20,12 @@ stream the base run never used; the state (weights, optimizer moments, step) is 
 quantized, the checkpoint is written with the untrained vision tower attached (as `builtin:demo`
 ships, `training.extend --scale 0`), reloaded with `engine.load_model` and evaluated on held-out
 needle prompts (and on training-world ones at 2K, the generalisation gap).
+
+`--image-every N` keeps pictures in the mix: the model carries the vision tower (the base's, or
+its seeded init when the base has none), and every Nth step adds a batch of image questions
+(`training.demo_model.image_loss_step`, read sparse as the text is); the projector trains at the
+main rate, the tower at `--tower-lr-scale` of it. The written checkpoint then ships the trained
+tower, and the evaluation adds held-out image questions beside the swapped-image control.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from tqdm import tqdm
 from engine.tokenizer import Tokenizer
 from engine.weights.load import parse_model_path
 from training import state as state_io
-from training.demo_model import (_git_commit, tokens_left, export_and_reload, held_out_needle, weighted_loss,
-                                 write_eval_files)
+from training.demo_model import (_git_commit, tokens_left, export_and_reload, held_out_needle, image_loss_step,
+                                 weighted_loss, write_eval_files)
 from training.copy_targets import CopySupervision
 from training.model_card import eval_table
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
+from training.image_tasks import image_accuracy
+from training.model_card import image_line
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
 from training.wording import row_world
@@ -66,7 +74,8 @@ DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
 # what a run saved before these options existed ran with
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "stream": STREAM, "gaps": False, "first_weight": None,
                    "answer_style": "key", "close_weight": None, "copy_weight": None,
-                   "copy_heads": "mixture", "copy_first_only": False}
+                   "copy_heads": "mixture", "copy_first_only": False, "image_every": 0, "image_batch": 8,
+                   "image_length": 256, "tower_lr_scale": 0.1}
 
 
 def parse_stages(text: str) -> list[Stage]:
@@ -121,6 +130,19 @@ def base_settings(base: Path) -> tuple[int, int]:
     info_file = Path(root) / "training.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     return int(info.get("seed", 0)), int(info.get("topk", config.dsa.topk))
+
+
+def base_has_tower(base: Path) -> bool:
+    """Whether the base's weights include a vision tower (a written checkpoint's is left out: untrained)."""
+    if is_checkpoint(base):
+        return False
+    d = state_io.latest(base)
+    if d is None:
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return any(k.startswith("vision.") for k in f.keys())
 
 
 def load_base(base_dir: Path, model: torch.nn.Module) -> dict:
@@ -186,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="copy targets push the heads' mean attention (mixture) or only the most attending head's")
     p.add_argument("--copy-first-only", action="store_true",
                    help="copy targets only for the first token of each copied run (the jump), not the rest")
+    p.add_argument("--image-every", type=int, default=0,
+                   help="every Nth step also trains on a batch of image questions (the model carries the vision "
+                        "tower: the base's, or its seeded init); 0: text only")
+    p.add_argument("--image-batch", type=int, default=8, help="image questions per image batch")
+    p.add_argument("--image-length", type=int, default=256, help="tokens per image-question row")
+    p.add_argument("--tower-lr-scale", type=float, default=0.1, help="the tower's rate as a share of the main rate")
     p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
                    help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
@@ -205,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(s.steps for s in stages)
     tok = Tokenizer.byte_level()
     seed, topk = base_settings(args.base)
-    config = trained_demo_config(topk)
+    args.seed = seed  # image batches are drawn from (seed, step) as in training.demo_model
+    images_on = args.image_every > 0
+    config = trained_demo_config(topk, vision=images_on)
     model = trainable_model(config, seed)
     distill = IndexerDistill(model)
     copier = CopySupervision(model, heads=args.copy_heads, first_only=args.copy_first_only) if args.copy_weight else None
@@ -214,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     params = dict(model.named_parameters())
     bias = {n for n in params if n.endswith("e_score_correction_bias")}
     index_names = [n for n in params if ".indexer." in n]
-    main_names = [n for n in params if n not in bias and n not in index_names]
+    vision_names = [n for n in params if n.startswith("vision.")]
+    main_names = [n for n in params if n not in bias and n not in index_names and n not in vision_names]
     for n in bias:
         params[n].requires_grad_(False)
     decay = [params[n] for n in main_names if params[n].dim() >= 2 and "embed" not in n]
@@ -224,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     opt_index = torch.optim.AdamW([params[n] for n in index_names], lr=args.indexer_lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     optimizers = {"main": opt_main, "indexer": opt_index}
+    if vision_names:   # group 0: the projector at the main rate; group 1: the tower at tower_lr_scale of it
+        tower = [n for n in vision_names if n.startswith("vision.vision_tower.")]
+        optimizers["vision"] = torch.optim.AdamW(
+            [{"params": [params[n] for n in vision_names if n not in tower]}, {"params": [params[n] for n in tower]}],
+            lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
                 "varied_share": args.varied_share, "drill_share": args.drill_share}
     # recorded (and checked on resume) only when set, so states of runs before these options still resume
@@ -231,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     settings.update({"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
                      "first_weight": args.first_weight, "answer_style": args.answer_style,
                      "close_weight": args.close_weight, "copy_weight": args.copy_weight,
-                     "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only})
+                     "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only,
+                     "image_every": args.image_every, "image_batch": args.image_batch,
+                     "image_length": args.image_length, "tower_lr_scale": args.tower_lr_scale})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -250,12 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         metrics = info.get("metrics", metrics)
         run_info["base"] = info["base"]
         print(f"resumed from {resumed} at step {step}/{total}", flush=True)
+    elif images_on and not base_has_tower(args.base):
+        text = trainable_model(trained_demo_config(topk), seed)
+        run_info["base"] = load_base(args.base, text)
+        missing, unexpected = model.load_state_dict(text.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
+        del text
     else:
         run_info["base"] = load_base(args.base, model)
         print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
     run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
 
-    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS + (COPY_COLUMNS if copier else []))
+    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS + (COPY_COLUMNS if copier else [])
+                                         + (["image_loss"] if images_on else []))
     interactive = sys.stderr.isatty()
     bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
                mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
@@ -264,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     model.runtime.dsa_force_dense = False
     during = [int(x) for x in args.eval_during.split(",") if x]
     ema = None
+    last_image = float("nan")   # the log line shows the latest image batch's loss
     while step < total:
         stage = stage_at(stages, step)
         t0 = time.perf_counter()
         scale = lr_scale(step, total)
         for g in opt_main.param_groups:
             g["lr"] = args.lr * scale
+        if vision_names:
+            opt_vision = optimizers["vision"]
+            opt_vision.param_groups[0]["lr"] = args.lr * scale
+            opt_vision.param_groups[1]["lr"] = args.lr * scale * args.tower_lr_scale
         ids, weights, pairs = batch(tok, seed, args.stream + step, stage.batch, stage.length,
                                     drill_share=args.drill_share, world=worlds, first_weight=args.first_weight,
                                     style=args.answer_style, close_weight=args.close_weight, copies=True)
@@ -285,12 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         if copy_loss is not None:
             total_loss = total_loss + args.copy_weight * copy_loss
         total_loss.backward()
+        image_value, n_tokens = float("nan"), ids.numel()
+        if images_on and step % args.image_every == 0:
+            image_value, image_kl, n_image = image_loss_step(model, tok, distill, gen, args, args.stream + step,
+                                                             "sparse")
+            kl = kl if image_kl is None else (image_kl if kl is None else kl.detach() + image_kl)
+            last_image, n_tokens = image_value, n_tokens + n_image
         distill.active = False
         if copier is not None:
             copier.active = False
         torch.nn.utils.clip_grad_norm_([params[n] for n in main_names], 1.0)
         opt_main.step()
         opt_main.zero_grad(set_to_none=True)
+        if vision_names:
+            torch.nn.utils.clip_grad_norm_([params[n] for n in vision_names], 1.0)
+            optimizers["vision"].step()
+            optimizers["vision"].zero_grad(set_to_none=True)
         if kl is not None:
             torch.nn.utils.clip_grad_norm_([params[n] for n in index_names], 1.0)
             opt_index.step()
@@ -300,12 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         distill.coverage = []
         loss_value = float(loss.detach())
         kl_value = float(kl.detach()) if kl is not None else float("nan")
-        tps = ids.numel() / (time.perf_counter() - t0)
+        tps = n_tokens / (time.perf_counter() - t0)
         ema = tps if ema is None else 0.9 * ema + 0.1 * tps
         copy_value = float(copy_loss.detach()) if copy_loss is not None else float("nan")
         writer.writerow([step, stage.length, f"{loss_value:.5f}", f"{answer:.5f}", f"{kl_value:.5f}",
                          f"{coverage:.4f}", f"{args.lr * scale:.6f}", f"{tps:.1f}"]
-                        + ([f"{copy_value:.5f}", f"{copy_mass:.4f}"] if copier else []))
+                        + ([f"{copy_value:.5f}", f"{copy_mass:.4f}"] if copier else [])
+                        + ([f"{image_value:.5f}"] if images_on else []))
         step += 1
         bar.set_postfix_str(f"L={stage.length} loss {loss_value:.3f} ans {answer:.3f} kl {kl_value:.3f} "
                             f"{ema:.0f} tok/s", refresh=False)
@@ -315,13 +376,18 @@ def main(argv: list[str] | None = None) -> int:
             left = tokens_left(stages, step)
             print(f"step {step}/{total} L={stage.length} loss {loss_value:.3f} answer {answer:.3f} kl {kl_value:.3f} "
                   f"topk-mass {coverage:.2f} " + (f"copy {copy_value:.3f} mass {copy_mass:.2f} " if copier else "")
-                  + f"lr {args.lr * scale:.2e} {ema:.0f} tok/s "
+                  + (f"image {last_image:.3f} " if images_on else "") + f"lr {args.lr * scale:.2e} {ema:.0f} tok/s "
                   f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)
         if during and (step % args.eval_every == 0 or step == total):   # before the save: it keeps the eval
             rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",),
                                    style=args.answer_style)
             metrics["evals"].append({"step": step, "rows": rows})
             print(f"eval step {step} (held-out needle, value (whole response), fp32): {summary(rows)}", flush=True)
+            if images_on:
+                pictures = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
+                control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
+                metrics["evals"][-1].update(image=pictures, image_swapped=control)
+                print(f"eval step {step}: held-out image questions {image_line(pictures, control)}", flush=True)
         if step % args.save_every == 0 or step == total or step == args.stop_after:
             state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})
         if step == args.stop_after:
@@ -338,9 +404,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: dict) -> int:
-    """Quantize + write the checkpoint (the untrained tower attached), reload it with the engine's
-    loader, evaluate held-out needles (and training-world ones at 2K), write the data files."""
-    full, config = with_tower(model, run_info["topk"], run_info["seed"])
+    """Quantize + write the checkpoint (with the trained tower of a run with image questions, else the
+    untrained one attached), reload it with the engine's loader, evaluate held-out needles (and
+    training-world ones at 2K; image questions beside the swapped-image control when trained), write
+    the data files."""
+    if model.config.vision is not None:
+        full, config = model, model.config
+    else:
+        full, config = with_tower(model, run_info["topk"], run_info["seed"])
     losses = {args.loss_name: args.state / "loss.csv"}
     if run_info["base"].get("checkpoint"):   # carry the base checkpoint's curves (loss.csv, loss_lengthen.csv, ...)
         from engine.builtin import model_dir
@@ -354,7 +425,14 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
     rows = held_out_needle(shipped, tok, args, style=args.answer_style)
     train_rows = needle_accuracy(shipped, tok, lengths=(2048,), samples=8, modes=("sparse",), world=TRAIN, seed=99,
                                  style=args.answer_style)
-    size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows)
+    extra = {}
+    if model.config.vision is not None:
+        extra["held_out_images"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision)
+        extra["held_out_images_swapped"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision,
+                                                          swap_images=True)
+        print(f"held-out image questions: {image_line(extra['held_out_images'], extra['held_out_images_swapped'])}",
+              flush=True)
+    size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows, **extra)
     (out / "EVAL.md").write_text(
         "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"
         "## Held-out needle retrieval (value given the key / prompts, whole response in brackets)\n\n"

@@ -87,3 +87,24 @@ def test_stages_parse_and_reject_bad_text() -> None:
     for bad in ("3x2", "ax2x256", "0x1x256"):
         with pytest.raises(SystemExit, match="--stages"):
             lengthen.parse_stages(bad)
+
+
+def test_image_questions_train_the_tower_from_a_text_base_and_resume(base, tmp_path, monkeypatch) -> None:
+    """`--image-every`: a text-only base gets the tower's seeded init, the image steps train tower and
+    projector (the loss curve gains `image_loss` on those steps), and the state resumes with its tower."""
+    monkeypatch.setattr(lengthen, "schedule", _tiny)
+    state = tmp_path / "img"
+    args = ["--base", str(base), "--state", str(state), "--eval-every", "100", "--eval-during", "", "--no-final",
+            "--image-every", "2", "--image-batch", "2", "--image-length", "256"]
+    assert lengthen.main(args + ["--stop-after", "1"]) == 0
+    saved = load_file(str(state / "step-0000001" / "model.safetensors"))
+    fresh = trainable_model(trained_demo_config(64, vision=True), 0).state_dict()
+    tower = [k for k in fresh if k.startswith("vision.")]
+    assert tower and set(saved) == set(fresh)
+    assert any(not torch.equal(saved[k], fresh[k]) for k in tower)   # step 0 was an image step
+    with pytest.raises(SystemExit, match="other settings"):
+        lengthen.main(args[:-6] + ["--image-every", "3"])
+    assert lengthen.main(args) == 0
+    rows = list(csv.DictReader(open(state / "loss.csv")))
+    assert rows[0]["image_loss"] != "nan" and rows[1]["image_loss"] == "nan"
+    assert lengthen.base_has_tower(state) and not lengthen.base_has_tower(base)
