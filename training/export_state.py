@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if step_dir is None:
         raise SystemExit(f"{args.state}: no saved step (no latest.json)")
     info = json.loads((step_dir / "state.json").read_text())
+    if "training.lengthen" in info.get("command", ""):  # a continuation (and the runs before it): its finalize
+        return _export_lengthened(args, step_dir, info)
     if "base" in info:  # a `training.extend` state (the tower and longer documents): its own finalize
         return _export_extended(args, step_dir, info)
     seed, scale, topk = int(info["seed"]), float(info["scale"]), int(info["topk"])
@@ -93,6 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         card.write_text(INTERIM_NOTE.format(step=step, total=total, table=table) + card.read_text())
         print(f"interim checkpoint (step {step}/{total}): {summary(rows)}", flush=True)
     return 0
+
+
+def _export_lengthened(args, step_dir: Path, info: dict) -> int:
+    """A `training.lengthen` state: its weights through `lengthen.finalize` (the model card lists the
+    chain of runs behind them, every run's loss curve lands beside the checkpoint)."""
+    from training import lengthen
+
+    config = trained_demo_config(int(info["topk"]), vision=int(info.get("image_every", 0)) > 0)
+    model = trainable_model(config, int(info["seed"]))
+    state_io.load(step_dir, model, {})
+    model.eval()
+    metrics = info.pop("metrics", {"evals": []})
+    run_info = {k: v for k, v in info.items() if k != "optimizer_steps"}
+    run_info["exported_step"], run_info["exported_from"] = int(info["step"]), str(step_dir)
+    print(f"exporting {step_dir} (continuation step {info['step']}) to {args.out} ...", flush=True)
+    eval_args = argparse.Namespace(state=args.state, loss_name="loss_lengthen.csv", eval_lengths=args.eval_lengths,
+                                   eval_samples=args.eval_samples, answer_style=info.get("answer_style", "key"))
+    return lengthen.finalize(model, Tokenizer.byte_level(), eval_args, args.out, run_info, metrics)
 
 
 def _export_extended(args, step_dir: Path, info: dict) -> int:

@@ -52,7 +52,7 @@ from training.model_card import eval_table
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import image_accuracy
-from training.model_card import image_line
+from training.model_card import chain_loss_name, image_line, run_chain, write_model_card
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
 from training.wording import row_world
@@ -412,8 +412,12 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
         full, config = model, model.config
     else:
         full, config = with_tower(model, run_info["topk"], run_info["seed"])
+    # the runs behind these weights: from the exported step (`training.export_state`), else the run's last
+    chain = run_chain(Path(run_info["exported_from"]) if "exported_from" in run_info else state_io.latest(args.state))
     losses = {args.loss_name: args.state / "loss.csv"}
-    if run_info["base"].get("checkpoint"):   # carry the base checkpoint's curves (loss.csv, loss_lengthen.csv, ...)
+    if len(chain) > 1 and not run_info["base"].get("checkpoint"):   # every run's curve, named by its state
+        losses = {chain_loss_name(info): Path(info["step_dir"]).parent / "loss.csv" for info in chain}
+    elif run_info["base"].get("checkpoint"):   # carry the base checkpoint's curves (loss.csv, loss_lengthen.csv, ...)
         from engine.builtin import model_dir
         for f in sorted(Path(model_dir(run_info["base"]["base_dir"])).glob("loss*.csv")):
             if f.name == args.loss_name:
@@ -433,6 +437,9 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
         print(f"held-out image questions: {image_line(extra['held_out_images'], extra['held_out_images_swapped'])}",
               flush=True)
     size = write_eval_files(out, config, run_info, rows, metrics["evals"], training_world_needle=train_rows, **extra)
+    write_model_card(out, config, run_info, rows, size, sum(q.numel() for q in full.parameters()),
+                     extra.get("held_out_images"), extra.get("held_out_images_swapped"), chain=chain,
+                     untrained_tower=model.config.vision is None)
     (out / "EVAL.md").write_text(
         "# Measured on the written checkpoint (MXFP4 experts, loaded with engine.load_model)\n\n"
         "## Held-out needle retrieval (value given the key / prompts, whole response in brackets)\n\n"

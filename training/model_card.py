@@ -3,6 +3,7 @@ the run's options) and the evaluation tables the training programs print and wri
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from training.tasks import DRILL_SHARE
@@ -61,9 +62,12 @@ def data_text(run_info: dict) -> str:
     return text
 
 
-def images_text(images: dict | None, control: dict | None) -> tuple[str, str]:
+def images_text(images: dict | None, control: dict | None, untrained_tower: bool = False) -> tuple[str, str]:
     """(the card's measured image section, its "cannot do" line about images)."""
     if images is None:
+        if untrained_tower:
+            return "", ("- Images: the vision tower is attached with its seeded init, untrained (so that sessions with\n"
+                        "  pictures run): what it answers about a picture is a guess.")
         return "", "- Images: no vision tower (text only)."
     lines = "\n".join(
         f"| {a} | {r['correct']}/{r['total']} | {control['by_attribute'].get(a, {}).get('correct', 0)}/"
@@ -79,21 +83,88 @@ def images_text(images: dict | None, control: dict | None) -> tuple[str, str]:
     return section, limit
 
 
+_MEASURED = ("Gradients flowed through the engine's own pure-torch layers; the routed experts were trained dense\n"
+             "and quantized to MXFP4 afterwards; every figure below was measured on the quantized checkpoint as\n"
+             "written, loaded with `engine.load_model`.")
+
+
+def _tokens(stages: list[dict]) -> int:
+    return sum(s["steps"] * s["batch"] * s["length"] for s in stages)
+
+
+def _stage_lines(stages: list[dict], indent: str = "") -> str:
+    return "\n".join(f"{indent}- {s.get('phase', 'sparse')}: {s['steps']} steps of {s['batch']} x {s['length']} tokens"
+                     for s in stages)
+
+
+def run_text(run_info: dict) -> str:
+    """The card's training paragraph for one run from random init (`training.demo_model`)."""
+    stages = run_info["stages"]
+    return (f"`{run_info.get('command', '')}` (commit {run_info.get('commit', '')[:12] or 'unknown'}), seed "
+            f"{run_info['seed']}, {sum(s['steps'] for s in stages)} steps, {_tokens(stages) / 1e6:.1f}M tokens, on a "
+            f"2-core CPU.\n{_MEASURED}\n\nSchedule (DeepSeek V3.2's order for the sparse layers):\n{_stage_lines(stages)}")
+
+
+def run_chain(step_dir: Path) -> list[dict]:
+    """The runs that made the weights saved in `step_dir`, the run from random init first: each run's
+    saved `state.json` (without its metrics), found by following every continuation's `base.base_dir`
+    (`training.lengthen`). A base that is a written checkpoint, or gone, ends the chain there (the
+    continuation's record of it is all that is known)."""
+    chain: list[dict] = []
+    d: Path | None = Path(step_dir)
+    while d is not None and len(chain) < 64:
+        f = d / "state.json"
+        if not f.is_file():
+            break
+        info = json.loads(f.read_text())
+        info.pop("metrics", None)
+        info.pop("optimizer_steps", None)
+        info["step_dir"] = str(d)
+        chain.append(info)
+        base = info.get("base")
+        d = Path(base["base_dir"]) if isinstance(base, dict) and base.get("base_dir") and not base.get("checkpoint") \
+            else None
+    return chain[::-1]
+
+
+def chain_loss_name(info: dict) -> str:
+    """The file name a chain run's loss curve gets beside the checkpoint (`loss_<its state directory>.csv`)."""
+    return f"loss_{Path(info['step_dir']).parent.name}.csv"
+
+
+def chain_text(chain: list[dict]) -> str:
+    """The card's training paragraph for a run and its continuations, one numbered item per run."""
+    total = sum(_tokens(info.get("stages", [])) for info in chain)
+    first = chain[0].get("base") if chain else None
+    lines = [f"{len(chain)} runs, each continuing the last one's weights (fresh optimizer moments), "
+             f"{total / 1e6:.1f}M tokens in all, on a 2-core CPU.\n{_MEASURED}", ""]
+    if isinstance(first, dict):  # the chain starts from a checkpoint or a state that is gone
+        lines.append(f"0. Not recorded here: the base `{first.get('base_dir')}` ({first.get('base_command') or 'its command unknown'}).")
+    for i, info in enumerate(chain, 1):
+        stages = info.get("stages", [])
+        options = ", ".join(f"{k} {info[k]}" for k in ("lr", "varied_share", "drill_share", "first_weight", "stream",
+                                                        "image_every") if info.get(k) not in (None, 0, False))
+        lines.append(f"{i}. `{info.get('command', '')}` (commit {info.get('commit', '')[:12] or 'unknown'}): "
+                     f"{sum(s['steps'] for s in stages)} steps, {_tokens(stages) / 1e6:.2f}M tokens "
+                     f"(`{chain_loss_name(info)}`)"
+                     + (f"; {options}" if options else "") + "\n" + _stage_lines(stages, "   "))
+    return "\n".join(lines)
+
+
 def write_model_card(out: Path, config, run_info: dict, rows: list[dict], size: int, params: int,
-                     images: dict | None = None, control: dict | None = None) -> None:
+                     images: dict | None = None, control: dict | None = None, chain: list[dict] | None = None,
+                     untrained_tower: bool = False) -> None:
+    """MODEL_CARD.md for a run from random init (`run_info`), or for a chain of runs (`chain`, from
+    `run_chain`; `run_info` is then the last run's, whose data options the card describes)."""
     template = (Path(__file__).parent / "MODEL_CARD.template.md").read_text()
     summ = config.summary()
-    stages = run_info["stages"]
-    images_section, images_limit = images_text(images, control)
+    stages = [s for info in chain for s in info.get("stages", [])] if chain else run_info["stages"]
+    images_section, images_limit = images_text(images, control, untrained_tower)
     card = template.format(
-        params_m=f"{params / 1e6:.1f}", size_mib=f"{size / 2**20:.1f}", command=run_info.get("command", ""),
-        commit=run_info.get("commit", "")[:12] or "unknown", seed=run_info["seed"],
-        steps=sum(s["steps"] for s in stages),
-        tokens_m=f"{sum(s['steps'] * s['batch'] * s['length'] for s in stages) / 1e6:.1f}",
+        params_m=f"{params / 1e6:.1f}", size_mib=f"{size / 2**20:.1f}",
+        training_text=chain_text(chain) if chain else run_text(run_info),
         topk=run_info["topk"], eval_table=eval_table(rows),
         config_lines="\n".join(f"- {k}: {v}" for k, v in summ.items()),
-        stage_lines="\n".join(f"- {s['phase']}: {s['steps']} steps of {s['batch']} x {s['length']} tokens"
-                              for s in stages),
-        data_text=data_text(run_info), longest=max(s["length"] for s in stages),
+        data_text=data_text({**run_info, "stages": stages}), longest=max(s["length"] for s in stages),
         images_section=images_section, images_limit=images_limit)
     (out / "MODEL_CARD.md").write_text(card)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +109,27 @@ def test_image_questions_train_the_tower_from_a_text_base_and_resume(base, tmp_p
     rows = list(csv.DictReader(open(state / "loss.csv")))
     assert rows[0]["image_loss"] != "nan" and rows[1]["image_loss"] == "nan"
     assert lengthen.base_has_tower(state) and not lengthen.base_has_tower(base)
+
+
+def test_a_chain_of_continuations_exports_with_a_card_naming_every_run(base, tmp_path, monkeypatch) -> None:
+    """`training.export_state` on a continuation of a continuation: the checkpoint's model card lists
+    the chain of runs (`model_card.run_chain` follows each state's base), each run's loss curve lands
+    beside it, and the untrained tower is said to be untrained."""
+    from training import export_state
+    from training.model_card import run_chain
+
+    monkeypatch.setattr(lengthen, "schedule", _tiny)
+    common = ["--eval-every", "100", "--eval-during", "", "--no-final"]
+    first, second = tmp_path / "len-a", tmp_path / "len-b"
+    assert lengthen.main(["--base", str(base), "--state", str(first)] + common) == 0
+    assert lengthen.main(["--base", str(first), "--state", str(second), "--stream", "3000000"] + common) == 0
+    chain = run_chain(state_io.latest(second))
+    assert [Path(c["step_dir"]).parent.name for c in chain] == ["base", "len-a", "len-b"]
+    out = tmp_path / "ckpt"
+    assert export_state.main(["--state", str(second), "--out", str(out), "--eval-lengths", "512",
+                              "--eval-samples", "1"]) == 0
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "3 runs" in card and "--state " + str(first) in card and "--stream 3000000" in card
+    assert "untrained" in card and "{" not in card
+    assert {"loss_len-a.csv", "loss_len-b.csv"} <= {p.name for p in out.iterdir()}  # (the base fixture has none)
+    assert load_model(out).vision is not None
