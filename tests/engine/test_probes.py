@@ -187,6 +187,14 @@ def test_decode_step_backlog_delivers_the_eager_rows_in_bulk(monkeypatch) -> Non
     monkeypatch.setattr(probes, "BACKLOG_STEPS", 3)
     eager = run(False, True)
     static = run("static", True)
+    from engine.decode_step import DecodeStep
+    DecodeStep.of(model).copy_out = True  # as on CUDA: payloads copied off the graph's outputs (copy_payloads)
+    copied = run("static", True)
+    assert _rows_by_point(copied).keys() == _rows_by_point(static).keys()
+    for key, (steps, positions, fields) in _rows_by_point(copied).items():
+        assert (steps, positions) == _rows_by_point(static)[key][:2]
+        for name, t in fields.items():
+            assert torch.equal(t, _rows_by_point(static)[key][2][name]), (key, name)
     model.runtime.compile = "auto"
     a, b = _rows_by_point(eager), _rows_by_point(static)
     assert a.keys() == b.keys()
