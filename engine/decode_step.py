@@ -19,9 +19,9 @@ it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can ch
 session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
 (`ProbePoint.collecting`: their tensors become graph outputs) and are handed on after it, with
-positions known on the host, into each point's backlog (delivered in bulk: `ProbePoint.deliver`); a step whose listener asks for a field declared `eager`
-(measured with host decisions inside the layer: the KDA effective rank, half-lives) runs the eager
-forward.
+positions known on the host, into each point's backlog (delivered in bulk: `ProbePoint.deliver`);
+a step whose listener asks for a field declared `eager` (measured with host decisions inside the
+layer: the KDA effective rank, half-lives) runs the eager forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
 (`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
 (tests trace with "aot_eager" in seconds instead of inductor's minutes).

@@ -393,8 +393,9 @@ class Session:
             self.deliver_probes()
 
     def deliver_probes(self) -> None:
-        """Hand listeners the decode steps' probe emissions still held in backlogs (`engine.probes`):
-        a recorder calls it before it writes; generation and any other forward call it themselves."""
+        """Hand listeners the decode steps' probe emissions still held in backlogs (`engine.probes`).
+        Generation calls it when it ends and every other forward before it runs; a listener that wants
+        them sooner delivers its own points' backlogs (`ProbePoint.deliver`, as a recorder's flush does)."""
         step = getattr(self.model, "_decode_step", None)
         if step is not None:
             step.deliver()

@@ -48,11 +48,10 @@ from training import state as state_io
 from training.demo_model import (_git_commit, tokens_left, export_and_reload, held_out_needle, image_loss_step,
                                  weighted_loss, write_eval_files)
 from training.copy_targets import CopySupervision
-from training.model_card import eval_table
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import image_accuracy
-from training.model_card import chain_loss_name, image_line, run_chain, write_model_card
+from training.model_card import chain_loss_name, eval_table, image_line, run_chain, write_model_card
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
 from training.wording import row_world
@@ -294,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         missing, unexpected = model.load_state_dict(text.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
         del text
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']}), "
+              "the vision tower at its seeded init", flush=True)
     else:
         run_info["base"] = load_base(args.base, model)
         print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
