@@ -189,7 +189,9 @@ class DecodeStep:
                 continue
             layer.grow_to(cap)
             for t in (layer.latent, layer.k_rope, layer.index_keys):
-                if t is None:
+                # marks are attributes of the tensor: only a buffer new since the last step (grown, or
+                # set from a snapshot) needs them, and marking again cost ~50 us per demo step
+                if t is None or 1 in getattr(t, "_dynamo_dynamic_indices", ()):
                     continue
                 torch._dynamo.mark_dynamic(t, 1)  # one graph for every capacity (a flag on the tensor)
                 if t.is_cuda:  # the CUDA graph writes these in place: keep their addresses
