@@ -18,8 +18,9 @@ fused and kept expert stacks) until a step of that key compiles nothing new, and
 it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can change in. The
 session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
-(`ProbePoint.collecting`: their tensors become graph outputs) and are handed on after it, with
-positions known on the host, into each point's backlog (delivered in bulk: `ProbePoint.deliver`);
+(`ProbePoint.collecting`: their tensors become graph outputs, one flat tuple with a constant layout,
+`decode_forward_probed`) and are kept after it, with positions known on the host, on the model's
+`ProbeTape` (one record per step, delivered in bulk to each point's sink: `engine.probe_tape`);
 a step whose listener asks for a field declared `eager` (measured with host decisions inside the
 layer: the KDA effective rank, half-lives) runs the eager forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
@@ -40,7 +41,8 @@ from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
 from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
-from engine.probes import ProbePoint, deliver_backlogs
+from engine.probe_tape import Layout, ProbeTape, collected_payloads
+from engine.probes import ProbePoint
 
 MIN_CAPACITY = 1024
 # each (model, batch, dtype, listener set) is one compiled graph of the same function: allow many
@@ -73,6 +75,15 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: Model
     """
     hidden = model.model(input_ids, state, start=start)
     return comm.all_gather(model.lm_head(hidden), model.parallel, dim=-1, tag="lm_head")
+
+
+def decode_forward_probed(model: torch.nn.Module, input_ids: torch.Tensor, state: ModelState, start: torch.Tensor,
+                          points: tuple[ProbePoint, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
+    """`decode_forward`, and what the collecting points among `points` kept, as one flat tuple of tensors
+    and its layout (`engine.probe_tape.collected_payloads`; a constant of the compiled graph)."""
+    logits = decode_forward(model, input_ids, state, start)
+    flat, layout = collected_payloads(points)
+    return logits, flat, layout
 
 
 def static_capacity(needed: int, topk: int = 0, *, doubling: bool = False) -> int:
@@ -118,21 +129,19 @@ def decode_mode(setting: bool | str, device: torch.device) -> str:
     return "compiled" if setting else "off"
 
 
-def copy_payloads(payloads: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Copies of every tensor in `payloads`, made with one concatenation per dtype (views of it are
-    handed out) instead of one copy per tensor: a K3.1 Pro decode step's listeners collect ~200 small
-    tensors, and on CUDA each copy is a kernel launch."""
-    by_dtype: dict[torch.dtype, list[tuple[int, str, torch.Tensor]]] = {}
-    for i, data in enumerate(payloads):
-        for name, t in data.items():
-            by_dtype.setdefault(t.dtype, []).append((i, name, t))
-    out: list[dict[str, torch.Tensor]] = [{} for _ in payloads]
-    for items in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for _, _, t in items])
-        for (i, name, t), piece in zip(items, flat.split([t.numel() for _, _, t in items])):
-            out[i][name] = piece.view(t.shape)
-    # each payload's fields in their emitted order (a sink may rely on the declaration's order)
-    return [{name: out[i][name] for name in data} for i, data in enumerate(payloads)]
+def copy_tensors(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Copies of `tensors`, made with one concatenation per dtype (views of it are handed out) instead of
+    one copy per tensor: a K3.1 Pro decode step's listeners collect ~200 small tensors, and on CUDA each
+    copy is a kernel launch."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for members in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        for i, piece in zip(members, flat.split([tensors[i].numel() for i in members])):
+            out[i] = piece.view(tensors[i].shape)
+    return tuple(out)  # type: ignore[arg-type]
 
 
 class DecodeStep:
@@ -148,9 +157,11 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        # every probe point with its module's `finish_probe` (None: the collected tensors are the emission)
-        self._points = [(p, getattr(m, "finish_probe", None)) for m in model.modules() for p in vars(m).values()
-                        if isinstance(p, ProbePoint)]
+        self._points = tuple(p for m in model.modules() for p in vars(m).values() if isinstance(p, ProbePoint))
+        # points whose collected tensors their module completes on the host (`host_finished_probes`)
+        finishers = {p: m.finish_probe for m in model.modules() for p in getattr(m, "host_finished_probes", ())}
+        self.tape = ProbeTape(self._points, finishers)
+        self._listening: tuple[ProbePoint, ...] = ()
         self._fused = fused_groups(model)
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
@@ -175,7 +186,7 @@ class DecodeStep:
         mode = decode_mode(model.runtime.compile, device)
         if mode == "off" or model.parallel.debug_checks:
             return "off"
-        if any(p.sink is not None and p.request.optional & p.signal.eager for p, _ in self._points):
+        if any(p.sink is not None and p.request.optional & p.signal.eager for p in self._points):
             return "off"  # a listener asks for a field only the eager forward measures (`Field.eager`)
         return mode
 
@@ -209,7 +220,7 @@ class DecodeStep:
         options = (runtime.dsa_force_dense, runtime.dsa_dense_layers, runtime.mxfp8_activations, runtime.kernels,
                    runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens)
         params = next(self.model.parameters())
-        listeners = tuple((p.sink is not None, p.request) for p, _ in self._points)
+        listeners = tuple((p.sink is not None, p.request) for p in self._points)
         # BACKEND: each compiler has its own compiled function, whose first step must run its guards
         return (batch, caches, kda, stacks, options, listeners, params.dtype, params.device, state.key_start is None,
                 torch.is_grad_enabled(), torch.is_inference_mode_enabled(), id(self.model.parallel), BACKEND)
@@ -221,7 +232,7 @@ class DecodeStep:
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             options = compile_options(device) if BACKEND == "inductor" else None
-            fn = self._fns[BACKEND] = torch.compile(decode_forward, fullgraph=True, backend=BACKEND,
+            fn = self._fns[BACKEND] = torch.compile(decode_forward_probed, fullgraph=True, backend=BACKEND,
                                                     options=options)
         return fn
 
@@ -237,66 +248,58 @@ class DecodeStep:
         x = torch.tensor(ids, dtype=torch.long).view(-1, 1).to(device)
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
-        listening = [(p, finish) for p, finish in self._points if p.sink is not None]
-        for point, _ in listening:
+        listening = tuple(p for p in self._points if p.sink is not None)
+        if listening != self._listening:  # the same tuple object while the listener set stays
+            self._listening = listening
+        listening = self._listening
+        for point in listening:
             point.collecting = True
         finite = False
         try:
-            logits = self._run(x, state, start, compiled)
+            logits, flat, layout = self._run(x, state, start, listening, compiled)
             finite = all_finite(logits)
         finally:
-            for point, _ in listening:
+            for point in listening:
                 point.collecting = False
-                if not finite:  # a failed step emits nothing
+                if not finite:  # the step raised, or its logits are not finite: it emits nothing
                     point.collected.clear()
         if not finite:
             raise nonfinite_error(self.model, x, logits, state)
-        self._hand_on(listening, state, copy_out=device.type == "cuda" or self.copy_out)
+        if layout:
+            # CUDA: a CUDA graph replay's outputs are overwritten by the next replay, while the tape keeps
+            # them until its delivery, so they are copied first (one concatenation per dtype)
+            if device.type == "cuda" or self.copy_out:
+                flat = copy_tensors(flat)
+            self.tape.record(state.length, flat, layout, listening, state.layers)
         self.steps += 1
         return logits
 
-    def _run(self, x: torch.Tensor, state: ModelState, start: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, state: ModelState, start: torch.Tensor, listening: tuple[ProbePoint, ...],
+             compiled: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
+        # only the listening points are passed: with none, the step's input is an empty tuple, which tells
+        # its graph from the listening ones by one length check (passing every point made dynamo tell
+        # them apart by full guard evaluation, ~1 ms per unrecorded step once a recorded graph existed)
         if not compiled:
-            return decode_forward(self.model, x, state, start)
+            return decode_forward_probed(self.model, x, state, start, listening)
         fn = self._compiled(x.device)
         key = self._guard_key(state, x.shape[0])
         if key in self._checked:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return fn(self.model, x, state, start)
+                return fn(self.model, x, state, start, listening)
         dtype = next(self.model.parameters()).dtype
         for experts in self._experts:  # what they keep is made now, not as a side effect of the first trace
             experts.prepare(dtype, x.device)
         key = self._guard_key(state, x.shape[0])  # the kept stacks are part of it
         frames, t0 = _compiled_frames(), time.perf_counter()
-        logits = fn(self.model, x, state, start)
+        out = fn(self.model, x, state, start, listening)
         if _compiled_frames() > frames:
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - t0
         else:  # guards passed on an existing graph: its first trace's side effects are settled
             self._checked.add(key)
-        return logits
+        return out
 
     def deliver(self) -> None:
-        """Hand every listening point's backlog of decode steps to its sink (`ProbePoint.deliver`)."""
-        deliver_backlogs(p for p, _ in self._points)
-
-    @staticmethod
-    def _hand_on(listening: list[tuple[ProbePoint, Callable | None]], state: ModelState, *,
-                 copy_out: bool = False) -> None:
-        """Give each point what it collected during the step, with the step's host positions: into its
-        backlog (`ProbePoint.defer`, delivered in bulk); a module's `finish_probe` completes payloads
-        that need a host decision now, while the context names this step (`dsa.dense_mass`).
-        `copy_out` (CUDA): outputs of a CUDA graph replay live in its memory pool and are overwritten
-        by the next replay, while a listener may keep them until its flush, so they are copied first."""
-        start = state.length
-        positions = torch.arange(start, start + 1)  # one token per row: shared by every point's payload
-        kept: list[tuple[ProbePoint, dict[str, torch.Tensor]]] = []
-        for point, finish in listening:
-            payloads = list(point.collected)
-            point.collected.clear()  # the same list object stays: the traced step appends to it
-            for data in payloads:
-                if finish is None or not finish(point, data, start, state.layers[point.layer]):
-                    kept.append((point, data))
-        copies = copy_payloads([data for _, data in kept]) if copy_out else [data for _, data in kept]
-        for (point, _), data in zip(kept, copies):
-            point.defer(positions, data)
+        """Hand every listening point's undelivered decode steps to its sink (`ProbeTape.deliver`)."""
+        if self.tape.steps:
+            self.tape.deliver()

@@ -10,13 +10,14 @@
   data the layer reads; `Sample` / `Marks` say which positions are wanted, decided on the host.
 - `ProbeContext`: one per model, set by the session around each forward; every `Emission` carries
   its step, phase and rank.
-- Inside the compiled decode step a listening point `collecting`: `emit` keeps the tensors (graph
-  outputs) and the step hands them on afterwards, with positions from the host: into the point's
-  `backlog`, which reaches the sink as one emission of up to `BACKLOG_STEPS` decode steps (per-row
-  `Emission.steps`), so a decode step costs a listener one list append instead of an emission per
-  point (and the recorder one reduction per 64 steps). The backlog is delivered when full, before
-  any other forward, when a generation ends, when the listener detaches, and on `deliver()` (a
-  recorder's flush), so a sink sees each point's emissions in step order and none is lost.
+- Inside the compiled decode step a listening point is `collecting`: `emit` keeps the tensors (graph
+  outputs) and the step hands them on afterwards, with positions from the host, through the
+  model's `engine.probe_tape.ProbeTape`: one record per step, cut into one emission of up to
+  `probe_tape.BACKLOG_STEPS` decode steps per point (per-row `Emission.steps`), so a decode step costs the
+  host one list append whatever the number of listeners (and the recorder one reduction per 64
+  steps). The tape is delivered when full, before any other forward, when a generation ends, when
+  a listener detaches, and on `ProbePoint.deliver()` (a recorder's flush), so a sink sees each
+  point's emissions in step order and none is lost.
 
 Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
 (`if point.listening: point.emit(...)`, any optional measure an `engine.ops` function); give
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     import torch
 
 OPEN_END = sys.maxsize  # end of a `Marks` span that is still growing (the answer being generated)
-BACKLOG_STEPS = 64  # decode steps a listening point holds before handing them on as one emission
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ class Emission(NamedTuple):
     """What a sink receives: the point, the context's tags, and the tensors (`point.signal`'s fields).
 
     `steps` tags each row (`positions`) of an emission that carries several decode steps (a
-    delivered backlog); None: every row belongs to `step` (then the first row's step).
+    batch of decode steps delivered by the tape); None: every row belongs to `step` (then the first row's step).
     """
 
     point: "ProbePoint"
@@ -295,7 +295,7 @@ class ProbePoint:
     """
 
     __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected",
-                 "backlog")
+                 "tape")
 
     def __init__(self, name: str, layer: int) -> None:
         if name not in SIGNALS:
@@ -312,8 +312,9 @@ class ProbePoint:
         # the traced step always reads the same object
         self.collecting = False
         self.collected: list[dict[str, "torch.Tensor"]] = []
-        # decode steps handed on but not yet delivered: (step, phase, rank, positions, fields)
-        self.backlog: list[tuple[int, str, int, "torch.Tensor", dict[str, "torch.Tensor"]]] = []
+        # the decode step's tape holding this point's undelivered steps (`engine.probe_tape`), once
+        # the model has decoded with the compiled / static step
+        self.tape: Any = None
 
     @property
     def family(self) -> str:
@@ -336,7 +337,7 @@ class ProbePoint:
         self.request, self.sink = request, sink
 
     def detach(self) -> None:
-        """Stop listening; the listener first receives what the backlog still holds."""
+        """Stop listening; the listener first receives the decode steps the tape still holds."""
         self.deliver()
         self.sink, self.request = None, ProbeRequest()
 
@@ -365,33 +366,12 @@ class ProbePoint:
             ctx = self.context
             sink(Emission(self, ctx.step, ctx.phase, ctx.rank, {k: v for k, v in data.items() if v is not None}))
 
-    def defer(self, positions: "torch.Tensor", data: dict[str, "torch.Tensor"]) -> None:
-        """Keep one decode step's emission (fields without positions; `positions` its host positions)
-        for the next delivery, tagged with the context as it is now."""
-        ctx = self.context
-        self.backlog.append((ctx.step, ctx.phase, ctx.rank, positions, data))
-        if len(self.backlog) >= BACKLOG_STEPS:
-            self.deliver()
-
     def deliver(self) -> None:
-        """Hand the backlog to the sink as one emission: each field's rows concatenated along its `n`
-        dimension (as the declaration names it), each row tagged with its step."""
-        if not self.backlog:
-            return
-        items, self.backlog = self.backlog, []
-        sink = self.sink
-        if sink is None:
-            return
-        step, phase, rank, positions, data = items[0]
-        if len(items) == 1:
-            sink(Emission(self, step, phase, rank, {"positions": positions, **data}))
-            return
-        import torch
-
-        fields = {name: torch.cat([item[4][name] for item in items], self.signal.field(name).dims.index("n"))
-                  for name in data}
-        steps = torch.cat([torch.full((len(item[3]),), item[0], dtype=torch.long) for item in items])
-        sink(Emission(self, step, phase, rank, {"positions": torch.cat([item[3] for item in items]), **fields}, steps))
+        """Hand the sinks the decode steps the tape holds (every listening point of the model: a point's
+        steps are delivered with the others', in one pass)."""
+        tape = self.tape
+        if tape is not None and tape.steps:
+            tape.deliver()
 
     def __repr__(self) -> str:
         where = self.full_name if self.path else f"{self.name}, layer={self.layer}"
@@ -404,13 +384,6 @@ def bind_probes(model: "torch.nn.Module", context: ProbeContext) -> None:
         for value in vars(module).values():
             if isinstance(value, ProbePoint):
                 value.path, value.context = path, context
-
-
-def deliver_backlogs(points: "Iterator[ProbePoint] | list[ProbePoint]") -> None:
-    """Deliver every point's backlog (before a forward whose emissions must follow them)."""
-    for point in points:
-        if point.backlog:
-            point.deliver()
 
 
 def probe_points(model: "torch.nn.Module") -> Iterator[ProbePoint]:

@@ -393,9 +393,9 @@ class Session:
             self.deliver_probes()
 
     def deliver_probes(self) -> None:
-        """Hand listeners the decode steps' probe emissions still held in backlogs (`engine.probes`).
+        """Hand listeners the decode steps' probe emissions still held on the tape (`engine.probe_tape`).
         Generation calls it when it ends and every other forward before it runs; a listener that wants
-        them sooner delivers its own points' backlogs (`ProbePoint.deliver`, as a recorder's flush does)."""
+        them sooner calls `ProbePoint.deliver` (as a recorder's flush does)."""
         step = getattr(self.model, "_decode_step", None)
         if step is not None:
             step.deliver()

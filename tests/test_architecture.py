@@ -32,7 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine ops", ("engine.ops",)),
     # the layers wire projections, caches and collectives to the ops (the vision tower is layers the model calls)
     ("engine layers", ("engine.layers", "engine.vision")),
-    ("engine model", ("engine.model", "engine.numerics", "engine.decode_step")),
+    ("engine model", ("engine.model", "engine.numerics", "engine.decode_step", "engine.probe_tape")),
     # the checkpoint: tensor table, shard slices, files, loading that builds a model, counts and plans from the table
     ("engine weights", ("engine.weights", "engine.census", "engine.plan")),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches

@@ -141,18 +141,20 @@ class GatedMLA(nn.Module):
             iou, recall = topk_overlap(mean, picked, idx[:, at])
         point.emit(positions=picked, mass=mass, iou=iou, recall=recall)
 
-    def finish_probe(self, point: ProbePoint, data: dict[str, torch.Tensor], start: int, cache: MLACache) -> bool:
-        """Hand on what `_static_step` collected for `point` at position `start` (host side, after the
-        step). Returns False for a point whose collected fields are its emission (the caller emits them)."""
-        if point is not self.probe_dense_mass:
-            return False
+    @property
+    def host_finished_probes(self) -> tuple[ProbePoint, ...]:
+        """Points whose decode-step payload `finish_probe` completes on the host (`engine.probe_tape`)."""
+        return (self.probe_dense_mass,)
+
+    def finish_probe(self, point: ProbePoint, data: dict[str, torch.Tensor], start: int, cache: MLACache) -> None:
+        """Measure the dense mass for what `_static_step` collected at position `start` (host side, at the
+        step, while the context names it), when the listener's request picks the step."""
         if len(point.rows(start, data["q_nope"].shape[1])) == 0:  # the listener skips this step
-            return True
+            return
         end = start + data["q_nope"].shape[1]
         w_kb, _ = self._kv_b()
         self._dense_mass(data["q_nope"], data["q_rope"], cache.latent[:, :end], cache.k_rope[:, :end], start,
                          data["indices"], w_kb)
-        return True
 
     def _static_step(self, x: torch.Tensor, cache: MLACache | None, start: torch.Tensor,
                      key_start: torch.Tensor | None, p: _Projected) -> torch.Tensor:

@@ -223,21 +223,19 @@ def test_compiled_decode_equals_eager(models):
     assert runs[0] == runs[1]
 
 
-def test_copy_payloads_copies_every_tensor_once_per_dtype() -> None:
+def test_copy_tensors_copies_every_tensor_once_per_dtype() -> None:
     """CUDA graph outputs are copied before the next replay overwrites them: one concatenation per dtype,
-    each field a view of it, equal to the source and no longer sharing its memory."""
-    from engine.decode_step import copy_payloads
+    each tensor a view of it, equal to the source and no longer sharing its memory."""
+    from engine.decode_step import copy_tensors
 
-    payloads = [{"indices": torch.arange(6).view(1, 1, 6), "scores": torch.rand(1, 1, 6)},
-                {"norm": torch.rand(1, 1, 3)}, {"experts": torch.tensor([[[4, 2]]]), "weights": torch.rand(1, 1, 4)[..., ::2]}]
-    saved = [{k: t.clone() for k, t in p.items()} for p in payloads]
-    copies = copy_payloads(payloads)
-    for p in payloads:  # the sources are overwritten (the next replay)
-        for t in p.values():
-            t.fill_(-1)
+    tensors = (torch.arange(6).view(1, 1, 6), torch.rand(1, 1, 6), torch.rand(1, 1, 3), torch.tensor([[[4, 2]]]),
+               torch.rand(1, 1, 4)[..., ::2])
+    saved = [t.clone() for t in tensors]
+    copies = copy_tensors(tensors)
+    for t in tensors:  # the sources are overwritten (the next replay)
+        t.fill_(-1)
+    assert len(copies) == len(saved)
     for want, got in zip(saved, copies):
-        assert list(got) == list(want)
-        for name in want:
-            assert torch.equal(got[name], want[name]) and got[name].dtype == want[name].dtype
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.shape == want.shape
     # one buffer per dtype behind the copies
-    assert copies[0]["indices"].untyped_storage().data_ptr() == copies[2]["experts"].untyped_storage().data_ptr()
+    assert copies[0].untyped_storage().data_ptr() == copies[3].untyped_storage().data_ptr()

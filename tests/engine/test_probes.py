@@ -8,8 +8,8 @@
 - `ProbeRequest` is data the layer reads: dense-mass queries are the rows the request picks
   (stride, marks, spans; decode steps by `decode_every`), decided from host positions.
 - `ProbePoint.attach` refuses optional fields the signal does not declare and a second listener.
-- The static decode step's backlog reaches a listener in bulk with the eager forward's rows, steps
-  and positions, in order, and nothing is lost (full backlog, end of generation, next forward, detach).
+- The static decode step's probe tape reaches a listener in bulk with the eager forward's rows, steps
+  and positions, in order, and nothing is lost (full tape, end of generation, next forward, detach).
 """
 
 from __future__ import annotations
@@ -158,11 +158,11 @@ def _rows_by_point(seen: list) -> dict:
     return {k: (s, p, {n: torch.cat(v) for n, v in f.items()}) for k, (s, p, f) in out.items()}
 
 
-def test_decode_step_backlog_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
-    """The static decode step hands a listener its steps in bulk (`ProbePoint.defer` / `deliver`): the
-    rows, their step tags and positions equal the eager forward's one emission per step; a backlog is
-    delivered when full, when generation ends, before the next prefill, and on detach."""
-    import engine.probes as probes
+def test_decode_step_tape_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
+    """The static decode step hands a listener its steps in bulk (`engine.probe_tape`): the rows, their
+    step tags and positions equal the eager forward's one emission per step; the tape is delivered
+    when full, when generation ends, before the next prefill, and on detach."""
+    import engine.probe_tape as probe_tape
 
     model = load_model("preset:tiny:k3.1", seed=3)
 
@@ -184,11 +184,11 @@ def test_decode_step_backlog_delivers_the_eager_rows_in_bulk(monkeypatch) -> Non
                 point.detach()
         return seen
 
-    monkeypatch.setattr(probes, "BACKLOG_STEPS", 3)
+    monkeypatch.setattr(probe_tape, "BACKLOG_STEPS", 3)
     eager = run(False, True)
     static = run("static", True)
     from engine.decode_step import DecodeStep
-    DecodeStep.of(model).copy_out = True  # as on CUDA: payloads copied off the graph's outputs (copy_payloads)
+    DecodeStep.of(model).copy_out = True  # as on CUDA: payloads copied off the graph's outputs (copy_tensors)
     copied = run("static", True)
     assert _rows_by_point(copied).keys() == _rows_by_point(static).keys()
     for key, (steps, positions, fields) in _rows_by_point(copied).items():
@@ -212,12 +212,25 @@ def test_decode_step_backlog_delivers_the_eager_rows_in_bulk(monkeypatch) -> Non
     phases = [e.phase for e in static if e.point is first]
     assert phases[-1] == "prefill" and phases.index("decode") < len(phases) - 1
 
-    # detaching delivers what the backlog holds
-    point = next(p for p in probe_points(model) if p.name == "moe.route")
+    # detaching one point delivers what the tape holds, to every listener, and nothing twice
+    model.runtime.compile = "static"
+    moe = [p for p in probe_points(model) if p.name == "moe.route"]
     got = []
-    point.attach(got.append)
-    point.defer(torch.arange(7, 8), {"experts": torch.zeros(1, 1, 2, dtype=torch.long),
-                                     "weights": torch.zeros(1, 1, 2)})
-    assert got == []
-    point.detach()
-    assert len(got) == 1 and got[0].data["positions"].tolist() == [7] and point.backlog == []
+    for point in moe:
+        point.attach(got.append)
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK, progress=False)
+    session.append(ids=list(range(30, 40)))
+    session.prefill()
+    got.clear()
+    step = DecodeStep.of(model)
+    for _ in range(2):  # two static steps straight through the decode step (no generation to end)
+        step([65], session.state, torch.device("cpu"), compiled=False)
+        session.state.length += 1
+    assert got == [] and len(step.tape) == 2
+    moe[0].detach()
+    assert len(got) == len(moe) and len(step.tape) == 0
+    assert all(e.data["positions"].tolist() == [10, 11] and e.row_steps().tolist() == [e.step] * 2 for e in got)
+    for point in moe[1:]:
+        point.detach()
+    assert len(got) == len(moe)
+    model.runtime.compile = "auto"

@@ -221,7 +221,7 @@ class Recorder:
         if self.writer is None:
             return  # other ranks run the same collectives but do not write
         if emission.phase == "decode" or len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
-            # decode payloads (a backlog of steps from the decode step, or one eager step) are reduced in
+            # decode payloads (the decode step's tape, several steps, or one eager step) are reduced in
             # bulk at the flush: per-token Python work stays tiny
             self._deferred[emission.point].append(emission)
         else:
