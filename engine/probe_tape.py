@@ -111,12 +111,12 @@ class ProbeTape:
             self._deliver(list(group))
 
     def _deliver(self, steps: list[_Step]) -> None:
-        per_point: dict[int, list[tuple[_Step, int, tuple[str, ...]]]] = {}
+        per_point: dict[int, list[tuple[int, tuple[str, ...]]]] = {}  # point index -> (offset, names) per payload
         offset = 0
         points = steps[0].points
         for i, names in steps[0].layout:
             if self.finishers.get(points[i]) is None:
-                per_point.setdefault(i, []).append((offset, names))  # type: ignore[arg-type]
+                per_point.setdefault(i, []).append((offset, names))
             offset += len(names)
         for i, entries in per_point.items():
             point = points[i]
@@ -124,7 +124,7 @@ class ProbeTape:
             if sink is None:
                 continue
             first = steps[0]
-            rows = [(s, off, names) for s in steps for off, names in entries]  # type: ignore[misc]
+            rows = [(s, off, names) for s in steps for off, names in entries]
             if len(rows) == 1:
                 s, off, names = rows[0]
                 data = dict(zip(names, s.flat[off:off + len(names)]))
