@@ -145,7 +145,7 @@ def compiled_decode_rows(model, rows: list, dev: torch.device) -> bool:
                  "triton_ms": ms[True], "torch_ms": ms[False]})
 
     # recorded (default policy): listeners collect inside the CUDA graph; each step's payloads are copied
-    # off its outputs (engine.decode_step.copy_tensors) onto the probe tape
+    # off its outputs (one buffer per dtype, cloned) onto the probe tape
     import tempfile
 
     import workbench

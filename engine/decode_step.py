@@ -18,8 +18,8 @@ fused and kept expert stacks) until a step of that key compiles nothing new, and
 it (`skip_guard_eval_unsafe`): the key names everything the step's inputs can change in. The
 session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
-(`ProbePoint.collecting`: their tensors become graph outputs, one flat tuple with a constant layout,
-`decode_forward_probed`) and are kept after it, with positions known on the host, on the model's
+(`ProbePoint.collecting`: their tensors become graph outputs, packed into one buffer per dtype with a
+constant layout, `decode_forward_probed`) and are kept after it, with positions known on the host, on the model's
 `ProbeTape` (one record per step, delivered in bulk to each point's sink: `engine.probe_tape`);
 a step whose listener asks for a field declared `eager` (measured with host decisions inside the
 layer: the KDA effective rank, half-lives) runs the eager forward.
@@ -79,11 +79,11 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: Model
 
 def decode_forward_probed(model: torch.nn.Module, input_ids: torch.Tensor, state: ModelState, start: torch.Tensor,
                           points: tuple[ProbePoint, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
-    """`decode_forward`, and what the collecting points among `points` kept, as one flat tuple of tensors
-    and its layout (`engine.probe_tape.collected_payloads`; a constant of the compiled graph)."""
+    """`decode_forward`, and what the collecting `points` kept, packed into one buffer per dtype with its
+    layout (`engine.probe_tape.collected_payloads`; a constant of the compiled graph)."""
     logits = decode_forward(model, input_ids, state, start)
-    flat, layout = collected_payloads(points)
-    return logits, flat, layout
+    buffers, layout = collected_payloads(points)
+    return logits, buffers, layout
 
 
 def static_capacity(needed: int, topk: int = 0, *, doubling: bool = False) -> int:
@@ -127,21 +127,6 @@ def decode_mode(setting: bool | str, device: torch.device) -> str:
     if not isinstance(setting, bool):
         raise ValueError(f"runtime.compile must be True, False, 'auto' or 'static', got {setting!r}")
     return "compiled" if setting else "off"
-
-
-def copy_tensors(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Copies of `tensors`, made with one concatenation per dtype (views of it are handed out) instead of
-    one copy per tensor: a K3.1 Pro decode step's listeners collect ~200 small tensors, and on CUDA each
-    copy is a kernel launch."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for members in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        for i, piece in zip(members, flat.split([tensors[i].numel() for i in members])):
-            out[i] = piece.view(tensors[i].shape)
-    return tuple(out)  # type: ignore[arg-type]
 
 
 class DecodeStep:
@@ -256,7 +241,7 @@ class DecodeStep:
             point.collecting = True
         finite = False
         try:
-            logits, flat, layout = self._run(x, state, start, listening, compiled)
+            logits, buffers, layout = self._run(x, state, start, listening, compiled)
             finite = all_finite(logits)
         finally:
             for point in listening:
@@ -267,10 +252,10 @@ class DecodeStep:
             raise nonfinite_error(self.model, x, logits, state)
         if layout:
             # CUDA: a CUDA graph replay's outputs are overwritten by the next replay, while the tape keeps
-            # them until its delivery, so they are copied first (one concatenation per dtype)
+            # them until its delivery, so they are copied first
             if device.type == "cuda" or self.copy_out:
-                flat = copy_tensors(flat)
-            self.tape.record(state.length, flat, layout, listening, state.layers)
+                buffers = tuple(b.clone() for b in buffers)
+            self.tape.record(state.length, buffers, layout, listening, state.layers)
         self.steps += 1
         return logits
 

@@ -11,7 +11,7 @@ for decode and sparse reads. The model is NoPE: `k_r` is a shared, unrotated key
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -146,7 +146,7 @@ class GatedMLA(nn.Module):
         """Points whose decode-step payload `finish_probe` completes on the host (`engine.probe_tape`)."""
         return (self.probe_dense_mass,)
 
-    def finish_probe(self, point: ProbePoint, data: dict[str, torch.Tensor], start: int, cache: MLACache) -> None:
+    def finish_probe(self, point: ProbePoint, data: Mapping[str, torch.Tensor], start: int, cache: MLACache) -> None:
         """Measure the dense mass for what `_static_step` collected at position `start` (host side, at the
         step, while the context names it), when the listener's request picks the step."""
         if len(point.rows(start, data["q_nope"].shape[1])) == 0:  # the listener skips this step

@@ -72,3 +72,35 @@ def test_tape_delivers_itself_when_full(monkeypatch) -> None:
     assert [e.data["positions"].tolist() for e in got] == [[0, 1, 2]] and len(tape) == 2
     moe.detach()  # detaching delivers the rest first
     assert [e.data["positions"].tolist() for e in got] == [[0, 1, 2], [3, 4]] and len(tape) == 0
+
+
+def test_tape_keeps_batch_rows_and_several_payloads_per_step_in_order() -> None:
+    """Batch 2 (steps along `n`, rows kept apart), a point with two payloads per step (concatenated in
+    step, payload order), and a field the step passes whole (layout offset -1) arrive as the eager
+    forward would emit them."""
+    points = moe, kda, _ = _points()
+    tape = ProbeTape(points)
+    got = []
+    moe.attach(got.append)
+    kda.attach(got.append)
+    listening = (moe, kda)
+    for start in (5, 6, 7):
+        points[0].context.begin(step=start, phase="decode")
+        experts = torch.tensor([[[start, 1]], [[start, 2]]])  # [B=2, n=1, 2]
+        moe.collected.append({"experts": experts, "weights": experts.float() / 10})
+        kda.collected.append({"norm": torch.full((1, 1, 3), float(start))})
+        kda.collected.append({"norm": torch.full((1, 1, 3), -float(start))})
+        buffers, layout = collected_payloads(listening)
+        tape.record(start, buffers, layout, listening, layers=[None] * 3)
+    tape.deliver()
+    routes, norms = got
+    assert routes.data["experts"].tolist() == [[[5, 1], [6, 1], [7, 1]], [[5, 2], [6, 2], [7, 2]]]
+    assert routes.data["positions"].tolist() == [5, 6, 7] and routes.row_steps().tolist() == [5, 6, 7]
+    assert norms.data["norm"][0, :, 0].tolist() == [5, -5, 6, -6, 7, -7]
+    assert norms.data["positions"].tolist() == [5, 5, 6, 6, 7, 7] and norms.row_steps().tolist() == [5, 5, 6, 6, 7, 7]
+    # a field passed whole (a symbolic shape in the traced step) is the buffer itself
+    whole = torch.arange(4.0).view(1, 1, 4)
+    tape.record(9, (whole,), ((1, (("norm", (0, -1, ())),)),), listening, layers=[None] * 3)
+    tape.record(10, (whole + 1,), ((1, (("norm", (0, -1, ())),)),), listening, layers=[None] * 3)
+    tape.deliver()
+    assert got[-1].data["norm"].tolist() == [[[0, 1, 2, 3], [1, 2, 3, 4]]] and got[-1].data["positions"].tolist() == [9, 10]

@@ -188,7 +188,7 @@ def test_decode_step_tape_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
     eager = run(False, True)
     static = run("static", True)
     from engine.decode_step import DecodeStep
-    DecodeStep.of(model).copy_out = True  # as on CUDA: payloads copied off the graph's outputs (copy_tensors)
+    DecodeStep.of(model).copy_out = True  # as on CUDA: the packed payloads are cloned off the graph's outputs
     copied = run("static", True)
     assert _rows_by_point(copied).keys() == _rows_by_point(static).keys()
     for key, (steps, positions, fields) in _rows_by_point(copied).items():
