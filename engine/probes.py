@@ -226,11 +226,14 @@ class ProbeRequest:
     def wants(self, name: str) -> bool:
         return name in self.optional
 
+    def measures_step(self, step: int) -> bool:
+        """Whether a decode step is measured (`decode_every`)."""
+        return self.decode_every > 0 and step % self.decode_every == 0
+
     def rows(self, start: int, count: int, step: int, phase: str) -> np.ndarray:
         """Rows of a forward call over positions [start, start + count) to measure (int64, host)."""
         if phase == "decode":
-            on = self.decode_every > 0 and step % self.decode_every == 0
-            return np.arange(count) if on else np.zeros(0, np.int64)
+            return np.arange(count) if self.measures_step(step) else np.zeros(0, np.int64)
         if self.queries is None:
             return np.arange(count)
         return self.queries.rows(np.arange(start, start + count))
