@@ -409,8 +409,8 @@ def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: di
     untrained one attached), reload it with the engine's loader, evaluate held-out needles (and
     training-world ones at 2K; image questions beside the swapped-image control when trained), write
     the data files."""
-    if model.config.vision is not None:
-        full, config = model, model.config
+    if model.config.vision is not None:  # trained with dense experts: written with MXFP4 ones, as shipped
+        full, config = model, model.config.replace(expert_format="mxfp4")
     else:
         full, config = with_tower(model, run_info["topk"], run_info["seed"])
     # the runs behind these weights: from the exported step (`training.export_state`), else the run's last

@@ -110,6 +110,23 @@ def test_image_questions_train_the_tower_from_a_text_base_and_resume(base, tmp_p
     assert rows[0]["image_loss"] != "nan" and rows[1]["image_loss"] == "nan"
     assert lengthen.base_has_tower(state) and not lengthen.base_has_tower(base)
 
+    # the export writes MXFP4 experts with the trained tower (the training model's experts are dense)
+    from training import export_state
+
+    class Written(Exception):
+        pass
+
+    def written(full, config, out, losses):
+        assert full.vision is not None
+        raise Written(config)
+
+    monkeypatch.setattr(lengthen, "export_and_reload", written)
+    with pytest.raises(Written) as caught:
+        export_state.main(["--state", str(state), "--out", str(tmp_path / "img-ckpt"), "--eval-lengths", "512",
+                           "--eval-samples", "1"])
+    config = caught.value.args[0]
+    assert config.expert_format == "mxfp4" and config.vision is not None
+
 
 def test_a_chain_of_continuations_exports_with_a_card_naming_every_run(base, tmp_path, monkeypatch) -> None:
     """`training.export_state` on a continuation of a continuation: the checkpoint's model card lists
