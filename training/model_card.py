@@ -56,9 +56,11 @@ def data_text(run_info: dict) -> str:
     if int(run_info.get("image_every", 0)) > 0:
         text += (f"\nOne step in {run_info['image_every']} (outside the indexer warm-up) adds a batch of "
                  "questions about generated\npictures (`workbench.shape_pictures`: colour, shape, position of a "
-                 "shape, a seven-segment digit); the\nvision tower and projector kept their seeded init until step "
-                 f"{run_info.get('tower_from', 0)}, then trained (the tower at "
-                 f"{run_info.get('tower_lr_scale', 0.1):g}x the rate).")
+                 "shape, a seven-segment digit); ")
+        rate = f"(the tower at {run_info.get('tower_lr_scale', 0.1):g}x the rate)"
+        tower_from = int(run_info.get("tower_from", 0))
+        text += (f"the\nvision tower and projector kept their seeded init until step {tower_from}, then trained {rate}."
+                 if tower_from > 0 else f"the vision tower and projector\ntrained from the first step {rate}.")
     return text
 
 
