@@ -108,7 +108,6 @@ class ProbeTape:
     """
 
     def __init__(self, points: Sequence[ProbePoint], finishers: dict[ProbePoint, Finish] | None = None) -> None:
-        self.points = tuple(points)
         self.finishers = dict(finishers or {})
         self.steps: list[_Step] = []
         # the finishers' slices of the last layout seen (a compiled step returns the same layout object
@@ -116,7 +115,7 @@ class ProbeTape:
         self._layout: Layout | None = None
         self._layout_points: tuple[ProbePoint, ...] = ()
         self._finishing: list[tuple[ProbePoint, Finish, tuple[tuple[str, Slot], ...]]] = []
-        for point in self.points:
+        for point in points:
             point.tape = self
 
     def __len__(self) -> int:

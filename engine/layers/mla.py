@@ -148,9 +148,8 @@ class GatedMLA(nn.Module):
 
     def finish_probe(self, point: ProbePoint, data: Mapping[str, torch.Tensor], start: int, cache: MLACache) -> None:
         """Measure the dense mass for what `_static_step` collected at position `start` (host side, at the
-        step, while the context names it), when the listener's request picks the step."""
-        if len(point.rows(start, data["q_nope"].shape[1])) == 0:  # the listener skips this step
-            return
+        step, while the context names it); the tape calls it at the steps the listener's request measures,
+        and `_dense_mass` picks the rows."""
         end = start + data["q_nope"].shape[1]
         w_kb, _ = self._kv_b()
         self._dense_mass(data["q_nope"], data["q_rope"], cache.latent[:, :end], cache.k_rope[:, :end], start,
