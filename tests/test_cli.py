@@ -88,7 +88,19 @@ def test_run_with_a_trace_writes_the_dashboards_summaries(tmp_path, capsys, monk
             "--trace", str(tmp_path / "t")]
     assert main(argv) == 0
     assert "dashboard summaries written" in capsys.readouterr().err
-    assert any((tmp_path / "cache").rglob("*.json")) and any((tmp_path / "cache").rglob("*.arrow"))
+    # inside the trace (they travel with it), not in the user cache
+    inside = tmp_path / "t" / "summaries"
+    assert any(inside.glob("*.json")) and any(inside.glob("*.arrow"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.*"))
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")  # off: nothing written, nothing said
     assert main(argv[:-1] + [str(tmp_path / "t2")]) == 0
     assert "dashboard summaries" not in capsys.readouterr().err
+    assert not (tmp_path / "t2" / "summaries").exists()
+    # `workbench summarize` writes them later for a trace recorded without them
+    assert main(["summarize", str(tmp_path / "t2")]) == 2  # still off: one line says so
+    assert "turned off" in capsys.readouterr().err
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    assert main(["summarize", str(tmp_path / "t2")]) == 0
+    assert "summaries of" in capsys.readouterr().out and any((tmp_path / "t2" / "summaries").glob("*.arrow"))
+    assert main(["summarize", str(tmp_path / "nothing-here")]) == 2
+    assert "error:" in capsys.readouterr().err

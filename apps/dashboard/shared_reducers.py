@@ -23,6 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from apps.dashboard.reducers import VIEW_REDUCERS, DSADiffReducer, Reducer, SessionMapReducer
+from apps.dashboard.reducers.part_feed import PartFeeds
 from workbench.trace import TABLES, Trace
 
 KEEP_RELEASED = 1  # traces without a user that stay folded (most recently released first out last)
@@ -37,7 +38,8 @@ class SharedReducers:
         self.lock = threading.Lock()
         self.trace: Trace | None = None
         self.session = SessionMapReducer()
-        self.views: dict[str, Reducer] = {name: cls() for name, cls in VIEW_REDUCERS.items()}
+        feeds = PartFeeds()  # a table two views fold (kda_norms) is read once for both
+        self.views: dict[str, Reducer] = {name: cls(feeds) for name, cls in VIEW_REDUCERS.items()}
         if compare is not None:
             self.views["diff"] = DSADiffReducer(compare, compare_label or str(compare))
         self.users = 0

@@ -1,28 +1,39 @@
 """Summaries of a finished trace kept on disk, so opening it again does not re-read every part.
 
-    key(trace, table, extra)           which parts (path, size, mtime) the summary was made from
+    key(trace, table, extra)           which parts (name, size, content) the summary was made from
     load_arrow(key, name) / save_arrow(key, name, table)    Arrow IPC files (never pickle)
     load_json(key, name) / save_json(key, name, value)      small JSON documents
     restore_sums(trace, table) / store_sums(trace, table)   a trace's running sums (`Trace.running_sums`)
+    into_trace(path)                   summaries made meanwhile go into the trace directory itself
 
 Only summaries of a *complete* trace are written (a live trace changes every poll); the key hashes
-the trace's absolute path and every part of the tables the summary was read from, so a part that is
-added, replaced or rewritten in place (size or mtime) gives another key and the summary is simply
-not found. A summary that cannot be read (truncated, another layout, over `MAX_BYTES`) counts as not
-found and is recomputed: the cache can always be deleted.
+every part of the tables the summary was read from (name, size and the part's last 64 KiB, which
+hold its Parquet footer: every column chunk's offsets and statistics; a small part whole), not the
+trace's path or the parts' times, so a copied trace still finds its summaries and a part that is
+added, replaced or rewritten gives another key and the summary is simply not found. A summary that
+cannot be read (truncated, another layout, over `MAX_BYTES`) counts as not found and is recomputed.
 
-Where: `$K3WB_DASHBOARD_CACHE`, else `~/.cache/k3-workbench/dashboard`; `K3WB_DASHBOARD_CACHE=off`
-turns it off. A directory that cannot be written turns it off for that summary, silently.
+Two places, looked up in this order:
+- `<trace>/summaries/`: written only inside `into_trace(trace)`, i.e. by the command that recorded
+  the trace (`workbench run` calls `write_summaries` when the recording ends), so they travel with
+  the trace (a 1M-token trace recorded on a GPU node opens in seconds on a laptop); a dashboard
+  that merely views a trace never writes into it.
+- the user cache: `$K3WB_DASHBOARD_CACHE`, else `~/.cache/k3-workbench/dashboard`, written by the
+  dashboard for the traces it opened.
+`K3WB_DASHBOARD_CACHE=off` turns both off. A directory that cannot be written turns it off for that
+summary, silently; either can always be deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -30,42 +41,87 @@ import pyarrow as pa
 from workbench.trace import Trace
 
 MAX_BYTES = 1 << 30  # a summary file larger than this is not read (they are a few MB at 1M tokens)
-VERSION = 1  # bump when a summary's layout changes
+VERSION = 2  # bump when a summary's layout or the key changes
+TRACE_DIR = "summaries"  # inside a trace directory
+_TAIL = 64 << 10  # bytes of a part's end hashed into the key (its footer); a smaller part is hashed whole
+
+_into: set[Path] = set()  # trace directories whose summaries go into the trace (`into_trace`)
+_into_guard = threading.Lock()
+
+
+class Key(NamedTuple):
+    """Where a summary of one trace lives: the digest of its parts and the trace directory."""
+
+    digest: str
+    trace: Path
 
 
 def cache_root() -> Path | None:
-    """The cache directory (None: off)."""
+    """The user cache directory (None: summaries off)."""
     env = os.environ.get("K3WB_DASHBOARD_CACHE")
     if env is not None and env.strip().lower() in ("", "off", "0", "none"):
         return None
     return Path(env) if env else Path.home() / ".cache" / "k3-workbench" / "dashboard"
 
 
-def key(trace: Trace, tables: tuple[str, ...], extra: Any = None) -> str | None:
+@contextlib.contextmanager
+def into_trace(path: str | Path) -> Iterator[None]:
+    """Summaries saved meanwhile for the trace at `path` are written into `<path>/summaries/`."""
+    path = Path(path).absolute()
+    with _into_guard:
+        _into.add(path)
+    try:
+        yield
+    finally:
+        with _into_guard:
+            _into.discard(path)
+
+
+def _part_digest(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - _TAIL))
+        return hashlib.sha256(f"{size}\0".encode() + f.read(_TAIL)).digest()
+
+
+def key(trace: Trace, tables: tuple[str, ...], extra: Any = None) -> Key | None:
     """Key of a summary of `tables` of `trace` (and of `extra`, JSON-able); None when the trace is not
-    complete or a part cannot be stat'ed (no summary is read or written then)."""
-    if trace.status != "complete":
+    complete, a part cannot be read, or summaries are off (nothing is read or written then)."""
+    if trace.status != "complete" or cache_root() is None:
         return None
-    digest = hashlib.sha256(f"v{VERSION}\0{trace.path.absolute()}\0".encode())
+    digest = hashlib.sha256(f"v{VERSION}\0".encode())
     for table in tables:
         for part in trace.parts(table):
             try:
-                st = part.stat()
+                digest.update(f"{table}/{part.name}\0".encode() + _part_digest(part))
             except OSError:
                 return None
-            digest.update(f"{table}/{part.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     digest.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    return digest.hexdigest()[:40]
+    return Key(digest.hexdigest()[:40], trace.path.absolute())
 
 
-def _path(cache_key: str, name: str) -> Path | None:
+def _paths(cache_key: Key, name: str) -> list[Path]:
+    """Where a summary may be, in lookup order (the trace's own, then the user cache); inside
+    `into_trace` only the trace's own, so that everything it summarizes is written there."""
     root = cache_root()
-    return None if root is None else root / cache_key[:2] / f"{cache_key}.{name}"
+    if root is None:
+        return []
+    own = cache_key.trace / TRACE_DIR / f"{cache_key.digest}.{name}"
+    with _into_guard:
+        if cache_key.trace in _into:
+            return [own]
+    return [own, root / cache_key.digest[:2] / f"{cache_key.digest}.{name}"]
 
 
-def _readable(path: Path | None) -> bool:
+def _target(cache_key: Key, name: str) -> Path | None:
+    """Where a summary is written: into the trace inside `into_trace`, else the user cache."""
+    paths = _paths(cache_key, name)
+    return paths[-1] if paths else None
+
+
+def _readable(path: Path) -> bool:
     try:
-        return path is not None and path.is_file() and path.stat().st_size <= MAX_BYTES
+        return path.is_file() and path.stat().st_size <= MAX_BYTES
     except OSError:
         return False
 
@@ -87,39 +143,41 @@ def _write(path: Path | None, data: bytes) -> None:
         pass  # a cache that cannot be written is only slower
 
 
-def load_arrow(cache_key: str | None, name: str) -> pa.Table | None:
-    path = _path(cache_key, name + ".arrow") if cache_key else None
-    if not _readable(path):
-        return None
-    try:
-        with pa.memory_map(str(path)) as source:
-            return pa.ipc.open_file(source).read_all()
-    except (OSError, pa.ArrowException, ValueError):
-        return None
+def load_arrow(cache_key: Key | None, name: str) -> pa.Table | None:
+    for path in _paths(cache_key, name + ".arrow") if cache_key else ():
+        if not _readable(path):
+            continue
+        try:
+            with pa.memory_map(str(path)) as source:
+                return pa.ipc.open_file(source).read_all()
+        except (OSError, pa.ArrowException, ValueError):
+            continue
+    return None
 
 
-def save_arrow(cache_key: str | None, name: str, table: pa.Table) -> None:
+def save_arrow(cache_key: Key | None, name: str, table: pa.Table) -> None:
     if not cache_key:
         return
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
-    _write(_path(cache_key, name + ".arrow"), sink.getvalue().to_pybytes())
+    _write(_target(cache_key, name + ".arrow"), sink.getvalue().to_pybytes())
 
 
-def load_json(cache_key: str | None, name: str) -> Any:
-    path = _path(cache_key, name + ".json") if cache_key else None
-    if not _readable(path):
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+def load_json(cache_key: Key | None, name: str) -> Any:
+    for path in _paths(cache_key, name + ".json") if cache_key else ():
+        if not _readable(path):
+            continue
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
-def save_json(cache_key: str | None, name: str, value: Any) -> None:
+def save_json(cache_key: Key | None, name: str, value: Any) -> None:
     if cache_key:
-        _write(_path(cache_key, name + ".json"), json.dumps(value).encode())
+        _write(_target(cache_key, name + ".json"), json.dumps(value).encode())
 
 
 def restore_sums(trace: Trace, table: str) -> bool:

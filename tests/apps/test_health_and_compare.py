@@ -28,7 +28,7 @@ from apps.dashboard.replay import TraceReplay
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.state import DashboardState
 from engine.errors import InputError
-from workbench.analysis import chance_jaccard, heads_at_risk, memory_health, read_changes, reads_vs_chance
+from workbench.analysis import chance_jaccard, health_of_layers, heads_at_risk, memory_health, read_changes, reads_vs_chance
 
 BINS = 64
 PROMPT = ("The harbour log for the spring season lists every ship that docked at the north pier. "
@@ -232,5 +232,5 @@ def test_health_series_stays_bounded_and_fills_missing_statistics() -> None:
     assert np.all(np.diff(series.positions) > 0)
     half = series.values["half_life"]
     assert half.shape == (len(series.positions), 2) and np.isnan(half[0]).all() and (half[-1] == 1).all()
-    frame = series.frame(3)
-    assert len(memory_health(frame)) == 2  # the analysis takes the thinned rows as it takes the table
+    # the analysis takes the thinned rows as it takes the table
+    assert len(health_of_layers({3: (series.positions, series.values)})) == 2

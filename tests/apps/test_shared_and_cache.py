@@ -9,6 +9,9 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from apps.dashboard import shared_reducers, summary_cache
 from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
@@ -118,12 +121,64 @@ def test_running_sums_come_back_from_disk_equal(small_trace: Path, tmp_path: Pat
     assert not fresh.restore_running_sums("moe_counts", ("layer",), {(1,): np.zeros(3, np.int64)})
     np.testing.assert_array_equal(DSAMapReducer().reduce(fresh, ViewOptions(bins=BINS), session).heat.values,
                                   DSAMapReducer().reduce(trace, ViewOptions(bins=BINS), session).heat.values)
-    # a part rewritten in place gives another key: the cached sums are not used
+    # the key is the parts' content, not the trace's path or the parts' times: a copy finds the sums
     copy = tmp_path / "copy"
-    shutil.copytree(small_trace, copy)
-    DSAMapReducer().reduce(open_trace(copy), opts, session)
+    shutil.copytree(small_trace, copy, copy_function=shutil.copyfile)  # new mtimes
+    copied = DSAMapReducer()
+    copied.reduce(open_trace(copy), opts, session)
+    assert copied.sums.restored
+    # a part rewritten in place gives another key: the cached sums are not used
     part = open_trace(copy).parts("dsa_key_counts")[0]
-    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))
+    rows = pq.read_table(part)
+    pq.write_table(rows.set_column(rows.schema.get_field_index("count"), "count",
+                                   pc.add(rows["count"], pa.scalar(1, rows.schema.field("count").type))), part)
     changed = DSAMapReducer()
     changed.reduce(open_trace(copy), opts, session)
     assert not changed.sums.restored
+
+
+def test_summaries_written_by_the_recording_command_travel_with_the_trace(small_trace: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """`write_summaries` (what `workbench run` calls when a recording ends) puts them inside the trace; a copy
+    of the trace opened elsewhere, with an empty user cache, reads them instead of the parts. Viewing a trace
+    never writes into it."""
+    from apps.dashboard.state import write_summaries
+
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    viewed = tmp_path / "viewed"
+    shutil.copytree(small_trace, viewed)
+    follower = TraceFollower(viewed)
+    follower.compute()
+    follower.stop()
+    assert not (viewed / summary_cache.TRACE_DIR).exists() and any((tmp_path / "cache").rglob("*.arrow"))
+
+    recorded = tmp_path / "recorded"
+    shutil.copytree(small_trace, recorded)
+    shared_reducers.forget_all()
+    assert write_summaries(recorded)
+    inside = sorted(p.name.split(".", 1)[1] for p in (recorded / summary_cache.TRACE_DIR).iterdir())
+    assert {"kda_layers.arrow", "kda_heads.arrow", "kda_health.json", "sums-dsa_key_counts.arrow",
+            "sums-moe_counts.arrow"} <= set(inside)
+
+    elsewhere = tmp_path / "laptop" / "trace"
+    shutil.copytree(recorded, elsewhere, copy_function=shutil.copyfile)  # another path, new mtimes
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "empty-cache"))
+    trace = open_trace(elsewhere)
+    opts = ViewOptions(bins=BINS)
+    session = SessionMapReducer().reduce(trace, opts)
+
+    def no_part_reads(*args, **kwargs):
+        raise AssertionError("a part was read although its summary is in the trace")
+
+    monkeypatch.setattr(type(trace), "read_part", no_part_reads)
+    state, health = KDAStateReducer(), KDAHealthReducer()
+    dsa, moe = DSAMapReducer(), ExpertsReducer()
+    warm = state.reduce(trace, opts, session)
+    assert health.reduce(trace, opts, session).ranked
+    dsa.reduce(trace, opts, session)
+    moe.reduce(trace, opts, session)
+    assert dsa.sums.restored and moe.sums.restored
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").rglob("*.*"))
+    monkeypatch.undo()
+    cold = KDAStateReducer().reduce(open_trace(small_trace), opts, session)
+    np.testing.assert_array_equal(warm.heat.values, cold.heat.values)

@@ -14,8 +14,8 @@ from workbench.analysis.dsa_structure import (chance_jaccard, cross_layer_jaccar
                                               sink_over_time)
 from workbench.analysis.image_reads import PatchReads, format_patches, image_grid, patch_reads
 from workbench.analysis.kda import half_decay_tokens, head_dynamics, rank_heads
-from workbench.analysis.kda_health import (decay_timescales, effective_rank, half_lives, heads_at_risk,
-                                           memory_health, write_vs_forget)
+from workbench.analysis.kda_health import (HEALTH_STATS, decay_timescales, effective_rank, half_lives,
+                                           health_of_layers, heads_at_risk, memory_health, write_vs_forget)
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_chance, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
@@ -24,7 +24,7 @@ __all__ = [
     "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_jaccard", "chance_of_hit",
     "cross_layer_jaccard", "decay_timescales", "dense_mass_summary", "distance_summary", "effective_rank",
     "expected_hits", "expert_imbalance", "expert_shares", "faithfulness", "format_hits", "format_patches",
-    "format_read", "half_decay_tokens", "half_lives", "head_dynamics", "heads_at_risk", "image_grid",
+    "format_read", "HEALTH_STATS", "half_decay_tokens", "half_lives", "health_of_layers", "head_dynamics", "heads_at_risk", "image_grid",
     "image_patch_reads", "jaccard", "js_chance", "js_divergence", "layers_reading", "locality", "memory_health",
     "modality_divergence", "patch_reads", "rank_heads", "rank_load_balance", "read_changes", "reads_vs_chance",
     "rebin_counts", "segment_name",

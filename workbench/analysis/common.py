@@ -6,7 +6,7 @@ Every analysis function takes pandas DataFrames (as `trace.df(...)` returns them
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -47,6 +47,28 @@ def list_offsets(frame: Frame, name: str) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return values, offsets
+
+
+def list_chunks(frame: Frame, name: str) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """A list column flattened chunk by chunk: (values, offsets [rows + 1] into values, first row) per chunk.
+
+    What `list_offsets` gives without joining the chunks first: a table read from many parts is as
+    many chunks, and joining the answer's ~50M selected keys of a 1M-token trace was a 200 MB copy
+    (half a second) before any of them was looked at.
+    """
+    if not isinstance(frame, pa.Table):
+        values, offsets = list_offsets(frame, name)
+        yield values, offsets, 0
+        return
+    first = 0
+    for chunk in frame[name].chunks:
+        if len(chunk) == 0:
+            continue
+        lengths = pc.list_value_length(chunk).fill_null(0).to_numpy(zero_copy_only=False)
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        yield chunk.flatten().to_numpy(zero_copy_only=False), offsets, first
+        first += len(chunk)
 
 
 def to_pandas(frame: Frame) -> pd.DataFrame:

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.analysis.chance import format_hits
-from workbench.analysis.common import Frame, column, list_offsets
+from workbench.analysis.common import Frame, column, list_chunks
 
 __all__ = ["PatchReads", "format_patches", "image_grid", "patch_reads"]
 
@@ -142,8 +142,8 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
         keep &= (qpos >= queries[0]) & (qpos <= queries[1])
     if layers is not None:
         keep &= np.isin(layer_col, list(layers))
-    keys, offsets = list_offsets(topk, "selected") if len(topk) else (np.zeros(0, np.int64), np.zeros(1, np.int64))
-    picks_per_row = np.diff(offsets)
+    chunks = list(list_chunks(topk, "selected")) if len(topk) else []
+    picks_per_row = np.concatenate([np.diff(offsets) for _, offsets, _ in chunks]) if chunks else np.zeros(0, np.int64)
 
     found = sorted(set(layer_col[keep].tolist())) if layers is None else sorted(set(int(l) for l in layers))
     L = len(found)
@@ -154,17 +154,18 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
     log_miss = np.zeros((L, n_cells), np.float64)
     # key -> patch cell: only keys inside the image's position range can be patches (a cheap compare over
     # every key, in the keys' own dtype), and only those are looked up among the image's sorted positions
-    if len(pos) and len(keys):
+    owners, ats = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for keys, offsets, first in chunks if len(pos) else ():
         flat = np.flatnonzero((keys >= int(pos[0])) & (keys <= int(pos[-1])))
         at = np.searchsorted(pos, keys[flat])
         inside = at < len(pos)
         inside[inside] = pos[at[inside]] == keys[flat[inside]]
         flat, at = flat[inside], at[inside]
-        owner = np.searchsorted(offsets, flat, side="right") - 1
+        owner = np.searchsorted(offsets, flat, side="right") - 1 + first
         kept_hit = keep[owner]
-        owner, at = owner[kept_hit], at[kept_hit]
-    else:
-        owner = at = np.zeros(0, np.int64)
+        owners.append(owner[kept_hit])
+        ats.append(at[kept_hit])
+    owner, at = np.concatenate(owners), np.concatenate(ats)
     # layer -> row of the result, as a lookup table (the loops over rows and hits run in numpy)
     row_of_layer = np.full(int(max(found)) + 1 if found else 1, -1, np.int64)
     row_of_layer[list(found)] = np.arange(L)

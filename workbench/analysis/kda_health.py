@@ -113,61 +113,95 @@ def memory_health(kda_norms: Frame, segments: pd.DataFrame | None = None, platea
     it never fell), forget_drop, forget_segment, min_eff_rank / min_eff_rank_position / final_eff_rank
     (NaN when not recorded), half_life (median channel half-life at the last measurement, or from
     mean_decay when only that was recorded), global_share (final), mean_beta, mean_decay,
-    norm_growth_per_1k.
+    norm_growth_per_1k. `health_of_layers` gives the same from per-layer matrices.
     """
     df = to_pandas(kda_norms)
-    rows = []
+    layers = {}
     for layer, g in df.groupby("layer", sort=True):
-        g = g.sort_values("position", kind="stable").drop_duplicates("position", keep="last")
-        pos = g["position"].to_numpy().astype(np.int64)
-        norms = _matrix(g, "norm")
-        if norms is None or len(pos) == 0:
+        stats = {name: _matrix(g, name) for name in HEALTH_STATS}
+        layers[int(layer)] = (g["position"].to_numpy().astype(np.int64), stats)
+    return health_of_layers(layers, segments, plateau)
+
+
+HEALTH_STATS = ("norm", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share")
+
+
+def health_of_layers(layers: "dict[int, tuple[np.ndarray, dict[str, np.ndarray | None]]]",
+                     segments: pd.DataFrame | None = None, plateau: float = 0.9) -> pd.DataFrame:
+    """`memory_health` from per-layer arrays instead of a table of list cells (what a reader that
+    folded `kda_norms` part by part holds: no round trip through one Python list per row).
+
+    Args:
+        layers: layer -> (positions [P], {statistic: float [P, H] matrix or None}) with the statistics
+            of `HEALTH_STATS` (missing ones are None); rows in any order, a repeated position keeps
+            its last row.
+        segments / plateau: as in `memory_health`.
+    """
+    rows = []
+    for layer in sorted(layers):
+        positions, stats = layers[layer]
+        positions = np.asarray(positions, dtype=np.int64)
+        if stats.get("norm") is None or len(positions) == 0:
             continue
-        n_heads = norms.shape[1]
-        peak = norms.max(0)
-        saturate = pos[(norms >= plateau * peak).argmax(0)]
-        if len(pos) > 1:
-            drops = (norms[:-1] - norms[1:]) / np.maximum(norms[:-1], 1e-12)
-            at = drops.argmax(0)
-            drop = np.maximum(drops[at, np.arange(n_heads)], 0.0)
-            forget = np.where(drop > 0, pos[at + 1], -1)
-        else:
-            drop, forget = np.zeros(n_heads), np.full(n_heads, -1)
-        beta, decay = _matrix(g, "mean_beta"), _matrix(g, "mean_decay")
-        wf = write_vs_forget(pos, norms, beta, decay)
-        rank = _matrix(g, "eff_rank")
-        if rank is not None and np.isfinite(rank).any():
-            filled = np.where(np.isfinite(rank), rank, np.inf)
-            min_rank, min_at = filled.min(0), pos[filled.argmin(0)]
-            last_ok = np.where(np.isfinite(rank), np.arange(len(pos))[:, None], -1).max(0)
-            final_rank = rank[np.maximum(last_ok, 0), np.arange(n_heads)]
-        else:
-            min_rank = final_rank = np.full(n_heads, np.nan)
-            min_at = np.full(n_heads, -1)
-        half, share = _matrix(g, "half_life"), _matrix(g, "global_share")
-        if half is not None:
-            half_final = half[-1]
-        elif decay is not None:
-            with np.errstate(divide="ignore"):
-                half_final = np.where(decay[-1] < 1, LN2 / -np.log(np.clip(decay[-1], 1e-12, 1.0)), np.inf)
-        else:
-            half_final = np.full(n_heads, np.nan)
-        # one frame per layer from whole columns (a dict per head cost ~1 s on 69 x 96 heads)
-        rows.append(pd.DataFrame({
-            "layer": np.full(n_heads, int(layer)), "head": np.arange(n_heads), "final_norm": norms[-1],
-            "peak_norm": peak, "saturate_position": saturate.astype(np.int64),
-            "saturate_fraction": saturate / max(int(pos[-1]), 1), "forget_position": forget.astype(np.int64),
-            "forget_drop": drop, "min_eff_rank": min_rank, "min_eff_rank_position": min_at.astype(np.int64),
-            "final_eff_rank": final_rank, "half_life": half_final,
-            "global_share": share[-1] if share is not None else np.full(n_heads, np.nan),
-            "mean_beta": wf["mean_beta"].to_numpy(), "mean_decay": wf["mean_decay"].to_numpy(),
-            "norm_growth_per_1k": wf["norm_growth_per_1k"].to_numpy()}))
+        # sorted by position, a repeated position keeping its last row
+        order = np.argsort(positions, kind="stable")
+        ordered = positions[order]
+        last = np.append(ordered[1:] != ordered[:-1], True)
+        keep = order[last]
+        one = _layer_health(int(layer), positions[keep],
+                            {k: (np.asarray(v, dtype=np.float64)[keep] if v is not None else None)
+                             for k, v in stats.items()}, plateau)
+        rows.append(one)
     out = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
     if len(out):
         forget = out["forget_position"].to_numpy()
         out["forget_segment"] = np.where(forget >= 0, segment_of(np.maximum(forget, 0), segments), -1)
         out["saturate_segment"] = segment_of(out["saturate_position"].to_numpy(), segments)
     return out
+
+
+def _layer_health(layer: int, pos: np.ndarray, stats: dict, plateau: float) -> pd.DataFrame:
+    """One layer's rows of `memory_health` (positions ascending and distinct, float64 matrices)."""
+    norms = stats["norm"]
+    n_heads = norms.shape[1]
+    peak = norms.max(0)
+    saturate = pos[(norms >= plateau * peak).argmax(0)]
+    if len(pos) > 1:
+        drops = (norms[:-1] - norms[1:]) / np.maximum(norms[:-1], 1e-12)
+        at = drops.argmax(0)
+        drop = np.maximum(drops[at, np.arange(n_heads)], 0.0)
+        forget = np.where(drop > 0, pos[at + 1], -1)
+    else:
+        drop, forget = np.zeros(n_heads), np.full(n_heads, -1)
+    beta, decay = stats.get("mean_beta"), stats.get("mean_decay")
+    wf = write_vs_forget(pos, norms, beta, decay)
+    rank = stats.get("eff_rank")
+    if rank is not None and np.isfinite(rank).any():
+        filled = np.where(np.isfinite(rank), rank, np.inf)
+        min_rank, min_at = filled.min(0), pos[filled.argmin(0)]
+        last_ok = np.where(np.isfinite(rank), np.arange(len(pos))[:, None], -1).max(0)
+        final_rank = rank[np.maximum(last_ok, 0), np.arange(n_heads)]
+    else:
+        min_rank = final_rank = np.full(n_heads, np.nan)
+        min_at = np.full(n_heads, -1)
+    half, share = stats.get("half_life"), stats.get("global_share")
+    if half is not None:
+        half_final = half[-1]
+    elif decay is not None:
+        with np.errstate(divide="ignore"):
+            half_final = np.where(decay[-1] < 1, LN2 / -np.log(np.clip(decay[-1], 1e-12, 1.0)), np.inf)
+    else:
+        half_final = np.full(n_heads, np.nan)
+    # one frame per layer from whole columns (a dict per head cost ~1 s on 69 x 96 heads)
+    return pd.DataFrame({
+        "layer": np.full(n_heads, layer), "head": np.arange(n_heads), "final_norm": norms[-1],
+        "peak_norm": peak, "saturate_position": saturate.astype(np.int64),
+        "saturate_fraction": saturate / max(int(pos[-1]), 1), "forget_position": forget.astype(np.int64),
+        "forget_drop": drop, "min_eff_rank": min_rank, "min_eff_rank_position": min_at.astype(np.int64),
+        "final_eff_rank": final_rank, "half_life": half_final,
+        "global_share": share[-1] if share is not None else np.full(n_heads, np.nan),
+        "mean_beta": wf["mean_beta"].to_numpy(), "mean_decay": wf["mean_decay"].to_numpy(),
+        "norm_growth_per_1k": wf["norm_growth_per_1k"].to_numpy()})
 
 
 def heads_at_risk(health: pd.DataFrame, top: int = 10) -> pd.DataFrame:

@@ -24,7 +24,7 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -309,7 +309,8 @@ class Trace:
         unknown = [c for c in columns if c not in spec.names]
         if unknown:
             raise TraceError(f"table {name} has no column(s) {', '.join(unknown)}")
-        part = next((p for p in self._parts[spec.name] if p.path == Path(path)), None)
+        path = Path(path)
+        part = next((p for p in self._parts[spec.name] if p.path == path), None)
         if part is None:
             raise TraceError(f"{path} is not a part of table {name} of {self.path}")
         if part.path in self._bad:
@@ -368,18 +369,25 @@ class Trace:
         sums = self._sums[name]
         spec = TABLES[name]
         cols = [*sums.groups, sums.index, sums.value]
-        for part in self._parts[name]:
+        todo = [p for p in self._parts[name] if str(p.path) not in sums.seen and p.path not in self._bad]
+        if len(todo) > 1:
+            # decoding releases the GIL: the next parts are read while one is added in (the sums are
+            # added in part order, on this thread only)
+            with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+                self._add_parts(name, sums, zip(todo, pool.map(lambda p: self._read(p, spec, cols), todo)))
+        else:
+            self._add_parts(name, sums, ((p, self._read(p, spec, cols)) for p in todo))
+        return sums
+
+    def _add_parts(self, name: str, sums: DenseSums, tables: Iterable[tuple[Part, pa.Table | None]]) -> None:
+        for part, table in tables:
             key = str(part.path)
-            if key in sums.seen or part.path in self._bad:
-                continue
-            table = self._read(part, spec, cols)
             if table is not None:
                 try:
                     sums.add(key, table)
                 except ValueError as exc:
                     self._bad.add(part.path)
                     self._problem(f"corrupt Parquet part {part.path}: {exc}; skipped")
-        return sums
 
     def running_sums(self, name: str) -> tuple[tuple[str, ...], dict[tuple[int, ...], np.ndarray]]:
         """A delta table's running sums with every current part folded in: (group columns, {group

@@ -15,6 +15,7 @@ from typing import Any, Callable, Generic, TypeVar
 import numpy as np
 
 from apps.dashboard import summary_cache
+from apps.dashboard.reducers.part_feed import PartFeeds
 
 MAX_BINS = 2048
 MIN_BINS = 64
@@ -76,7 +77,9 @@ class Reducer(Generic[Data]):
 
     data_type: type
 
-    def __init__(self) -> None:
+    def __init__(self, feeds: PartFeeds | None = None) -> None:
+        # reads of trace tables shared with the other views of the same trace (`part_feed`)
+        self.feeds = feeds if feeds is not None else PartFeeds()
         self._memo: dict[str, tuple[tuple, Any]] = {}
         self._last: Data | None = None
 

@@ -22,6 +22,7 @@ from workbench.trace import Trace
 from apps.dashboard.readout import reads_html
 from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.image_reads import ImageReadsData, ImageReadsReducer
+from apps.dashboard.reducers.part_feed import PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 
@@ -54,8 +55,8 @@ def read_out(trace: Trace, position: int, session: SessionMapData, bins: int) ->
 class DSAMapReducer(Reducer[DSAMapData]):
     data_type = DSAMapData
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, feeds: PartFeeds | None = None) -> None:
+        super().__init__(feeds)
         self.images = ImageReadsReducer()
         self.sums = CachedSums("dsa_key_counts")
 

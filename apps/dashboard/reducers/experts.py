@@ -16,6 +16,7 @@ import numpy as np
 from workbench.trace import Trace
 
 from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.part_feed import PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 
@@ -74,8 +75,8 @@ def token_routes(trace: Trace, position: int) -> list[dict]:
 class ExpertsReducer(Reducer[ExpertsData]):
     data_type = ExpertsData
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, feeds: PartFeeds | None = None) -> None:
+        super().__init__(feeds)
         self.sums = CachedSums("moe_counts")
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> ExpertsData:

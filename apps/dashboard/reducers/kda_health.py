@@ -1,9 +1,9 @@
 """Reducer of the KDA memory health view: which heads saturate or forget fastest, and where.
 
-`workbench.analysis.memory_health` turns the `kda_norms` table into one row per (layer, head);
+`workbench.analysis.health_of_layers` (`memory_health` from per-layer matrices) turns the `kda_norms` table into one row per (layer, head);
 `heads_at_risk` ranks the fastest-saturating and fastest-forgetting heads with the position where it
-happened. This reducer reads each new part of `kda_norms` once (only the columns the health needs,
-through `Trace.read_part`), keeps them as per-layer float32 matrices, and reruns the analysis when a
+happened. Each new part of `kda_norms` is read once (through the `PartFeed` shared with the KDA
+state view: one decode of the part serves both), this reducer keeps them as per-layer float32 matrices, and reruns the analysis when a
 part arrived, so a live trace updates the ranking without re-reading what it already read.
 
 Memory stays bounded on a long session: past `MAX_POSITIONS` measurements of a layer, every other
@@ -27,12 +27,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from workbench.analysis import heads_at_risk, memory_health
+from workbench.analysis import health_of_layers, heads_at_risk
 from workbench.trace import Trace
 
 from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import Reducer, ViewOptions
 from apps.dashboard.reducers.kda_state import flat_lists
+from apps.dashboard.reducers.part_feed import PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 TOP_HEADS = 8  # heads listed per kind ("saturates", "forgets")
@@ -125,15 +126,6 @@ class _LayerSeries:
         self._join()
         return self._values
 
-    def frame(self, layer: int) -> pd.DataFrame:
-        """Rows as `trace.df("kda_norms")` gives them (list cells), sorted by position."""
-        order = np.argsort(self.positions, kind="stable")
-        data: dict = {"layer": np.full(len(order), layer), "position": self.positions[order]}
-        for name, v in self.values.items():
-            data[name] = list(v[order]) if v is not None else [None] * len(order)
-        return pd.DataFrame(data)
-
-
 def _recorded(series: dict[int, _LayerSeries], name: str) -> bool:
     """Whether a statistic holds finite values in some layer (a policy that did not record it leaves nulls)."""
     return any(s.values.get(name) is not None and np.isfinite(s.values[name]).any() for s in series.values())
@@ -154,60 +146,37 @@ def ranked_rows(health: pd.DataFrame, segments: pd.DataFrame, top: int = TOP_HEA
 
 
 class KDAHealthReducer(Reducer[KDAHealthData]):
-    """`kda_norms` parts -> `KDAHealthData` (each part read once; the analysis reruns when one arrives)."""
+    """`kda_norms` parts -> `KDAHealthData` (each part read once, through the `PartFeed` the KDA state
+    view shares; the analysis reruns when one arrives)."""
 
     data_type = KDAHealthData
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, feeds: PartFeeds | None = None) -> None:
+        super().__init__(feeds)
         self._layers: dict[int, _LayerSeries] = {}
-        self._seen: set[Path] = set()
+        self.feed = self.feeds.feed("kda_norms")
+        self._sub = self.feed.subscribe(_COLUMNS, _digest, self._apply)
+        self._computed = False  # a result was computed or restored (the cache is looked up only before)
 
-    def _fold(self, trace: Trace) -> int:
-        for path in trace.parts("kda_norms"):
-            if path in self._seen:
-                continue
-            self._seen.add(path)
-            table: pa.Table = trace.read_part("kda_norms", path, _COLUMNS)
-            if table.num_rows:
-                self._fold_table(table)
-        return len(self._seen)
-
-    def _fold_table(self, table: pa.Table) -> None:
-        layer = table["layer"].to_numpy()
-        position = table["position"].to_numpy().astype(np.int64, copy=False)
-        stats = {}
-        for name in _COLUMNS[2:]:
-            stats[name] = _matrix(table[name])
-        if stats["norm"] is None:
-            return
-        # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer;
-        # a part the recorder wrote layer after layer is grouped already (no copy of its matrices)
-        if (np.diff(layer) < 0).any():
-            order = np.argsort(layer, kind="stable")
-            layer, position = layer[order], position[order]
-            stats = {k: (v[order] if v is not None else None) for k, v in stats.items()}
-        layers, starts = np.unique(layer, return_index=True)
-        ends = np.append(starts[1:], len(layer))
-        for l, a, b in zip(layers.tolist(), starts.tolist(), ends.tolist()):
-            self._layers.setdefault(int(l), _LayerSeries()).append(
-                position[a:b], {k: (v[a:b] if v is not None else None) for k, v in stats.items()})
+    def _apply(self, path: Path, pieces: list[tuple[int, np.ndarray, dict]]) -> None:
+        for layer, positions, stats in pieces:
+            self._layers.setdefault(layer, _LayerSeries()).append(positions, stats)
 
     def _compute(self, trace: Trace, segments: tuple[dict, ...]) -> dict:
         if not self._layers:
             return {"ranked": (), "layers": 0, "heads": 0, "measured": (), "last_position": -1, "note": NO_KDA}
-        table = pd.concat([s.frame(l) for l, s in sorted(self._layers.items())], ignore_index=True)
         segs = pd.DataFrame([{"id": int(s["id"]), "name": s.get("name") or "", "start": int(s["start"]),
                               "end": int(s["end"])} for s in segments if s.get("id") is not None],
                             columns=["id", "name", "start", "end"])
-        health = memory_health(table, segs)
+        series = {l: (s.positions, s.values) for l, s in self._layers.items()}
+        health = health_of_layers(series, segs)
         if not len(health):
             return {"ranked": (), "layers": 0, "heads": 0, "measured": (), "last_position": -1,
                     "note": "KDA records are present but hold no per-head norms to rank."}
         measured = tuple(name for name in _OPTIONAL if _recorded(self._layers, name))
+        last = max(int(p.max()) for p, _ in series.values() if len(p))
         return {"ranked": ranked_rows(health, segs), "layers": int(health["layer"].nunique()),
-                "heads": int(len(health)), "measured": measured,
-                "last_position": int(table["position"].max()), "note": ""}
+                "heads": int(len(health)), "measured": measured, "last_position": last, "note": ""}
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAHealthData:
         parts = tuple(trace.parts("kda_norms"))
@@ -218,18 +187,43 @@ class KDAHealthReducer(Reducer[KDAHealthData]):
         """The health of what the trace holds now: from the summary cache when it is there (a finished
         trace seen before), else folded and ranked here (and cached when the trace is finished)."""
         cache_key = summary_cache.key(trace, ("kda_norms",), [_segment_key(s) for s in segments]) \
-            if not self._seen else None
+            if not self._computed else None
         cached = _from_json(summary_cache.load_json(cache_key, "kda_health"))
         if cached is not None:
+            self._computed = True
             return cached
-        self._fold(trace)
-        values = self._compute(trace, segments)
+        with self.feed.lock:  # the KDA state view's read may fold parts in meanwhile
+            self.feed.update(trace, self._sub)
+            values = self._compute(trace, segments)
+        self._computed = True
         try:
             summary_cache.save_json(cache_key, "kda_health", {**values, "ranked": list(values["ranked"]),
                                                               "measured": list(values["measured"])})
         except (TypeError, ValueError):  # a value JSON cannot hold: not cached
             pass
         return values
+
+
+def _digest(table: pa.Table) -> list[tuple[int, np.ndarray, dict]]:
+    """One part of `kda_norms` as (layer, positions, {statistic: float32 [P, H] or None}) per layer
+    (runs in a reading thread)."""
+    if table.num_rows == 0:
+        return []
+    layer = table["layer"].to_numpy()
+    position = table["position"].to_numpy().astype(np.int64, copy=False)
+    stats = {name: _matrix(table[name]) for name in _COLUMNS[2:]}
+    if stats["norm"] is None:
+        return []
+    # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer;
+    # a part the recorder wrote layer after layer is grouped already (no copy of its matrices)
+    if (np.diff(layer) < 0).any():
+        order = np.argsort(layer, kind="stable")
+        layer, position = layer[order], position[order]
+        stats = {k: (v[order] if v is not None else None) for k, v in stats.items()}
+    layers, starts = np.unique(layer, return_index=True)
+    ends = np.append(starts[1:], len(layer))
+    return [(int(l), position[a:b], {k: (v[a:b] if v is not None else None) for k, v in stats.items()})
+            for l, a, b in zip(layers.tolist(), starts.tolist(), ends.tolist())]
 
 
 def _segment_key(segment: dict) -> list:

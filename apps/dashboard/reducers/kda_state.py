@@ -12,8 +12,6 @@ every part of `kda_norms`.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from workbench.trace import Trace
 
 from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
+from apps.dashboard.reducers.part_feed import PartFeed, PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 _COLUMNS = ["layer", "position", "norm"]
@@ -63,18 +62,22 @@ def flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
 
 
 class KDANormFolder:
-    """KDA state norms of a live trace, folded in one part file at a time (see the module docstring)."""
+    """KDA state norms of a live trace, folded in one part file at a time (see the module docstring).
 
-    def __init__(self) -> None:
+    Parts come through a `PartFeed` of `kda_norms` shared with the KDA health view (each part is
+    decoded once for both); without one the folder has a feed of its own."""
+
+    def __init__(self, feed: PartFeed | None = None) -> None:
         self.layers: dict[int, _Series] = {}  # layer -> (positions, head mean, head max)
-        self._seen: set[Path] = set()
         self.head_layer: int | None = None
         self._heads = _Series()  # (positions, [P, H] norms) of head_layer
         self._head_seen: set[Path] = set()
+        self.feed = feed if feed is not None else PartFeed("kda_norms")
+        self._sub = self.feed.subscribe(_COLUMNS, self._digest, self._apply)
+        self._arrived = False  # a part with rows was folded in since the last `update`
 
-    def _fold_part(self, trace: Trace, path: Path) -> tuple[dict[int, tuple], tuple | None]:
-        """(layer -> (positions, mean, max), rows of head_layer) of one part (runs in a worker thread)."""
-        table = trace.read_part("kda_norms", path, _COLUMNS)
+    def _digest(self, table: pa.Table) -> tuple[dict[int, tuple], tuple | None]:
+        """(layer -> (positions, mean, max), (head layer, its rows)) of one part (runs in a reading thread)."""
         if table.num_rows == 0:
             return {}, None
         layer = table["layer"].to_numpy()
@@ -88,49 +91,46 @@ class KDANormFolder:
         for l in np.unique(layer):
             sel = layer == l
             out[int(l)] = (pos[sel], mean[sel], peak[sel])
-        head_rows = None
-        if self.head_layer is not None:
-            sel = layer == self.head_layer
-            head_rows = (pos[sel], norms[sel])
+        head_layer, head_rows = self.head_layer, None
+        if head_layer is not None:
+            sel = layer == head_layer
+            head_rows = (head_layer, pos[sel], norms[sel])
         return out, head_rows
+
+    def _apply(self, path: Path, piece: tuple[dict[int, tuple], tuple | None]) -> None:
+        per_layer, head_rows = piece
+        for l, arrays in per_layer.items():
+            self.layers.setdefault(l, _Series()).pieces.append(arrays)
+        self._arrived = self._arrived or bool(per_layer)
+        # rows taken for another head layer than the one shown now are re-read by `heads` when asked
+        if head_rows is not None and head_rows[0] == self.head_layer and path not in self._head_seen:
+            self._head_seen.add(path)
+            if len(head_rows[1]):
+                self._heads.pieces.append(head_rows[1:])
 
     def update(self, trace: Trace, head_layer: int | None) -> bool:
         """Fold in parts not seen yet (keeping every head of `head_layer`, or of the first KDA layer when
-        None and none is chosen yet); returns whether anything new arrived."""
-        new = [p for p in trace.parts("kda_norms") if p not in self._seen]
-        if head_layer is not None and head_layer != self.head_layer:
-            self._reset_heads(head_layer)
-        if not new:
-            return False
-        if self.head_layer is None and not self.layers:
-            # the first read: the lines show the first KDA layer unless told otherwise, so keep its heads
-            # from this same pass instead of reading every part again (the footers name the layers)
-            span = trace.layer_range("kda_norms")
-            if span is not None:
-                self._reset_heads(span[0])
-        # the other views are reduced beside this one: leave them two cores
-        workers = min(4, max(1, (os.cpu_count() or 1) - 2), len(new))
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="kda-fold") as pool:
-                results = list(pool.map(lambda p: self._fold_part(trace, p), new))
-        else:
-            results = [self._fold_part(trace, p) for p in new]
-        for path, (per_layer, head_rows) in zip(new, results):
-            self._seen.add(path)
-            for l, arrays in per_layer.items():
-                self.layers.setdefault(l, _Series()).pieces.append(arrays)
-            if head_rows is not None and path not in self._head_seen:
-                self._head_seen.add(path)
-                if len(head_rows[0]):
-                    self._heads.pieces.append(head_rows)
-        return any(per_layer for per_layer, _ in results)
+        None and none is chosen yet); returns whether anything new arrived since the last call (also
+        parts another view's read handed over)."""
+        with self.feed.lock:
+            if head_layer is not None and head_layer != self.head_layer:
+                self._reset_heads(head_layer)
+            if self.head_layer is None and not self.layers:
+                # the first read: the lines show the first KDA layer unless told otherwise, so keep its heads
+                # from this same pass instead of reading every part again (the footers name the layers)
+                span = trace.layer_range("kda_norms")
+                if span is not None:
+                    self._reset_heads(span[0])
+            self.feed.update(trace, self._sub)
+            arrived, self._arrived = self._arrived, False
+            return arrived
 
     def restore(self, trace: Trace) -> bool:
         """Take a finished trace's fold from the summary cache (nothing folded yet); whether it was there."""
         cache_key = summary_cache.key(trace, ("kda_norms",))
         layers = summary_cache.load_arrow(cache_key, "kda_layers")
         heads = summary_cache.load_arrow(cache_key, "kda_heads")
-        if self._seen or layers is None or heads is None \
+        if self._sub.seen or layers is None or heads is None \
                 or layers.column_names != ["layer", "position", "mean", "max"] \
                 or heads.column_names != ["position", "norms"] or not heads.schema.metadata \
                 or not pa.types.is_fixed_size_list(heads.schema.field("norms").type):
@@ -149,7 +149,7 @@ class KDANormFolder:
             sel = layer == l
             self.layers[int(l)] = _Series([(pos[sel].astype(np.int64), mean[sel], peak[sel])])
         parts = set(trace.parts("kda_norms"))
-        self._seen = set(parts)
+        self._sub.skip(parts)
         self._reset_heads(head_layer)
         self._head_seen = set(parts)
         self._heads.pieces.append((heads["position"].to_numpy().astype(np.int64), flat.reshape(-1, n_heads)))
@@ -159,7 +159,7 @@ class KDANormFolder:
         """Put the fold of a finished trace in the summary cache (only a whole fold, with the first layer's heads)."""
         span = trace.layer_range("kda_norms")
         parts = set(trace.parts("kda_norms"))
-        if span is None or self.head_layer != span[0] or self._seen != parts or self._head_seen != parts:
+        if span is None or self.head_layer != span[0] or self._sub.seen != parts or self._head_seen != parts:
             return
         cache_key = summary_cache.key(trace, ("kda_norms",))
         if cache_key is None:
@@ -219,11 +219,15 @@ def layer_heat(folder: KDANormFolder, extent: int, bins: int, reduce: str) -> He
 class KDAStateReducer(Reducer[KDAStateData]):
     data_type = KDAStateData
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.folder = KDANormFolder()
+    def __init__(self, feeds: PartFeeds | None = None) -> None:
+        super().__init__(feeds)
+        self.folder = KDANormFolder(self.feeds.feed("kda_norms"))
 
     def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
+        with self.folder.feed.lock:  # the health view's read may fold parts into this folder
+            return self._reduce(trace, options, session)
+
+    def _reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
         folder = self.folder
         restored = not folder.layers and folder.restore(trace)
         wanted = options.kda_layer if options.kda_layer in folder.layers else None
