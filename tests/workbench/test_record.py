@@ -5,6 +5,7 @@ layer inputs captured during the same session."""
 from __future__ import annotations
 
 import os
+import time
 
 import dataclasses
 import json
@@ -164,6 +165,28 @@ def test_recording_off_costs_nothing_and_default_policy_is_bounded(recorded, tmp
     assert sorted(positions) == [31, 63]  # only the sampled queries keep full lists
     assert len(trace.df("moe_routes")) == 0
     assert trace.session["policy"]["dsa_prefill_stride"] == 32
+
+
+def test_the_prefill_is_on_disk_before_the_first_generated_token(tmp_path):
+    """The end of a prefill flushes its rows (a follower sees the whole prompt at once, and the flush does
+    not land in the decode steps); the periodic flushes of decode are spaced as before."""
+    model = load_model("preset:tiny")
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=16)
+    with workbench.record(session, trace=tmp_path / "t", policy=dataclasses.replace(ALL, flush_seconds=3600.0)):
+        session.append(ids=list(range(1, 41)))
+        session.prefill()
+        # encoded on the writer's thread: no other forward runs, the rows arrive anyway
+        deadline = time.monotonic() + 30
+        while True:
+            live = workbench.open_trace(tmp_path / "t")
+            if len(live.tokens()) == 40 and live.parts("kda_norms") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert live.status == "recording" and len(live.tokens()) == 40
+        assert sorted(set(live.df("kda_norms")["position"])) == [15, 31, 39]  # every chunk's last position
+        assert live.df("dsa_topk")["position"].max() == 39
+        assert live.df("moe_counts")["count"].sum() > 0
+    assert workbench.open_trace(tmp_path / "t").status == "complete"
 
 
 def test_failed_session_keeps_what_was_recorded(tmp_path):
