@@ -9,6 +9,8 @@ Layout of a trace (one directory per session)::
       tokens/part-000000.parquet ...    # the token table while the session is live (gone after close)
       dsa_topk/part-000000.parquet ...  # every other table: a directory of rolled part files
       ...
+      summaries/                        # optional: the dashboard's reductions of the finished trace (Arrow,
+                                        # JSON), keyed by the parts' content; never read by `Trace`
 
 Rules that make the store crash-safe and followable:
 - A part is written under a hidden temporary name (`.part-000007.parquet.tmp`), fsynced, then renamed
