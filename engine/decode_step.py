@@ -146,7 +146,7 @@ class DecodeStep:
         # points whose collected tensors their module completes on the host (`host_finished_probes`)
         finishers = {p: m.finish_probe for m in model.modules() for p in getattr(m, "host_finished_probes", ())}
         self.tape = ProbeTape(self._points, finishers)
-        self._listening: tuple[ProbePoint, ...] = ()
+        self._listener_sets: dict[tuple[int, ...], tuple[ProbePoint, ...]] = {}  # ids -> the tuple passed
         self._fused = fused_groups(model)
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
@@ -193,7 +193,7 @@ class DecodeStep:
                 if t.is_cuda:  # the CUDA graph writes these in place: keep their addresses
                     torch._dynamo.mark_static_address(t)
 
-    def _guard_key(self, state: ModelState, batch: int) -> tuple:
+    def _guard_key(self, state: ModelState, batch: int, listening: tuple[ProbePoint, ...]) -> tuple:
         """What the step's guards check that can change between steps of one model: a step whose key was
         seen before runs without guard evaluation."""
         runtime = self.model.runtime
@@ -205,7 +205,8 @@ class DecodeStep:
         options = (runtime.dsa_force_dense, runtime.dsa_dense_layers, runtime.mxfp8_activations, runtime.kernels,
                    runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens)
         params = next(self.model.parameters())
-        listeners = tuple((p.sink is not None, p.request) for p in self._points)
+        # the points listening at this step (a finisher's only at its measured steps), and what each asks
+        listeners = (tuple(map(id, listening)), tuple((p.sink is not None, p.request) for p in self._points))
         # BACKEND: each compiler has its own compiled function, whose first step must run its guards
         return (batch, caches, kda, stacks, options, listeners, params.dtype, params.device, state.key_start is None,
                 torch.is_grad_enabled(), torch.is_inference_mode_enabled(), id(self.model.parallel), BACKEND)
@@ -233,10 +234,7 @@ class DecodeStep:
         x = torch.tensor(ids, dtype=torch.long).view(-1, 1).to(device)
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
-        listening = tuple(p for p in self._points if p.sink is not None)
-        if listening != self._listening:  # the same tuple object while the listener set stays
-            self._listening = listening
-        listening = self._listening
+        listening = self._listeners()
         for point in listening:
             point.collecting = True
         finite = False
@@ -259,6 +257,22 @@ class DecodeStep:
         self.steps += 1
         return logits
 
+    def _listeners(self) -> tuple[ProbePoint, ...]:
+        """The points that listen at this step, as the same tuple object whenever the set recurs.
+
+        A point a module finishes on the host (`host_finished_probes`, e.g. MLA's dense mass) listens
+        only at the steps its request measures (`ProbeRequest.measures_step`, every 64th by default):
+        collecting its query and selection at every other step only to drop them cost ~3% of a demo
+        decode step. A recorded session so alternates between two graphs, told apart by the tuple."""
+        finishers = self.tape.finishers
+        listening = tuple(p for p in self._points if p.sink is not None
+                          and (p not in finishers or p.request.measures_step(p.context.step)))
+        key = tuple(map(id, listening))
+        known = self._listener_sets.get(key)
+        if known is None or any(a is not b for a, b in zip(known, listening)):
+            known = self._listener_sets[key] = listening
+        return known
+
     def _run(self, x: torch.Tensor, state: ModelState, start: torch.Tensor, listening: tuple[ProbePoint, ...],
              compiled: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
         # only the listening points are passed: with none, the step's input is an empty tuple, which tells
@@ -267,14 +281,14 @@ class DecodeStep:
         if not compiled:
             return decode_forward_probed(self.model, x, state, start, listening)
         fn = self._compiled(x.device)
-        key = self._guard_key(state, x.shape[0])
+        key = self._guard_key(state, x.shape[0], listening)
         if key in self._checked:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return fn(self.model, x, state, start, listening)
         dtype = next(self.model.parameters()).dtype
         for experts in self._experts:  # what they keep is made now, not as a side effect of the first trace
             experts.prepare(dtype, x.device)
-        key = self._guard_key(state, x.shape[0])  # the kept stacks are part of it
+        key = self._guard_key(state, x.shape[0], listening)  # the kept stacks are part of it
         frames, t0 = _compiled_frames(), time.perf_counter()
         out = fn(self.model, x, state, start, listening)
         if _compiled_frames() > frames:

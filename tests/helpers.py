@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
+import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -65,3 +68,15 @@ def nan_poisoned_empty() -> Iterator[None]:
         yield
     finally:
         torch.empty, torch.empty_like, torch.Tensor.new_empty = saved
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
+    """Run `benchmarks/<script>` as a user would (its own process, from the repository root); its stdout.
+    Fails the test with the end of its stderr when it exits non-zero."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout

@@ -20,6 +20,7 @@ from engine.ops.dsa import masked
 from engine.ops.dsa.masked import masked_indexer_topk, pruned_top_slots, score_rank
 from engine.ops.dsa.reference import indexer_topk
 from engine.session import Session
+from engine.tokenizer import Tokenizer
 
 VARIANTS = ("k3.1", "k3", "kimi-linear")
 
@@ -221,3 +222,37 @@ def test_compiled_decode_equals_eager(models):
         runs.append([t.id for t in s.generate(12, temperature=0, stop_ids=())])
     model.runtime.compile = "auto"
     assert runs[0] == runs[1]
+
+
+def test_a_sampled_finisher_listens_only_at_its_measured_steps() -> None:
+    """`dsa.dense_mass` (finished on the host) is passed to the step only at the steps its request measures:
+    the other steps collect nothing for it, and each listener set is one tuple object, reused."""
+    from engine.probes import ProbeRequest, probe_points
+
+    model = load_model("preset:tiny:k3.1", seed=3)
+    points = [p for p in probe_points(model) if p.name in ("dsa.topk", "dsa.dense_mass")]
+    seen = []
+    for p in points:
+        p.attach(seen.append, ProbeRequest(decode_every=2) if p.name == "dsa.dense_mass" else ProbeRequest())
+    try:
+        session = Session(model, Tokenizer.byte_level(), prefill_chunk=16, progress=False)
+        session.append(ids=ids_of(24))
+        session.prefill()
+        step = DecodeStep.of(model)
+        listeners = []
+        for _ in range(4):
+            model.probe_context.begin(step=session.step, phase="decode")
+            listeners.append(step._listeners())
+            step([65], session.state, torch.device("cpu"), compiled=False)
+            model.probe_context.end()
+            session.state.length += 1
+            session.step += 1
+        kept = [{p.name for p in s.points} for s in step.tape.steps]
+    finally:
+        for p in points:
+            p.detach()
+    measured = [(session.step - 4 + i) % 2 == 0 for i in range(4)]
+    assert kept == [{"dsa.topk", "dsa.dense_mass"} if m else {"dsa.topk"} for m in measured]
+    assert listeners[0] is listeners[2] and listeners[1] is listeners[3] and listeners[0] is not listeners[1]
+    mass = [e for e in seen if e.point.name == "dsa.dense_mass" and e.phase == "decode"]
+    assert mass and all(e.step % 2 == 0 for e in mass)
