@@ -374,12 +374,12 @@ class Trace:
             # decoding releases the GIL: the next parts are read while one is added in (the sums are
             # added in part order, on this thread only)
             with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-                self._add_parts(name, sums, zip(todo, pool.map(lambda p: self._read(p, spec, cols), todo)))
+                self._add_parts(sums, zip(todo, pool.map(lambda p: self._read(p, spec, cols), todo)))
         else:
-            self._add_parts(name, sums, ((p, self._read(p, spec, cols)) for p in todo))
+            self._add_parts(sums, ((p, self._read(p, spec, cols)) for p in todo))
         return sums
 
-    def _add_parts(self, name: str, sums: DenseSums, tables: Iterable[tuple[Part, pa.Table | None]]) -> None:
+    def _add_parts(self, sums: DenseSums, tables: Iterable[tuple[Part, pa.Table | None]]) -> None:
         for part, table in tables:
             key = str(part.path)
             if table is not None:

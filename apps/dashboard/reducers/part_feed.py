@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -77,17 +78,24 @@ class PartFeed:
             # decoding and the digests release the GIL: on two cores, two threads overlap one part's
             # decoding with the previous part's digest (1.96 -> 1.29 s for kda_norms of the 1M trace)
             workers = min(4, max(2, (os.cpu_count() or 1) - 2), len(new))
-            if workers > 1:
-                with ThreadPoolExecutor(workers, thread_name_prefix=f"feed-{self.table}") as pool:
-                    pieces = list(pool.map(read, new))
-            else:
-                pieces = [read(p) for p in new]
-            for path, per_sub in zip(new, pieces):
-                for s, piece in per_sub:
-                    if path not in s.seen:
-                        s.seen.add(path)
-                        s.apply(path, piece)
+            with ThreadPoolExecutor(workers, thread_name_prefix=f"feed-{self.table}") as pool:
+                # a few parts ahead, no more: a digest can be large (the health view's per-head matrices
+                # of one part) and is only made small by its `apply` (which thins what it keeps)
+                ahead: deque[tuple[Path, Future]] = deque()
+                for path in new:
+                    ahead.append((path, pool.submit(read, path)))
+                    if len(ahead) > 2 * workers:
+                        self._apply(*ahead.popleft())
+                while ahead:
+                    self._apply(*ahead.popleft())
             return len(new)
+
+    @staticmethod
+    def _apply(path: Path, pending: Future) -> None:
+        for s, piece in pending.result():
+            if path not in s.seen:
+                s.seen.add(path)
+                s.apply(path, piece)
 
 
 class PartFeeds:
