@@ -106,22 +106,24 @@ def _paths(cache_key: Key, name: str) -> list[Path]:
     root = cache_root()
     if root is None:
         return []
-    own = cache_key.trace / TRACE_DIR / f"{cache_key.digest}.{name}"
+    folder = cache_key.trace / TRACE_DIR
+    # a trace is often someone else's: its summaries folder must be a folder of its own, not a link
+    own = [folder / f"{cache_key.digest}.{name}"] if not folder.is_symlink() else []
     with _into_guard:
         if cache_key.trace in _into:
-            return [own]
-    return [own, root / cache_key.digest[:2] / f"{cache_key.digest}.{name}"]
+            return own
+    return own + [root / cache_key.digest[:2] / f"{cache_key.digest}.{name}"]
 
 
 def _target(cache_key: Key, name: str) -> Path | None:
     """Where a summary is written: into the trace inside `into_trace`, else the user cache."""
-    paths = _paths(cache_key, name)
+    paths = _paths(cache_key, name)  # inside `into_trace` only the trace's own folder (none if it is a link)
     return paths[-1] if paths else None
 
 
 def _readable(path: Path) -> bool:
     try:
-        return path.is_file() and path.stat().st_size <= MAX_BYTES
+        return not path.is_symlink() and path.is_file() and path.stat().st_size <= MAX_BYTES
     except OSError:
         return False
 

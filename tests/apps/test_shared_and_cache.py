@@ -182,3 +182,33 @@ def test_summaries_written_by_the_recording_command_travel_with_the_trace(small_
     monkeypatch.undo()
     cold = KDAStateReducer().reduce(open_trace(small_trace), opts, session)
     np.testing.assert_array_equal(warm.heat.values, cold.heat.values)
+
+
+def test_a_traces_summaries_folder_that_is_a_link_is_neither_read_nor_written(small_trace: Path, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    from apps.dashboard.state import write_summaries
+
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    trace = tmp_path / "t"
+    shutil.copytree(small_trace, trace)
+    (trace / summary_cache.TRACE_DIR).symlink_to(elsewhere, target_is_directory=True)
+    shared_reducers.forget_all()
+    write_summaries(trace)
+    assert not any(elsewhere.iterdir())  # nothing written through the link
+    # summaries written by a real folder, then the folder swapped for a link to them: not read
+    real = tmp_path / "real"
+    shutil.copytree(small_trace, real)
+    shared_reducers.forget_all()
+    assert write_summaries(real)
+    linked = tmp_path / "linked"
+    shutil.copytree(small_trace, linked)
+    (linked / summary_cache.TRACE_DIR).symlink_to(real / summary_cache.TRACE_DIR, target_is_directory=True)
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "empty-cache"))
+    opened = open_trace(linked)
+    assert summary_cache.load_json(summary_cache.key(opened, ("kda_norms",)), "anything") is None
+    session = SessionMapReducer().reduce(opened, ViewOptions(bins=BINS))
+    dsa = DSAMapReducer()
+    dsa.reduce(opened, ViewOptions(bins=BINS), session)
+    assert not dsa.sums.restored
