@@ -267,11 +267,8 @@ class DecodeStep:
         finishers = self.tape.finishers
         listening = tuple(p for p in self._points if p.sink is not None
                           and (p not in finishers or p.request.measures_step(p.context.step)))
-        key = tuple(map(id, listening))
-        known = self._listener_sets.get(key)
-        if known is None or any(a is not b for a, b in zip(known, listening)):
-            known = self._listener_sets[key] = listening
-        return known
+        # the points live as long as this step holds them, so their ids name the set
+        return self._listener_sets.setdefault(tuple(map(id, listening)), listening)
 
     def _run(self, x: torch.Tensor, state: ModelState, start: torch.Tensor, listening: tuple[ProbePoint, ...],
              compiled: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:

@@ -104,6 +104,9 @@ def _matrix(df: pd.DataFrame, name: str) -> np.ndarray | None:
     return np.stack([np.asarray(c, dtype=np.float64) for c in cells])
 
 
+HEALTH_STATS = ("norm", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share")  # per-head statistics it reads
+
+
 def memory_health(kda_norms: Frame, segments: pd.DataFrame | None = None, plateau: float = 0.9) -> pd.DataFrame:
     """Per (layer, head) health from the kda_norms table (as `trace.df("kda_norms")` returns it).
 
@@ -121,9 +124,6 @@ def memory_health(kda_norms: Frame, segments: pd.DataFrame | None = None, platea
         stats = {name: _matrix(g, name) for name in HEALTH_STATS}
         layers[int(layer)] = (g["position"].to_numpy().astype(np.int64), stats)
     return health_of_layers(layers, segments, plateau)
-
-
-HEALTH_STATS = ("norm", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share")
 
 
 def health_of_layers(layers: "dict[int, tuple[np.ndarray, dict[str, np.ndarray | None]]]",

@@ -1,10 +1,11 @@
 """Reducer of the KDA memory health view: which heads saturate or forget fastest, and where.
 
-`workbench.analysis.health_of_layers` (`memory_health` from per-layer matrices) turns the `kda_norms` table into one row per (layer, head);
-`heads_at_risk` ranks the fastest-saturating and fastest-forgetting heads with the position where it
-happened. Each new part of `kda_norms` is read once (through the `PartFeed` shared with the KDA
-state view: one decode of the part serves both), this reducer keeps them as per-layer float32 matrices, and reruns the analysis when a
-part arrived, so a live trace updates the ranking without re-reading what it already read.
+`workbench.analysis.health_of_layers` (`memory_health` from per-layer matrices) turns the `kda_norms`
+rows into one row per (layer, head); `heads_at_risk` ranks the fastest-saturating and fastest-forgetting
+heads with the position where it happened. Each new part of `kda_norms` is read once (through the
+`PartFeed` shared with the KDA state view: one decode of the part serves both); this reducer keeps
+per-layer float32 matrices and reruns the analysis when a part arrived, so a live trace updates the
+ranking without re-reading what it already read.
 
 Memory stays bounded on a long session: past `MAX_POSITIONS` measurements of a layer, every other
 one is dropped (the latest is always kept), so a 1M-token trace is ranked from ~1-2K evenly spaced
