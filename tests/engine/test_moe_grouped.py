@@ -104,3 +104,18 @@ def test_dense_expert_gradients_match_the_reference(op):
         grads.append([p.grad for p in params])
     for ref, got in zip(*grads):
         assert relative_error(got, ref) <= 1e-5
+
+
+def test_both_ways_of_combining_sorted_rows_agree():
+    """`add_into_tokens` (CPU) and `gather_back` (GPUs: a fixed summation order) are one function."""
+    from engine.ops.moe.grouped import add_into_tokens, gather_back
+    g = torch.Generator().manual_seed(3)
+    N, k, D = 37, 4, 24
+    order = torch.randperm(N * k, generator=g)
+    y, weights = torch.randn(N * k, D, generator=g), torch.rand(N, k, generator=g)
+    want = torch.zeros(N, D)
+    for r in range(N * k):  # row r is route order[r]: token order[r] // k, its slot order[r] % k
+        t, j = divmod(int(order[r]), k)
+        want[t] += weights[t, j] * y[r]
+    for combine in (add_into_tokens, gather_back):
+        assert relative_error(combine(y, order, weights), want) < 1e-6

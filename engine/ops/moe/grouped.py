@@ -123,10 +123,28 @@ def grouped_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
                               take_range(w2, a, b, h.dtype), ends[a:b] - bounds[a], act, mxfp8))
         parts.append(x.new_zeros(x.shape[0] - bounds[E], parts[0].shape[-1]))
         y = torch.cat(parts)
-    # weight each sorted row and add it into its token's row: no [N, k, D] copy back in route order
-    # (a gather, a multiply and a sum over k, 3x the time of this at prefill sizes)
+    if h.device.type == "cpu":
+        return add_into_tokens(y, order, weights)
+    return gather_back(y, order, weights)
+
+
+def add_into_tokens(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Combine sorted expert rows `y [N * k, D]` (row r is route `order[r]`) into `[N, D]` fp32:
+    each row weighted and added into its token's row, in a fixed order (CPU). No [N, k, D] copy back
+    in route order: 3x faster than `gather_back` at prefill sizes."""
+    N, k = weights.shape
     weighted = y.float() * weights.flatten()[order].float().unsqueeze(-1)
-    return torch.zeros(N, y.shape[-1], dtype=torch.float32, device=h.device).index_add_(0, token, weighted)
+    return torch.zeros(N, y.shape[-1], dtype=torch.float32, device=y.device).index_add_(0, order // k, weighted)
+
+
+def gather_back(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`add_into_tokens` by a gather back to route order and a sum over k: on GPUs, where index_add
+    accumulates with atomics in no fixed order, this keeps a token's sum in route order, so the
+    result does not vary from run to run."""
+    N, k = weights.shape
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    routed = y[inverse].float().view(N, k, -1)  # [N, k, D]
+    return (routed * weights.float().unsqueeze(-1)).sum(1)
 
 
 def gathered_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
