@@ -2,6 +2,7 @@
 
     python benchmarks/bench_demo_model.py --model builtin:demo                  # 2K..128K, one table
     python benchmarks/bench_demo_model.py --model DIR --lengths 2048,8192 --samples 8,4
+    python benchmarks/bench_demo_model.py --json rows.json --markdown BENCH.md   # also keep the table
 
 Runs the real path: `engine.load_model` on the checkpoint directory (MXFP4 experts), a `Session`
 with chunked prefill, then the expected assistant response teacher-forced (`Session.feed`): the
@@ -119,7 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=99)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="also write the table, with the needle reads beside chance, as Markdown here")
+    p.add_argument("--render", type=Path, default=None,
+                   help="run nothing: write --markdown from the rows an earlier run wrote with --json")
     args = p.parse_args(argv)
+    if args.render:
+        if args.markdown is None:
+            p.error("--render needs --markdown")
+        args.markdown.write_text(markdown_table(json.loads(args.render.read_text()), str(args.model), args.seed))
+        return 0
     torch.set_num_threads(args.threads)
     path = resolve_builtin(args.model) if is_builtin(args.model) else Path(args.model)
     model = load_model(path)
@@ -186,7 +196,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {length:,} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown_table(rows, str(args.model), args.seed))
     return 0
+
+
+def _read_cell(read: dict | None) -> str:
+    return "-" if read is None else f"layer {read['layer']}: {format_read(read['read'], read['chance'])}"
+
+
+def markdown_table(rows: list[dict], model: str, seed: int) -> str:
+    """The rows as one Markdown table per (length, mode): accuracy per depth, then the best DSA layer's
+    reads (of the needle sentence, and of the value's own tokens) by the answer's value tokens, each
+    beside the chance that random picks hit the same span."""
+    depths = sorted({r["depth"] for r in rows})
+    lines = [f"# `benchmarks/bench_demo_model.py` on `{model}` (held-out needle prompts, seed {seed})", "",
+             "Value given the key, exactly right / prompts (whole response, key included, in brackets). Reads: the",
+             "share of the value tokens' queries whose DSA selection hit the span, for the layer that stands highest",
+             "above chance, beside the exact chance of that for uniformly random picks (`workbench.analysis.chance`).",
+             "", "| tokens | DSA | " + " | ".join(f"depth {d:.0%}" for d in depths)
+             + " | value | needle sentence read (all prompts) | value's tokens read (right answers) "
+             "| value's tokens read (all prompts) |",
+             "|---:|---|" + "---:|" * len(depths) + "---:|---|---|---|"]
+    keys = sorted({(r["length"], r["mode"]) for r in rows}, key=lambda lm: (lm[0], lm[1] != "sparse"))
+    for length, mode in keys:
+        group = {r["depth"]: r for r in rows if r["length"] == length and r["mode"] == mode}
+        cells = [f"{group[d]['value_correct']}/{group[d]['total']} ({group[d]['correct']})" if d in group else "-"
+                 for d in depths]
+        right = sum(r["value_correct"] for r in group.values())
+        total = sum(r["total"] for r in group.values())
+        reads = [_pooled(list(group.values()), span) for span in ("needle_all", "value_right", "value_all")]
+        lines.append(f"| {length:,} | {mode} | " + " | ".join(cells) + f" | {right / max(total, 1):.0%} | "
+                     + " | ".join(_read_cell(r) for r in reads) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pooled(group: list[dict], key: str) -> dict | None:
+    """One layer's read and chance over a row group, weighted by prompts (the layer most rows chose)."""
+    reads = [r[key] for r in group if key in r]
+    if not reads:
+        return None
+    layer = max({x["layer"] for x in reads}, key=[x["layer"] for x in reads].count)
+    same = [(x, r["total"]) for x, r in zip(reads, (r for r in group if key in r)) if x["layer"] == layer]
+    n = sum(w for _, w in same)
+    return {"layer": layer, "read": sum(x["read"] * w for x, w in same) / n,
+            "chance": sum(x["chance"] * w for x, w in same) / n}
 
 
 if __name__ == "__main__":
