@@ -13,7 +13,7 @@ reset right before the forward (`/proc/self/clear_refs`), so the peak covers the
 weights already resident; `ru_maxrss` is the fallback. Both sides use the same thread count.
 The last positions' logits of both runs are compared, so both computed the same function.
 
-    python benchmarks/bench_forward.py                  # T = 4096, 2 threads
+    python benchmarks/bench_forward.py                  # T = 4096, 1 thread
     python benchmarks/bench_forward.py --tokens 1024 --repeat 2
 """
 
