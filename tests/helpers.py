@@ -26,7 +26,7 @@ TOLERANCE = 1e-5  # the house default for fp32 against a float64 oracle
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e|| in float64 (the house metric for numerical oracles)."""
-    a, e = actual.double(), expected.double()
+    a, e = actual.detach().double(), expected.detach().double()
     return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
