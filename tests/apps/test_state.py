@@ -144,3 +144,24 @@ def test_carry_forward_fills_only_between_measurements() -> None:
     out = carry_forward(row[None])[0]
     np.testing.assert_array_equal(out[1:5], [1.0, 1.0, 1.0, 3.0])
     assert np.isnan(out[0]) and np.isnan(out[5])
+
+
+def test_a_part_with_nulls_where_none_are_allowed_costs_only_its_own_rows(tmp_path: Path, small_trace: Path) -> None:
+    """One such part of `dsa_topk` once made the whole trace unreadable ("Schema at index N was
+    different"); now it is skipped and named among the problems, and every view still draws."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from workbench.trace.schema import TABLES, parquet_options
+    target = tmp_path / "nulls"
+    shutil.copytree(small_trace, target)
+    part = sorted((target / "dsa_topk").glob("part-*.parquet"))[-1]
+    good = pq.read_table(part)
+    loose = good.cast(pa.schema([f.with_nullable(True) for f in good.schema], metadata=good.schema.metadata))
+    at = loose.schema.get_field_index("selected")
+    cells = loose["selected"].to_pylist()
+    bad = loose.set_column(at, loose.schema.field(at), pa.array([None] + cells[1:], loose.schema.field(at).type))
+    pq.write_table(bad, part, **parquet_options(TABLES["dsa_topk"]))
+    snap = DashboardState(target).sync()
+    assert snap.error is None and snap.session.status == "complete"
+    assert any(part.name in p and "column selected holds 1 null(s)" in p for p in snap.problems), snap.problems
+    assert snap.dsa.heat is not None and snap.kda.heat is not None and snap.experts is not None

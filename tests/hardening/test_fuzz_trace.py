@@ -127,3 +127,36 @@ def test_adversarial_column_values(template, tmp_path_factory, table, data, stat
     pq.write_table(bad, path / table / "part-000001.parquet",
                    **{**parquet_options(spec), "write_statistics": statistics})
     _exercise(path)
+
+
+def _nullable_copy(table: pa.Table) -> pa.Table:
+    return table.cast(pa.schema([f.with_nullable(True) for f in table.schema], metadata=table.schema.metadata))
+
+
+@pytest.mark.parametrize("table_name", ["dsa_topk", "kda_norms", "moe_counts", "tokens"])
+def test_a_part_written_with_nullable_columns_reads_beside_the_others(template, tmp_path_factory, table_name):
+    """Another writer may declare every column nullable: such a part once failed the whole table
+    ("Schema at index 1 was different"); now it reads with the others when it holds no null."""
+    path = _copy(template, tmp_path_factory)
+    first = path / table_name / "part-000000.parquet"
+    if not first.exists():
+        return
+    good = pq.read_table(first)
+    pq.write_table(_nullable_copy(good), path / table_name / "part-000001.parquet",
+                   **parquet_options(TABLES[table_name]))
+    t = open_trace(path)
+    both = t.table(table_name)
+    assert both.num_rows == 2 * good.num_rows and not t.problems
+    spec = TABLES[table_name].arrow_schema
+    assert all(f.nullable == spec.field(f.name).nullable for f in both.schema)
+
+
+def test_a_part_with_nulls_where_the_schema_allows_none_is_skipped_and_named(template, tmp_path_factory):
+    path = _copy(template, tmp_path_factory)
+    good = pq.read_table(path / "dsa_topk" / "part-000000.parquet")
+    layers = pa.array([None] + good["layer"].to_pylist()[1:], pa.int16())
+    bad = _nullable_copy(good).set_column(0, pa.field("layer", pa.int16()), layers)
+    pq.write_table(bad, path / "dsa_topk" / "part-000001.parquet", **parquet_options(TABLES["dsa_topk"]))
+    t = open_trace(path)
+    assert t.table("dsa_topk").num_rows == good.num_rows  # the good part's rows are all there
+    assert any("part-000001.parquet" in p and "column layer holds 1 null(s)" in p for p in t.problems), t.problems

@@ -6,6 +6,8 @@
 - `read_footer(path, spec)`: a part's Parquet footer has the table's columns with their types; its
   row count and the integer ranges of its indexed columns (from the statistics) become a `Part`,
   which the reader uses to skip parts outside a query.
+- `conform(table, spec)`: a decoded part with the schema's nullability (a part written by another
+  tool may declare its columns nullable), or ValueError when a column that allows no null holds one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workbench.trace.bounds import check_session
@@ -93,3 +96,19 @@ def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, 
         if lo is not None:
             ranges[name] = (int(lo), int(hi))
     return meta.num_rows, ranges
+
+
+def conform(table: pa.Table, spec: TableSpec) -> pa.Table:
+    """`table` (a decoded part; its column types were checked on its footer) with the trace schema's
+    nullability, so that parts written by different writers concatenate; raises ValueError naming the
+    column when one the schema declares not null holds nulls. Extra columns are left as they are."""
+    fields, changed = [], False
+    for f in table.schema:
+        want = spec.arrow_schema.field(f.name) if f.name in spec.arrow_schema.names else f
+        if f.nullable != want.nullable:
+            if not want.nullable and table[f.name].null_count:
+                raise ValueError(f"column {f.name} holds {table[f.name].null_count} null(s); the trace schema "
+                                 "allows none")
+            f, changed = f.with_nullable(want.nullable), True
+        fields.append(f)
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata)) if changed else table

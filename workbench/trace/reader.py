@@ -38,7 +38,7 @@ from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
-from workbench.trace.part_checks import Part, read_footer, read_session
+from workbench.trace.part_checks import Part, conform, read_footer, read_session
 from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
@@ -182,6 +182,7 @@ class Trace:
                 table = pq.ParquetFile(part.path, page_checksum_verification=True).read(columns=columns)
             else:
                 table = pq.read_table(part.path, columns=columns, filters=[("layer", "in", list(layers))])
+            table = conform(table, spec)
         except FileNotFoundError:
             if spec.name == "tokens":
                 raise
