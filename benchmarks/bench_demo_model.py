@@ -232,16 +232,17 @@ def markdown_table(rows: list[dict], model: str, seed: int) -> str:
 
 
 def _pooled(group: list[dict], key: str) -> dict | None:
-    """One layer's read and chance over a row group, weighted by prompts (the layer most rows chose)."""
-    reads = [r[key] for r in group if key in r]
-    if not reads:
+    """One layer's read and chance over a row group (the layer most rows chose), each row weighted by
+    its prompts: those answered right for a `*_right` key, all of them for a `*_all` key."""
+    rows = [(r[key], r["value_correct"] if key.endswith("_right") else r["total"]) for r in group if key in r]
+    if not rows:
         return None
-    layer = max({x["layer"] for x in reads}, key=[x["layer"] for x in reads].count)
-    same = [(x, r["total"]) for x, r in zip(reads, (r for r in group if key in r)) if x["layer"] == layer]
+    chosen = [x["layer"] for x, _ in rows]
+    layer = max(set(chosen), key=chosen.count)
+    same = [(x, w) for x, w in rows if x["layer"] == layer]
     n = sum(w for _, w in same)
     return {"layer": layer, "read": sum(x["read"] * w for x, w in same) / n,
             "chance": sum(x["chance"] * w for x, w in same) / n}
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
