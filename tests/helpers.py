@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pyarrow as pa
 import torch
 
 TOLERANCE = 1e-5  # the house default for fp32 against a float64 oracle
@@ -80,3 +81,8 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
                          timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def nullable_copy(table: pa.Table) -> pa.Table:
+    """`table` with every column declared nullable, as writers other than the workbench's write parts."""
+    return table.cast(pa.schema([f.with_nullable(True) for f in table.schema], metadata=table.schema.metadata))

@@ -8,9 +8,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from apps.dashboard.replay import TraceReplay
 from apps.dashboard.state import MAX_GENERATED, DashboardFrame, DashboardState, TraceFollower
 from workbench.analysis import bin_counts, bin_mean, carry_forward
+from workbench.trace.schema import TABLES, parquet_options
+
+from tests.helpers import nullable_copy
 
 
 def test_frame_is_screen_sized(small_trace: Path) -> None:
@@ -149,14 +154,11 @@ def test_carry_forward_fills_only_between_measurements() -> None:
 def test_a_part_with_nulls_where_none_are_allowed_costs_only_its_own_rows(tmp_path: Path, small_trace: Path) -> None:
     """One such part of `dsa_topk` once made the whole trace unreadable ("Schema at index N was
     different"); now it is skipped and named among the problems, and every view still draws."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from workbench.trace.schema import TABLES, parquet_options
     target = tmp_path / "nulls"
     shutil.copytree(small_trace, target)
     part = sorted((target / "dsa_topk").glob("part-*.parquet"))[-1]
     good = pq.read_table(part)
-    loose = good.cast(pa.schema([f.with_nullable(True) for f in good.schema], metadata=good.schema.metadata))
+    loose = nullable_copy(good)
     at = loose.schema.get_field_index("selected")
     cells = loose["selected"].to_pylist()
     bad = loose.set_column(at, loose.schema.field(at), pa.array([None] + cells[1:], loose.schema.field(at).type))

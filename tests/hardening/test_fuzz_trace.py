@@ -14,8 +14,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from workbench.trace import TraceError, TraceWriter, open_trace
-from workbench.trace.schema import TABLES, parquet_options
+from workbench.trace.schema import TABLES, TOKENS_FILE, parquet_options
 from tests.hardening.conftest import bounded
+from tests.helpers import nullable_copy
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=6),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -129,20 +130,13 @@ def test_adversarial_column_values(template, tmp_path_factory, table, data, stat
     _exercise(path)
 
 
-def _nullable_copy(table: pa.Table) -> pa.Table:
-    return table.cast(pa.schema([f.with_nullable(True) for f in table.schema], metadata=table.schema.metadata))
-
-
-@pytest.mark.parametrize("table_name", ["dsa_topk", "kda_norms", "moe_counts", "tokens"])
+@pytest.mark.parametrize("table_name", ["dsa_topk", "kda_norms", "moe_counts"])
 def test_a_part_written_with_nullable_columns_reads_beside_the_others(template, tmp_path_factory, table_name):
     """Another writer may declare every column nullable: such a part once failed the whole table
     ("Schema at index 1 was different"); now it reads with the others when it holds no null."""
     path = _copy(template, tmp_path_factory)
-    first = path / table_name / "part-000000.parquet"
-    if not first.exists():
-        return
-    good = pq.read_table(first)
-    pq.write_table(_nullable_copy(good), path / table_name / "part-000001.parquet",
+    good = pq.read_table(path / table_name / "part-000000.parquet")
+    pq.write_table(nullable_copy(good), path / table_name / "part-000001.parquet",
                    **parquet_options(TABLES[table_name]))
     t = open_trace(path)
     both = t.table(table_name)
@@ -151,11 +145,23 @@ def test_a_part_written_with_nullable_columns_reads_beside_the_others(template, 
     assert all(f.nullable == spec.field(f.name).nullable for f in both.schema)
 
 
+def test_a_compacted_tokens_file_written_with_nullable_columns_reads(template, tmp_path_factory):
+    """The tokens table of a closed trace is one compacted file (not parts): the same holds for it."""
+    path = _copy(template, tmp_path_factory)
+    good = pq.read_table(path / TOKENS_FILE)
+    pq.write_table(nullable_copy(good), path / TOKENS_FILE, **parquet_options(TABLES["tokens"]))
+    t = open_trace(path)
+    tokens = t.table("tokens")
+    assert tokens.num_rows == good.num_rows and not t.problems
+    spec = TABLES["tokens"].arrow_schema
+    assert all(f.nullable == spec.field(f.name).nullable for f in tokens.schema)
+
+
 def test_a_part_with_nulls_where_the_schema_allows_none_is_skipped_and_named(template, tmp_path_factory):
     path = _copy(template, tmp_path_factory)
     good = pq.read_table(path / "dsa_topk" / "part-000000.parquet")
     layers = pa.array([None] + good["layer"].to_pylist()[1:], pa.int16())
-    bad = _nullable_copy(good).set_column(0, pa.field("layer", pa.int16()), layers)
+    bad = nullable_copy(good).set_column(0, pa.field("layer", pa.int16()), layers)
     pq.write_table(bad, path / "dsa_topk" / "part-000001.parquet", **parquet_options(TABLES["dsa_topk"]))
     t = open_trace(path)
     assert t.table("dsa_topk").num_rows == good.num_rows  # the good part's rows are all there
