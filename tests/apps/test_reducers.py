@@ -3,16 +3,23 @@ trace's own public readers: each view shows what the trace says, reduced to the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import workbench
-from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAStateReducer, SessionMapReducer,
+from apps.dashboard.reducers import part_feed
+from apps.dashboard.reducers.part_feed import PartFeeds
+from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
                                      ViewOptions)
 from apps.dashboard.state import TraceFollower
 from workbench.analysis import bin_mean, carry_forward, token_reads
+from workbench.trace.schema import TABLES, parquet_options
 
 BINS = 96
 
@@ -139,3 +146,69 @@ def test_read_part_matches_the_table(recorded) -> None:
     only = [trace.read_part("kda_norms", p, ["layer"], layers=[layer]) for p in trace.parts("kda_norms")]
     assert all(set(t["layer"].to_pylist()) <= {layer} for t in only)
     assert trace.layer_range("kda_norms") == (min(config.kda_layers), max(config.kda_layers))
+
+
+def test_read_part_leaves_columns_without_values_undecoded(recorded, monkeypatch) -> None:
+    """The default policy records no optional KDA statistic: its columns are all null, and decoding them
+    cost as much as the norms; `read_part` makes them from the footer instead, with the same result."""
+    path, _, _ = recorded
+    trace = workbench.open_trace(path)
+    columns = ["layer", "position", "norm", "mean_decay", "eff_rank"]
+    asked: list[list[str]] = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kwargs):
+        asked.append(list(columns or []))
+        return real(self, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    parts = [trace.read_part("kda_norms", p, columns) for p in trace.parts("kda_norms")]
+    assert len(asked) == len(parts) > 0 and all(a == ["layer", "position", "norm"] for a in asked)
+    monkeypatch.undo()
+    whole = trace.table("kda_norms", columns=columns)
+    assert whole["mean_decay"].null_count == whole.num_rows  # what the footer said
+    assert pa.concat_tables(parts).equals(whole)
+
+
+def test_read_part_decodes_a_column_with_one_value(recorded, tmp_path) -> None:
+    """A part whose optional statistic holds a value in a single row is decoded as usual."""
+    path, _, _ = recorded
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns("summaries"))
+    first = sorted((copy / "kda_norms").glob("part-*.parquet"))[0]
+    table = pq.read_table(first)
+    heads = len(table["norm"][0])
+    decay = pa.array([[0.5] * heads] + [None] * (table.num_rows - 1), table.schema.field("mean_decay").type)
+    table = table.set_column(table.schema.get_field_index("mean_decay"), table.schema.field("mean_decay"), decay)
+    pq.write_table(table, first, **parquet_options(TABLES["kda_norms"]))
+    trace = workbench.open_trace(copy)
+    read = trace.read_part("kda_norms", first, ["position", "mean_decay"])
+    assert read["mean_decay"].to_pylist() == decay.to_pylist() and not trace.problems
+
+
+def test_the_kda_views_share_one_conversion_of_each_part(recorded, monkeypatch) -> None:
+    """Both KDA views fold every part of kda_norms: its norms become a matrix once, for both, and the
+    views show what they show when each reads the parts on its own."""
+    path, _, _ = recorded
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")  # every view folds the parts (no summary restored)
+    trace = workbench.open_trace(path)
+    options = ViewOptions(bins=BINS)
+    session = SessionMapReducer().reduce(trace, options)
+    alone = (KDAStateReducer().reduce(trace, options, session), KDAHealthReducer().reduce(trace, options, session))
+    made: list[str] = []
+    real = part_feed.list_matrix
+
+    def counting(column):
+        made.append(str(column.type))
+        return real(column)
+
+    monkeypatch.setattr(part_feed, "list_matrix", counting)
+    feeds = PartFeeds()
+    state, health = KDAStateReducer(feeds), KDAHealthReducer(feeds)
+    shared = (state.reduce(trace, options, session), health.reduce(trace, options, session))
+    statistics = 6  # norm and the five optional statistics the health view reads (each once per part)
+    assert len(made) == statistics * len(trace.parts("kda_norms"))
+    np.testing.assert_array_equal(shared[0].heat.values, alone[0].heat.values)
+    np.testing.assert_array_equal(shared[0].heads.values, alone[0].heads.values)
+    assert pd.DataFrame(shared[1].ranked).equals(pd.DataFrame(alone[1].ranked))  # NaN where not recorded
+    assert shared[1].heads == alone[1].heads > 0 and len(shared[1].ranked) > 0

@@ -62,23 +62,40 @@ class DenseSums:
         idx = _codes(table[self.index])
         if idx.min() < 0:
             raise ValueError(f"negative {self.index} in part {part_id}")
-        val = table[self.value].to_numpy().astype(np.int64)
-        # one compact integer per group tuple (mixed radix over each column's distinct values), so
-        # that grouping is a 1-D unique instead of a slow row-wise unique over a 2-D array
-        values, gid = [], np.zeros(len(idx), np.int64)
-        for g in self.groups:
-            distinct, code = _distinct(_codes(table[g]))
-            values.append(distinct)
-            gid = gid * len(distinct) + code
-        used, inv = _distinct(gid)
+        val = table[self.value].to_numpy()
+        # one integer per group tuple: mixed radix over each column's range of values (first column most
+        # significant, so groups come out in the order of their values)
+        columns = [_codes(table[g]) for g in self.groups]
+        ranges = [(int(c.min()), int(c.max())) for c in columns]
+        # a column's values stand for themselves (offset by its lowest); if their ranges multiplied could
+        # overflow int64, each column is first replaced by the rank of its value among its distinct values
+        distinct: list[np.ndarray | None] = [None] * len(columns)
+        if np.prod([float(hi - lo + 1) for lo, hi in ranges]) >= 2.0 ** 62:
+            for i, c in enumerate(columns):
+                distinct[i], columns[i] = _distinct(c)
+                ranges[i] = (0, len(distinct[i]) - 1)
+        gid, space = np.zeros(len(idx), np.int64), 1
+        for code, (low, high) in zip(columns, ranges):
+            gid = gid * (high - low + 1) + (code - low)
+            space *= high - low + 1
+        size = int(idx.max()) + 1
+        flat = None
+        if space * size <= max(4 * len(idx), 1 << 16):
+            # the common case (a part's layers x segments x modalities x experts): one bincount over every
+            # possible (group, slot) cell, no sort or unique (3x faster on moe_counts of a 1M trace); the
+            # allocation is bounded by the part's own row count
+            flat = np.bincount(gid * size + idx, weights=val, minlength=space * size).reshape(space, size)
+            used = np.flatnonzero(np.bincount(gid, minlength=space))
+            flat = flat[used]
+        else:
+            used, inv = _distinct(gid)
         keys = []
         for g in used.tolist():
             key = []
-            for distinct in reversed(values):
-                g, c = divmod(g, len(distinct))
-                key.append(int(distinct[c]))
+            for (low, high), values in zip(reversed(ranges), reversed(distinct)):
+                g, c = divmod(g, high - low + 1)
+                key.append(int(values[c]) if values is not None else low + c)
             keys.append(tuple(reversed(key)))
-        size = int(idx.max()) + 1
         # every size here comes from a file: refuse before allocating what no session could produce
         touched = set(keys)
         after = sum(len(v) for k, v in self.sums.items() if k not in touched) + sum(
@@ -86,9 +103,10 @@ class DenseSums:
         if len(used) * size > self.max_cells or after > self.max_cells:
             raise ValueError(f"{self.index} up to {size - 1} over {len(used)} group(s) would need "
                              f"{len(used) * size:,} dense cells, more than the {self.max_cells:,} allowed")
-        # bincount over (group, slot) pairs; exact in float64 up to 2**53 per slot and part
-        flat = np.bincount(inv * size + idx, weights=val, minlength=len(used) * size)
-        flat = np.rint(flat).astype(np.int64).reshape(len(used), size)
+        if flat is None:
+            # bincount over (group, slot) pairs; exact in float64 up to 2**53 per slot and part
+            flat = np.bincount(inv * size + idx, weights=val, minlength=len(used) * size).reshape(len(used), size)
+        flat = flat.astype(np.int64)  # exact: integer weights sum exactly in float64 below 2**53
         for row, key in enumerate(keys):
             current = self.sums.get(key)
             if current is None or len(current) < size:

@@ -8,6 +8,8 @@
   which the reader uses to skip parts outside a query.
 - `conform(table, spec)`: a decoded part with the schema's nullability (a part written by another
   tool may declare its columns nullable), or ValueError when a column that allows no null holds one.
+- `valueless_columns(meta, spec, columns)`: the nullable columns a part's footer shows to hold no value
+  (the reader of a part returns them as nulls without decoding them).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -96,6 +99,38 @@ def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, 
         if lo is not None:
             ranges[name] = (int(lo), int(hi))
     return meta.num_rows, ranges
+
+
+def valueless_columns(meta: pq.FileMetaData, spec: TableSpec, columns: Sequence[str]) -> list[str]:
+    """The nullable columns among `columns` that hold no value in a part, by its footer: in every row
+    group each of the column's leaves has one level per row and all of them null (a KDA statistic the
+    recording policy left out: every row null; a list column of empty lists reads the same).
+
+    Why: decoding such a column still costs as much as a short list per row (0.17 s for each of the
+    five optional KDA statistics of a 1M-token trace); a reader that has the footer needs not decode it."""
+    nullable = [c for c in columns if c in spec.arrow_schema.names and spec.arrow_schema.field(c).nullable]
+    if not nullable or meta.num_row_groups == 0:
+        return []
+    leaves: dict[str, list[int]] = {}
+    for i in range(meta.num_columns):
+        leaves.setdefault(meta.schema.column(i).path.split(".")[0], []).append(i)
+    out = []
+    for name in nullable:
+        found = leaves.get(name)
+        if not found:
+            continue
+        empty = True
+        for rg in range(meta.num_row_groups):
+            group = meta.row_group(rg)
+            for i in found:
+                chunk = group.column(i)
+                stats = chunk.statistics
+                if stats is None or not stats.has_null_count or stats.null_count != chunk.num_values \
+                        or chunk.num_values != group.num_rows:
+                    empty = False
+        if empty:
+            out.append(name)
+    return out
 
 
 def conform(table: pa.Table, spec: TableSpec) -> pa.Table:

@@ -38,7 +38,7 @@ from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
-from workbench.trace.part_checks import Part, conform, read_footer, read_session
+from workbench.trace.part_checks import Part, conform, read_footer, read_session, valueless_columns
 from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
@@ -176,10 +176,15 @@ class Trace:
         return [p.path for p in self._parts[table_spec(name).name] if p.path not in self._bad]
 
     def _read(self, part: Part, spec: TableSpec, columns: list[str] | None,
-              layers: Sequence[int] | None = None) -> pa.Table | None:
+              layers: Sequence[int] | None = None, skip_valueless: bool = False) -> pa.Table | None:
         try:
             if layers is None:
-                table = pq.ParquetFile(part.path, page_checksum_verification=True).read(columns=columns)
+                file = pq.ParquetFile(part.path, page_checksum_verification=True)
+                absent = valueless_columns(file.metadata, spec, columns) if skip_valueless and columns else []
+                table = file.read(columns=[c for c in columns if c not in absent] if absent else columns)
+                for name in absent:  # every row null: made, not decoded (the file's own type: list item names)
+                    field = file.schema_arrow.field(name)
+                    table = table.append_column(field, pa.nulls(file.metadata.num_rows, field.type))
             else:
                 table = pq.read_table(part.path, columns=columns, filters=[("layer", "in", list(layers))])
             table = conform(table, spec)
@@ -297,7 +302,9 @@ class Trace:
 
         For consumers that fold a large table part by part and keep only a reduction of it (the
         dashboard's KDA view keeps head means of `kda_norms`, not every head of every layer). A part
-        that cannot be read is listed in `problems` (or raises when strict) and yields no rows.
+        that cannot be read is listed in `problems` (or raises when strict) and yields no rows. A
+        nullable column the part's footer shows to hold no value (every row null, as the KDA statistics a
+        policy did not record) comes back as nulls without being decoded (empty lists there read as nulls).
 
         Args:
             name (str): table name.
@@ -316,7 +323,7 @@ class Trace:
             raise TraceError(f"{path} is not a part of table {name} of {self.path}")
         if part.path in self._bad:
             return spec.arrow_schema.empty_table().select(list(columns))
-        table = self._read(part, spec, list(columns), layers)
+        table = self._read(part, spec, list(columns), layers, skip_valueless=True)
         return table if table is not None else spec.arrow_schema.empty_table().select(list(columns))
 
     def _tokens_part(self, part: Part) -> pa.Table | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from workbench.analysis import PatchReads, image_grid, patch_reads
 from workbench.trace import Trace, TraceError
@@ -161,5 +163,6 @@ def patch_reads_from_json(value: object, image_id: int, grid: tuple[int, int]) -
 
 def _image_tokens(trace: Trace):
     """Image rows of the token table (position, image_id, patch_row, patch_col)."""
-    tok = trace.tokens(["position", "modality", "image_id", "patch_row", "patch_col"])
-    return tok[tok["modality"].astype(str) == "image"].reset_index(drop=True)
+    # filtered in Arrow: a 1M-token table's modality column turned into Python strings took 0.13 s
+    tok = trace.table("tokens", columns=["position", "modality", "image_id", "patch_row", "patch_col"])
+    return tok.filter(pc.equal(tok["modality"].cast(pa.string()), "image")).to_pandas()

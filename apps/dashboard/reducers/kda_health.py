@@ -26,15 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from workbench.analysis import health_of_layers, heads_at_risk
 from workbench.trace import Trace
 
 from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import Reducer, ViewOptions
-from apps.dashboard.reducers.kda_state import flat_lists
-from apps.dashboard.reducers.part_feed import PartFeeds
+from apps.dashboard.reducers.part_feed import DecodedPart, PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 TOP_HEADS = 8  # heads listed per kind ("saturates", "forgets")
@@ -55,21 +53,6 @@ class KDAHealthData:
     measured: tuple[str, ...] = ()  # optional measures the trace recorded (eff_rank, half_life, ...)
     last_position: int = -1  # the latest measured position (the ranking covers [0, last_position])
     note: str = NO_KDA  # what to show instead of the ranking ("" when there is one)
-
-
-def _matrix(column: pa.ChunkedArray) -> np.ndarray | None:
-    """A fixed-length list column as float32 [rows, width]; null rows NaN; None when all null or ragged."""
-    if column.null_count == len(column):
-        return None
-    if column.null_count == 0:
-        flat, width = flat_lists(column)
-        return flat.reshape(len(column), width) if width else None
-    cells = column.to_pylist()
-    widths = {len(c) for c in cells if c is not None}
-    if len(widths) != 1 or 0 in widths:
-        return None
-    width = widths.pop()
-    return np.array([c if c is not None else [np.nan] * width for c in cells], dtype=np.float32)
 
 
 class _LayerSeries:
@@ -205,14 +188,15 @@ class KDAHealthReducer(Reducer[KDAHealthData]):
         return values
 
 
-def _digest(table: pa.Table) -> list[tuple[int, np.ndarray, dict]]:
+def _digest(part: DecodedPart) -> list[tuple[int, np.ndarray, dict]]:
     """One part of `kda_norms` as (layer, positions, {statistic: float32 [P, H] or None}) per layer
-    (runs in a reading thread)."""
-    if table.num_rows == 0:
+    (runs in a reading thread; the matrices are the part's, shared with the KDA state view: sliced, never
+    written)."""
+    if part.num_rows == 0:
         return []
-    layer = table["layer"].to_numpy()
-    position = table["position"].to_numpy().astype(np.int64, copy=False)
-    stats = {name: _matrix(table[name]) for name in _COLUMNS[2:]}
+    layer = part.column("layer").to_numpy()
+    position = part.column("position").to_numpy().astype(np.int64, copy=False)
+    stats = {name: part.matrix(name) for name in _COLUMNS[2:]}
     if stats["norm"] is None:
         return []
     # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer;

@@ -24,7 +24,8 @@ from workbench.trace import Trace
 
 from apps.dashboard import summary_cache
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
-from apps.dashboard.reducers.part_feed import PartFeed, PartFeeds
+from apps.dashboard.reducers.list_columns import flat_lists
+from apps.dashboard.reducers.part_feed import DecodedPart, PartFeed, PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData
 
 _COLUMNS = ["layer", "position", "norm"]
@@ -49,18 +50,6 @@ class _Series:
         return self.pieces[0] if self.pieces else empty
 
 
-def flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
-    """A fixed-length list column as (flat float32 values, list length); (empty, 0) if ragged or empty."""
-    lists = column.combine_chunks()
-    if len(lists) == 0:
-        return np.zeros(0, np.float32), 0
-    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
-    if (lengths != lengths[0]).any():
-        return np.zeros(0, np.float32), 0
-    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    return values, int(lengths[0])
-
-
 class KDANormFolder:
     """KDA state norms of a live trace, folded in one part file at a time (see the module docstring).
 
@@ -76,25 +65,32 @@ class KDANormFolder:
         self._sub = self.feed.subscribe(_COLUMNS, self._digest, self._apply)
         self._arrived = False  # a part with rows was folded in since the last `update`
 
-    def _digest(self, table: pa.Table) -> tuple[dict[int, tuple], tuple | None]:
+    def _digest(self, part: DecodedPart) -> tuple[dict[int, tuple], tuple | None]:
         """(layer -> (positions, mean, max), (head layer, its rows)) of one part (runs in a reading thread)."""
-        if table.num_rows == 0:
+        if part.num_rows == 0:
             return {}, None
-        layer = table["layer"].to_numpy()
-        pos = table["position"].to_numpy().astype(np.int64, copy=False)
-        flat, heads = flat_lists(table["norm"])
-        if heads == 0:
+        norms = part.matrix("norm")  # shared with the health view's digest of the same part
+        if norms is None:
             return {}, None
-        norms = flat.reshape(len(pos), heads)
-        mean, peak = norms.mean(axis=1).astype(np.float32), norms.max(axis=1).astype(np.float32)
-        out = {}
-        for l in np.unique(layer):
-            sel = layer == l
-            out[int(l)] = (pos[sel], mean[sel], peak[sel])
+        layer = part.column("layer").to_numpy()
+        pos = part.column("position").to_numpy().astype(np.int64, copy=False)
+        mean, peak = norms.mean(axis=1, dtype=np.float32), norms.max(axis=1)
+        # rows grouped by layer once (stable: each layer keeps its part order), then sliced per layer;
+        # a part the recorder wrote layer after layer is grouped already
+        if (np.diff(layer) < 0).any():
+            order = np.argsort(layer, kind="stable")
+            layer, pos, mean, peak = layer[order], pos[order], mean[order], peak[order]
+            norms = norms[order]
+        layers, starts = np.unique(layer, return_index=True)
+        ends = np.append(starts[1:], len(layer))
+        out = {int(l): (pos[a:b], mean[a:b], peak[a:b]) for l, a, b in zip(layers.tolist(), starts.tolist(),
+                                                                             ends.tolist())}
         head_layer, head_rows = self.head_layer, None
-        if head_layer is not None:
-            sel = layer == head_layer
-            head_rows = (head_layer, pos[sel], norms[sel])
+        if head_layer is not None and head_layer in out:
+            a, b = (int(x) for x in (starts[layers == head_layer][0], ends[layers == head_layer][0]))
+            head_rows = (head_layer, pos[a:b], np.array(norms[a:b]))
+        elif head_layer is not None:
+            head_rows = (head_layer, np.zeros(0, np.int64), np.zeros((0, norms.shape[1]), np.float32))
         return out, head_rows
 
     def _apply(self, path: Path, piece: tuple[dict[int, tuple], tuple | None]) -> None:
