@@ -25,8 +25,8 @@ from apps.dashboard.reducers.session_map import SessionMapData, SessionMapReduce
 
 # the views built from the session map's data (the frame field each one fills -> its reducer)
 # (in this order when they run one after another: cheapest first, so the slowest never delays the others;
-# first open of the 1M K3.1 Pro trace on 2 cores, no summaries, reducers alone: experts 0.8 s, DSA 0.9 s,
-# KDA 1.4 s (its read of kda_norms serves the health view too: `part_feed`), health 0.3 s)
+# first open of the 1M K3.1 Pro trace on 2 cores, no summaries, reducers alone, best of 5 on a shared machine:
+# experts 1.1 s, DSA 1.3 s, KDA 1.6 s (its read of kda_norms serves the health view too: `part_feed`), health 0.35 s)
 # each is built with the trace's shared `PartFeeds` (`cls(feeds)`)
 VIEW_REDUCERS: dict[str, type[Reducer]] = {"experts": ExpertsReducer, "dsa": DSAMapReducer, "kda": KDAStateReducer,
                                            "health": KDAHealthReducer}
