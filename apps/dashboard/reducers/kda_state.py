@@ -82,15 +82,12 @@ class KDANormFolder:
             layer, pos, mean, peak = layer[order], pos[order], mean[order], peak[order]
             norms = norms[order]
         layers, starts = np.unique(layer, return_index=True)
-        ends = np.append(starts[1:], len(layer))
-        out = {int(l): (pos[a:b], mean[a:b], peak[a:b]) for l, a, b in zip(layers.tolist(), starts.tolist(),
-                                                                             ends.tolist())}
+        spans = dict(zip(layers.tolist(), zip(starts.tolist(), [*starts[1:].tolist(), len(layer)])))
+        out = {int(l): (pos[a:b], mean[a:b], peak[a:b]) for l, (a, b) in spans.items()}
         head_layer, head_rows = self.head_layer, None
-        if head_layer is not None and head_layer in out:
-            a, b = (int(x) for x in (starts[layers == head_layer][0], ends[layers == head_layer][0]))
-            head_rows = (head_layer, pos[a:b], np.array(norms[a:b]))
-        elif head_layer is not None:
-            head_rows = (head_layer, np.zeros(0, np.int64), np.zeros((0, norms.shape[1]), np.float32))
+        if head_layer is not None:
+            a, b = spans.get(head_layer, (0, 0))
+            head_rows = (head_layer, pos[a:b], np.array(norms[a:b]))  # a copy: the part's matrix is shared
         return out, head_rows
 
     def _apply(self, path: Path, piece: tuple[dict[int, tuple], tuple | None]) -> None:
