@@ -181,7 +181,10 @@ class Trace:
             if layers is None:
                 file = pq.ParquetFile(part.path, page_checksum_verification=True)
                 absent = valueless_columns(file.metadata, spec, columns) if skip_valueless and columns else []
-                table = file.read(columns=[c for c in columns if c not in absent] if absent else columns)
+                # one thread per part: the callers that read many parts already read them in parallel, and
+                # Arrow's own pool on top of theirs only oversubscribed two cores (cold 1M open: -6 to -12%)
+                table = file.read(columns=[c for c in columns if c not in absent] if absent else columns,
+                                  use_threads=False)
                 for name in absent:  # every row null: made, not decoded (the file's own type: list item names)
                     field = file.schema_arrow.field(name)
                     table = table.append_column(field, pa.nulls(file.metadata.num_rows, field.type))
