@@ -13,10 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import workbench
-from apps.dashboard.reducers import part_feed
-from apps.dashboard.reducers.part_feed import PartFeeds
 from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
-                                     ViewOptions)
+                                     ViewOptions, part_feed)
+from apps.dashboard.reducers.part_feed import PartFeeds
 from apps.dashboard.state import TraceFollower
 from workbench.analysis import bin_mean, carry_forward, token_reads
 from workbench.trace.schema import TABLES, parquet_options

@@ -114,22 +114,15 @@ def valueless_columns(meta: pq.FileMetaData, spec: TableSpec, columns: Sequence[
     leaves: dict[str, list[int]] = {}
     for i in range(meta.num_columns):
         leaves.setdefault(meta.schema.column(i).path.split(".")[0], []).append(i)
-    out = []
-    for name in nullable:
-        found = leaves.get(name)
-        if not found:
-            continue
-        empty = True
-        for rg in range(meta.num_row_groups):
-            group = meta.row_group(rg)
-            for i in found:
-                chunk = group.column(i)
-                stats = chunk.statistics
-                if stats is None or not stats.has_null_count or stats.null_count != chunk.num_values \
-                        or chunk.num_values != group.num_rows:
-                    empty = False
-        if empty:
-            out.append(name)
+
+    def no_value(group: pq.RowGroupMetaData, i: int) -> bool:
+        stats = group.column(i).statistics
+        return stats is not None and stats.has_null_count and \
+            stats.null_count == group.column(i).num_values == group.num_rows
+
+    groups = [meta.row_group(rg) for rg in range(meta.num_row_groups)]
+    out = [name for name in nullable
+           if leaves.get(name) and all(no_value(g, i) for g in groups for i in leaves[name])]
     return out
 
 

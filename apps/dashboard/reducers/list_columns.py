@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def flat_lists(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
+def flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
     """A fixed-length list column as (flat float32 values, list length); (empty, 0) if ragged or empty."""
-    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    lists = column.combine_chunks()
     if len(lists) == 0:
         return np.zeros(0, np.float32), 0
     lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
