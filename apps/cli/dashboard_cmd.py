@@ -6,7 +6,8 @@
     workbench dashboard --trace traces/a --compare traces/b   # two traces side by side + DSA difference view
 
 The server binds to 127.0.0.1 unless told otherwise; any other host gets a random access token that
-every URL must carry (`?token=...`). `?trace=NAME` picks a trace inside `--root` only; `&compare=NAME`
+every URL must carry (`?token=...`). Every request must be addressed (`Host`, and `Origin` when sent)
+to a loopback name, `--host` or an `--allow-host` name: a web page under another name is refused. `?trace=NAME` picks a trace inside `--root` only; `&compare=NAME`
 (inside `--root` too) shows a second trace beside it.
 Panel is imported only when this command runs, so the other commands start without it.
 """
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "difference view, e.g. the two traces of `workbench compare`; drive mode is off then")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, default=5006)
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests addressed to this host name (repeatable); any name other than the "
+                   "loopback names, --host and these is refused, so a web page cannot reach the dashboard")
     p.add_argument("--root", type=Path, help="the only directory tree ?trace= may point into; driven sessions are "
                    "recorded here (default: the parent of --trace, else ./traces)")
     p.add_argument("--no-drive", action="store_true", help="hide the drive-mode controls (follow only)")
@@ -54,7 +58,18 @@ def dashboard_config(args: argparse.Namespace):
         if compare.resolve() == args.trace.resolve():
             raise InputError("--compare names the same directory as --trace; pick two different traces")
     return DashboardConfig(trace=args.trace, compare=compare, model=args.model, root=root, host=args.host,
-                           port=args.port, drive=not args.no_drive and compare is None)
+                           port=args.port, drive=not args.no_drive and compare is None,
+                           allow_hosts=allowed_hosts(getattr(args, "allow_host", None) or []))
+
+
+def allowed_hosts(names: list[str]) -> tuple[str, ...]:
+    """`--allow-host` values as bare names (raises InputError naming a malformed one)."""
+    from apps.dashboard.host_guard import normalise_allowed
+
+    try:
+        return tuple(normalise_allowed(n) for n in names)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

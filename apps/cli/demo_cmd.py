@@ -74,6 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(the response restates the key and takes ~40 byte tokens of scaffold; generation stops at the end of the message)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace directory (replaced if it holds a trace)")
     p.add_argument("--port", type=int, default=5006)
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer dashboard requests addressed to this host name (repeatable); others are refused")
     p.add_argument("--no-browser", action="store_true", help="print the URL but do not open a browser")
     p.add_argument("--headless", action="store_true", help="record and export only: no server (CI)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill step (live update grain)")
@@ -311,6 +313,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise InputError(f"--tokens must be at least {MIN_TOKENS}")
     if args.threads < 1:
         raise InputError("--threads must be at least 1")
+    from apps.cli.dashboard_cmd import allowed_hosts
+
+    allow_hosts = allowed_hosts(args.allow_host)  # a bad name is refused before anything is recorded
     import torch
 
     torch.set_num_threads(args.threads)
@@ -336,7 +341,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from apps.dashboard.app import DashboardConfig, serve, url
 
     trace.parent.mkdir(parents=True, exist_ok=True)
-    config = DashboardConfig(trace=trace, root=trace.parent, port=args.port, model=str(checkpoint))
+    config = DashboardConfig(trace=trace, root=trace.parent, port=args.port, model=str(checkpoint),
+                             allow_hosts=allow_hosts)
     try:
         server = serve(config, threaded=True)
     except OSError as exc:

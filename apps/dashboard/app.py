@@ -21,7 +21,7 @@ from urllib.parse import quote
 import panel as pn
 import param
 
-from apps.dashboard import page_bundle
+from apps.dashboard import host_guard, page_bundle
 from apps.dashboard.components.dsa_diff import DSADiffView
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
@@ -30,6 +30,7 @@ from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
+from apps.dashboard.host_guard import HostPolicy
 from apps.dashboard.page_gate import PageGate
 from apps.dashboard.security import AccessError, is_local, new_token, resolve_trace, token_ok
 from apps.dashboard.session_runner import SessionRunner, find_models
@@ -59,6 +60,8 @@ class DashboardConfig:
         root: the only directory tree the `trace` URL parameter may point into; drive-mode runs are
             recorded under it.
         host, port: where the server listens (127.0.0.1 by default; any other host needs a token).
+        allow_hosts: names besides the loopback names and `host` that requests may carry in `Host` /
+            `Origin` (`--allow-host`); any other name is refused (DNS rebinding, `host_guard`).
         token: access token required as `?token=...` (generated when serving on a non-local host).
         drive: show the drive-mode controls (model, prompt, upload, generate/stop).
         interval: seconds between the follower's polls of the trace.
@@ -74,6 +77,7 @@ class DashboardConfig:
     root: Path = Path("traces")
     host: str = "127.0.0.1"
     port: int = 5006
+    allow_hosts: tuple[str, ...] = ()
     token: str | None = None
     drive: bool = True
     interval: float = 0.5
@@ -316,7 +320,9 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
     if not is_local(config.host) and config.token is None:
         config.token = new_token()
     page_bundle.install()
-    origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1")] if is_local(config.host) else ["*"]
+    # Bokeh's own websocket allow-list; `host_guard` checks every request (HTTP too) beyond it
+    origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1", *config.allow_hosts)] \
+        if is_local(config.host) else ["*"]
     spare = None
     if config.trace is not None and config.compare is None:
         first = [True]
@@ -333,10 +339,12 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
     def app() -> pn.viewable.Viewable:  # Panel calls a plain function once per browser session
         return create_app(config, spare=spare)
 
+    # every request's Host and Origin are checked before Bokeh routes it (DNS rebinding)
+    guarded = host_guard.install({}, HostPolicy.for_server(config.host, config.allow_hosts))
     return pn.serve({"/": app}, port=config.port, address=config.host, show=show,
                     title="K3 Workbench", websocket_origin=origins, threaded=threaded, start=start,
                     # bounded uploads: the browser may not push more than this in one message
-                    websocket_max_message_size=max(config.max_upload_bytes * 2, 8 << 20))
+                    websocket_max_message_size=max(config.max_upload_bytes * 2, 8 << 20), **guarded)
 
 
 def build_dashboard(config: DashboardConfig, follow: bool = False) -> Dashboard:

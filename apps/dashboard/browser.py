@@ -74,8 +74,9 @@ class Counters:
 class Browser:
     """A headless Chromium page with CDP counters. Use as a context manager."""
 
-    def __init__(self, width: int = 1400, height: int = 1000) -> None:
+    def __init__(self, width: int = 1400, height: int = 1000, extra_args: tuple[str, ...] = ()) -> None:
         self.width, self.height = width, height
+        self.extra_args = list(extra_args)
         self.counters = Counters()
         self._profile = tempfile.mkdtemp(prefix="k3wb-chromium-")
 
@@ -84,7 +85,7 @@ class Browser:
 
         self._pw = sync_playwright().start()
         self.context = self._pw.chromium.launch_persistent_context(
-            self._profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            self._profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS + self.extra_args,
             viewport={"width": self.width, "height": self.height})
         self.page = self.context.pages[0] if self.context.pages else self.context.new_page()
         self.page.on("console", self._console)
