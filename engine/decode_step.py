@@ -202,8 +202,11 @@ class DecodeStep:
         kda = tuple((layer.recurrent.dtype, layer.recurrent.shape) for layer in state.layers
                     if not isinstance(layer, MLACache))
         stacks = (tuple(group.pointers for group in self._fused), tuple(m.kept() for m in self._experts))
+        # interventions: which rules exist and their table sizes (positions and factors are the graph's inputs)
+        plan = runtime.interventions
         options = (runtime.dsa_force_dense, runtime.dsa_dense_layers, runtime.mxfp8_activations, runtime.kernels,
-                   runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens)
+                   runtime.expert_cache_mib, runtime.kda_chunk_size, runtime.kda_recurrent_max_tokens,
+                   None if plan is None else plan.signature)
         params = next(self.model.parameters())
         # the points listening at this step (a finisher's only at its measured steps), and what each asks
         listeners = (tuple(map(id, listening)), tuple((p.sink is not None, p.request) for p in self._points))

@@ -7,6 +7,10 @@ switch affects the next forward call. Nothing here changes the checkpoint or the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.interventions import InterventionPlan
 
 
 @dataclass
@@ -25,6 +29,8 @@ class RuntimeOptions:
     compile: the session's single-token decode step runs `torch.compile`d (`engine.decode_step`;
         a CUDA graph on CUDA): True, False, "auto" (on for CUDA, off for CPU, where compiling
         takes minutes), or "static" (the same static-shape step, run eagerly: for tests).
+    interventions: the running session's interventions (`engine.interventions.InterventionPlan`), set
+        by the session around each of its forward calls; None (the default) costs each layer one check.
     """
 
     dsa_force_dense: bool = False
@@ -35,6 +41,7 @@ class RuntimeOptions:
     expert_cache_mib: int = 256
     kernels: str = "auto"
     compile: bool | str = "auto"
+    interventions: "InterventionPlan | None" = None
 
     def reads_dense(self, layer: int) -> bool:
         """Whether DSA layer `layer` reads every past key (forced dense) rather than its top-k."""

@@ -45,6 +45,7 @@ from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.segments import Segment
+from engine.session_interventions import activate as activate_interventions
 from engine.session_state import model_fingerprint, restore, session_state_dict
 from engine.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
@@ -90,6 +91,9 @@ class Session:
         self._suppress_key: tuple | None = None
         self._suppress_index: torch.Tensor | None = None
         self.observers: list[Observer] = []
+        # the interventions the model applies to this session's forward calls, and the record of them
+        self._interventions: Any = None  # engine.interventions.InterventionPlan
+        self.intervention_log: list[dict] = []
         # images appended but not yet prefilled: (first position, projector outputs [n, hidden])
         self._pending_images: list[tuple[int, torch.Tensor]] = []
         # segment id -> RGB thumbnail (longest side <= THUMBNAIL_PX); snapshots carry it as a PNG
@@ -271,12 +275,26 @@ class Session:
             rows.append(embeds[lo - first: hi - first])
         return (torch.cat(rows) if rows else None), mask
 
+    # ---- interventions (engine.interventions) -----------------------------------------------
+    def set_interventions(self, spec: Any) -> None:
+        """Make `spec` (a JSON list, its text, or `engine.interventions` dataclasses; [] = none) the
+        interventions of every later forward call of this session, replacing the current ones. Layers,
+        heads, experts and positions are checked against the model first (InputError, nothing changes);
+        `intervention_log` records each with the positions consumed while it was active."""
+        self._interventions = activate_interventions(self, spec)
+
+    @property
+    def interventions(self) -> tuple:
+        """The active interventions (dataclasses of `engine.interventions`)."""
+        return () if self._interventions is None else self._interventions.items
+
     # ---- running the model ------------------------------------------------------------------
     def _forward(self, ids: list[int], phase: str, all_logits: bool) -> torch.Tensor:
         """Run `ids` at positions [length, length + n); returns logits [n or 1, V] fp32."""
         kda = [s for s in self.state.layers if isinstance(s, KDAState)]
         saved = [(s.recurrent, s.conv) for s in kda]  # layers rebind, never mutate: cheap rollback
         self.model.probe_context.begin(step=self.step, phase=phase)
+        self.model.runtime.interventions = self._interventions
         try:
             with torch.inference_mode():
                 image_embeds, image_mask = self._image_inputs(self.state.length, len(ids))
@@ -296,6 +314,7 @@ class Session:
             raise
         finally:
             self.model.probe_context.end()
+            self.model.runtime.interventions = None
         self.state.length += len(ids)
         # images whose every position is now in the state are never needed again
         self._pending_images = [(f, e) for f, e in self._pending_images if f + len(e) > self.state.length]
@@ -486,6 +505,8 @@ class Session:
         other.deployment = copy.deepcopy(self.deployment)
         other.previous_deployments = copy.deepcopy(self.previous_deployments)
         other.suppressed_ids = self.suppressed_ids
+        other._interventions = self._interventions  # a plan is never modified: share it
+        other.intervention_log = copy.deepcopy(self.intervention_log)
         return other
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:

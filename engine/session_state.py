@@ -23,6 +23,8 @@ from engine.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumb
 from engine.snapshot import prefix_hash
 from engine.vision.thumbnail import encode_thumbnail
 
+MAX_STEP = 2 ** 31 - 1  # forward steps are int32 in traces
+
 
 def session_state_dict(session: Any, *, thumbnails: bool = True) -> dict[str, Any]:
     """The state of `session` (an `engine.session.Session`, not imported here: it imports this
@@ -51,6 +53,8 @@ def session_state_dict(session: Any, *, thumbnails: bool = True) -> dict[str, An
         "sampling": session.sampling.to_json(),
         # snapshot format v1 calls the deployment record "record"
         "record": session.deployment.to_json(),
+        # which interventions were active over which positions (`engine.session_interventions`)
+        "interventions": list(getattr(session, "intervention_log", [])),
     }
 
 
@@ -99,8 +103,8 @@ def restore(state: dict[str, Any], model: KimiForCausalLM, *, dtype: torch.dtype
     segments = segments_from_json(state.get("segments", []), len(tokens))
     thumbnails = thumbnails_from_tensors(tensors, segments)
     step = state.get("step", 0)
-    if type(step) is not int or step < 0:
-        raise InputError(f"invalid step {step!r:.40} (expected a non-negative integer)")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise InputError(f"invalid step {step!r:.40} (expected an integer in [0, {MAX_STEP}])")
     sampling = SamplingParams.from_json(state.get("sampling", {}))
     generator = tensors.get("generator")
     if generator is not None:
@@ -114,6 +118,11 @@ def restore(state: dict[str, Any], model: KimiForCausalLM, *, dtype: torch.dtype
                                          kda_heads=model.parallel.split(config.kda_num_heads))
     except InputError as exc:
         raise InputError(f"{exc}: corrupt or foreign snapshot") from None
+    # a tensor nothing reads is a sign of a foreign or tampered file, not something to carry silently
+    known = {"tokens", "generator", "last_logits", *layers.to_tensors()}
+    extra = sorted(k for k in tensors if k not in known and not k.startswith(THUMBNAIL_TENSOR))
+    if extra:
+        raise InputError(f"snapshot holds tensor(s) no session state has: {', '.join(extra[:3])[:120]}")
     last_logits = tensors["last_logits"].to(device, copy=True) if "last_logits" in tensors else None
     previous = [state["record"]] if isinstance(state.get("record"), dict) else []
     return Restored(layers, tokens, segments, thumbnails, step, sampling, generator, last_logits, previous)

@@ -25,7 +25,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.errors", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.fileio", "engine.inputs", "engine.atomic_dir")),
+                       "engine.builtin", "engine.fileio", "engine.inputs", "engine.atomic_dir", "engine.chat_response",
+                       "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
@@ -36,7 +37,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the checkpoint: tensor table, shard slices, files, loading that builds a model, counts and plans from the table
     ("engine weights", ("engine.weights", "engine.census", "engine.plan")),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches
-    ("engine session", ("engine.session", "engine.segments", "engine.session_images", "engine.session_state", "engine.snapshot", "engine.sampling", "engine.batch")),
+    ("engine session", ("engine.session", "engine.segments", "engine.session_images", "engine.session_state", "engine.snapshot", "engine.sampling", "engine.batch",
+                        "engine.session_interventions", "engine.transcript")),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures
@@ -48,6 +50,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.__main__")),
     ("apps dashboard", ("apps.dashboard",)),
+    # `workbench serve`: the OpenAI-compatible endpoint (it reuses the dashboard's Host/Origin policy)
+    ("apps serve", ("apps.serve",)),
     # the top floor: the command line wires engine, workbench and dashboard together
     ("apps cli", ("apps", "apps.cli")),
 ]

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.cache import KDAState
 from engine.config import ModelConfig
+from engine.interventions import KdaRule
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.layers.fused import FusedLinears
 from engine.ops.kda import kda_chunked, kda_recurrent
@@ -71,6 +72,7 @@ class KimiDeltaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.parallel = parallel
         self.num_heads, self.head_dim = nh, hd
+        self.head_range = parallel.local_range(config.kda_num_heads)  # global ids of this rank's heads
         self.lower_bound = config.kda_gate_lower_bound
         self.runtime = runtime
         self.q_proj = nn.Linear(h, d, bias=False)
@@ -152,6 +154,38 @@ class KimiDeltaAttention(nn.Module):
 
         return observe, emit
 
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial: torch.Tensor | None, start: int | torch.Tensor, observe) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[1] <= self.runtime.kda_recurrent_max_tokens:
+            # the compiled decode step (device-tensor start) leaves fusion to the compiler
+            impl = "reference" if isinstance(start, torch.Tensor) else self.runtime.kernels
+            return kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=impl)
+        return kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size, observe=observe)
+
+    def _edited_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial: torch.Tensor | None, start: int | torch.Tensor, rule: KdaRule,
+                     observe) -> tuple[torch.Tensor, torch.Tensor]:
+        """The core with the state multiplied by the rule's factors right after each edited position: the
+        decode step (a device-tensor start, one token) multiplies at every step (by 1 off the edits); a
+        host-known start splits the tokens at the edits."""
+        T = q.shape[1]
+        if isinstance(start, torch.Tensor):
+            o, final = self._core(q, k, v, g, beta, initial, start, observe)
+            factor = rule.state_factor(start + T - 1, self.head_range)
+            return o, final * factor.view(1, -1, 1, 1)
+        cuts = [at + 1 - start for at in rule.edit_positions if start <= at < start + T]
+        outputs, state, lo = [], initial, 0
+        for hi in cuts + ([T] if not cuts or cuts[-1] < T else []):
+            seen = None if observe is None else (lambda t, S, at=lo: observe(t + at, S))
+            o, state = self._core(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state, start,
+                                  seen)
+            outputs.append(o)
+            if hi - 1 + start in rule.edit_positions:
+                factor = rule.state_factor(torch.tensor(start + hi - 1, device=q.device), self.head_range)
+                state = state * factor.view(1, -1, 1, 1)
+            lo = hi
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)), state
+
     def forward(self, x: torch.Tensor, state: KDAState | None = None, start: int | torch.Tensor = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] (normed) at slots [start, start + T) -> [B, T, hidden]; updates `state`
@@ -182,14 +216,17 @@ class KimiDeltaAttention(nn.Module):
             g = g.masked_fill(pad.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(pad, 0.0)
         initial = None if state is None else state.recurrent
+        plan = self.runtime.interventions
+        rule = None if plan is None else plan.kda[self.layer_idx]
+        if rule is not None:
+            keep = rule.write_keep(start + torch.arange(T, device=x.device), self.head_range)
+            if keep is not None:  # no write for those tokens; their decay still runs
+                beta = beta * keep
         observe, emit = self._observer(g, beta, start) if self.probe_state.listening else (None, None)
-        if T <= self.runtime.kda_recurrent_max_tokens:
-            # the compiled decode step (device-tensor start) leaves fusion to the compiler
-            impl = "reference" if isinstance(start, torch.Tensor) else self.runtime.kernels
-            o, final = kda_recurrent(q, k, v, g, beta, initial, observe=observe, impl=impl)
+        if rule is not None and rule.edit_at is not None:
+            o, final = self._edited_core(q, k, v, g, beta, initial, start, rule, observe)
         else:
-            o, final = kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size,
-                                   observe=observe)
+            o, final = self._core(q, k, v, g, beta, initial, start, observe)
         if emit is not None:
             emit(start)
         if state is not None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.cache import MLACache
 from engine.config import ModelConfig
+from engine.interventions import DsaRule
 from engine.layers.common import RMSNorm
 from engine.layers.fused import FusedLinears
 from engine.layers.indexer import Indexer
@@ -84,6 +85,11 @@ class GatedMLA(nn.Module):
         if self.indexer is not None:
             self.probe_topk = ProbePoint("dsa.topk", layer_idx)
             self.probe_dense_mass = ProbePoint("dsa.dense_mass", layer_idx)
+
+    def _intervention(self) -> DsaRule | None:
+        """This layer's rule among the session's interventions (only DSA layers have one)."""
+        plan = self.runtime.interventions
+        return None if plan is None or self.indexer is None else plan.dsa[self.layer_idx]
 
     def _project(self, x: torch.Tensor) -> _Projected:
         """Every projection of the layer input (one matmul) and of the query latent (another)."""
@@ -171,12 +177,13 @@ class GatedMLA(nn.Module):
         q_nope, q_rope = p.q[..., : self.nope], p.q[..., self.nope:]
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
         dense = self.runtime.reads_dense(self.layer_idx)
+        rule = self._intervention()
         idx = None
         # a dense-reading layer still runs its indexer for a listener (what it would have read)
         if self.indexer is not None and (not dense or self.probe_topk.collecting or self.probe_dense_mass.collecting):
             assert cache.index_keys is not None and p.index_queries is not None and p.index_weights is not None
             idx, scores = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
-                                              self.indexer.topk, key_start=key_start)
+                                              self.indexer.topk, key_start=key_start, intervention=rule)
             if self.probe_topk.collecting:
                 self.probe_topk.emit(indices=idx, scores=scores if self.probe_topk.request.wants("scores") else None)
             if self.probe_dense_mass.collecting:
@@ -186,7 +193,7 @@ class GatedMLA(nn.Module):
             o_lat = sparse_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, idx, self.scale)
         else:
             o_lat = masked_attention_latent(q_lat, q_rope, cache.latent, cache.k_rope, positions, self.scale,
-                                            key_start=key_start)
+                                            key_start=key_start, intervention=rule)
         attn = self._gated(torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float()).to(x.dtype), p.gate)
         return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")
 
@@ -217,10 +224,11 @@ class GatedMLA(nn.Module):
         w_kb, w_vb = self._kv_b()
 
         idx = None  # [B, T, topk] key positions selected by the indexer (-1 = empty)
+        rule = self._intervention()
         if self.indexer is not None:
             assert keys_all is not None and p.index_queries is not None and p.index_weights is not None
             idx, scores = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk, key_start=key_start,
-                                       impl=self.runtime.kernels)
+                                       impl=self.runtime.kernels, intervention=rule)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.listening:
@@ -238,11 +246,12 @@ class GatedMLA(nn.Module):
             # few queries over a long cache (decode): stay in latent space
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())
             o_lat = dense_attention_latent(q_lat, q_rope, latent_all, k_rope_all, positions, self.scale,
-                                           key_start=key_start)
+                                           key_start=key_start, intervention=rule)
             attn = torch.einsum("bthr,hvr->bthv", o_lat, w_vb.float())
         else:
             kv = self.kv_b_proj(latent_all).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
             k = torch.cat((kv[..., : self.nope], k_rope_all.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), -1)
-            attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale, key_start=key_start)
+            attn = dense_attention_expanded(q, k, kv[..., self.nope:], positions, self.scale, key_start=key_start,
+                                            intervention=rule)
         attn = self._gated(attn.to(x.dtype), p.gate)  # [B, T, H, Dv]
         return comm.all_reduce(self.o_proj(attn.flatten(-2)), self.parallel, "attn.o_proj")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.interventions import MoeRule
 from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.fused import FusedLinears
 from engine.parallel import comm
@@ -43,10 +44,20 @@ class Router(nn.Module):
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor, return_scores: bool = False):
-        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]])."""
+    def forward(self, x: torch.Tensor, return_scores: bool = False, *, intervention: MoeRule | None = None,
+                positions: torch.Tensor | None = None):
+        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]]).
+        `intervention` bans (-inf) or forces (+inf) experts' choice scores for the tokens at `positions`
+        [N] before the top-k; the weights stay the router's scores of the experts chosen."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
+        if intervention is not None:
+            assert positions is not None
+            banned, forced = intervention.masks(positions)
+            if banned is not None:
+                choice = choice.masked_fill(banned, float("-inf"))
+            if forced is not None:
+                choice = choice.masked_fill(forced, float("inf"))
         if self.groups > 1 and self.topk_group < self.groups:
             grouped = choice.unflatten(-1, (self.groups, -1))  # [N, G, E/G]
             group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
@@ -146,6 +157,8 @@ class LatentMoE(nn.Module):
         # per `expert_ids`; shared experts split by width and routed_expert_up_proj by latent columns
         # (row-parallel), so both end in partial sums that share one all-reduce
         self.parallel = parallel
+        self.layer_idx = layer_idx
+        self.runtime = runtime
         self.gate = Router(c)
         self.probe_route = ProbePoint("moe.route", layer_idx)
         self.experts = RoutedExperts(c, runtime, expert_ids)
@@ -171,11 +184,17 @@ class LatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         point = self.probe_route
+        plan = self.runtime.interventions
+        rule = None if plan is None else plan.moe[self.layer_idx]
+        routing = {}
+        if rule is not None:  # every row of the batch sits at the same positions
+            steps = start + torch.arange(shape[-2], device=x.device)
+            routing = {"intervention": rule, "positions": steps.expand(*shape[:-2], -1).reshape(-1)}
         if not point.listening:
-            weights, ids = self.gate(flat)
+            weights, ids = self.gate(flat, **routing)
         else:
             with_entropy = point.request.wants("entropy")
-            weights, ids, *scores = self.gate(flat, return_scores=with_entropy)
+            weights, ids, *scores = self.gate(flat, return_scores=with_entropy, **routing)
             # collecting (the decode step, `start` a device tensor): the host adds the positions
             positions = None if point.collecting else torch.arange(start, start + shape[-2])
             point.emit(positions=positions, experts=ids.view(*shape[:-1], -1),

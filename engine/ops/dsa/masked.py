@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.interventions import DsaRule
 from engine.ops.dsa.reference import indexer_scores
 
 
 def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, topk: int, *,
-                        key_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        key_start: torch.Tensor | None = None,
+                        intervention: DsaRule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k key positions per query over the whole key buffer.
 
     Args:
@@ -38,6 +40,7 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
         q_pos (torch.Tensor): `[Tq]` query positions (a device tensor: no host value is read).
         topk (int): keys kept per query.
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
+        intervention (DsaRule, Optional): hidden (-inf) and pinned (+inf) key ranges (`engine.interventions`).
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty, empty slots last) and scores
@@ -51,6 +54,12 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
     hidden = key_pos > q_pos.view(1, -1, 1)
     if key_start is not None:
         hidden = hidden | (key_pos < key_start.view(-1, 1, 1))
+    if intervention is not None:
+        hide, pin = intervention.key_masks(q_pos, key_pos)
+        if pin is not None:
+            scores = scores.masked_fill(pin, float("inf"))
+        if hide is not None:
+            hidden = hidden | hide
     scores = scores.masked_fill(hidden, float("-inf"))
     if cap % PRUNE_BLOCK == 0 and cap >= PRUNE_MIN_RATIO * topk * PRUNE_BLOCK:
         pick = pruned_top_slots(scores, topk)

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from engine.interventions import DsaRule
+
 # scores held at once: q_block * key_block * indexer heads (fp32) stays near 64 MB
 _SCORE_BUDGET = 16 * 1024 * 1024
 
@@ -94,6 +96,7 @@ def indexer_topk(
     key_block: int | None = None,
     key_start: torch.Tensor | None = None,
     scorer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    intervention: DsaRule | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k key positions per query, scored blockwise.
 
@@ -105,6 +108,8 @@ def indexer_topk(
         topk (int): keys kept per query.
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
         scorer (callable, Optional): computes a score block like `indexer_scores` (a fused kernel).
+        intervention (DsaRule, Optional): key ranges hidden from the selection (score -inf) or pinned
+            into it (score +inf), see `engine.interventions`.
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty).
@@ -132,6 +137,12 @@ def indexer_topk(
                 hi = min(k1, int(key_start.max()))  # keys from here on are past every row's padding
                 if hi > k0:
                     s[..., : hi - k0].masked_fill_((key_pos[k0:hi] < key_start.view(-1, 1, 1)), float("-inf"))
+            if intervention is not None:
+                hidden, pinned = intervention.key_masks(pos, key_pos[k0:k1])
+                if pinned is not None:  # never a key the causal mask or the padding hides
+                    s.masked_fill_(pinned & (s > float("-inf")), float("inf"))
+                if hidden is not None:
+                    s.masked_fill_(hidden, float("-inf"))
             if run_score is None:
                 run_score, run_idx = s, key_pos[k0:k1]
             else:
@@ -147,4 +158,8 @@ def indexer_topk(
         # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
+    if intervention is not None and intervention.hide is not None:
+        # hidden keys leave holes among the selected positions: empty slots go last again
+        order = torch.where(out_idx < 0, Tk, out_idx).argsort(dim=-1)
+        out_idx, out_score = out_idx.gather(-1, order), out_score.gather(-1, order)
     return out_idx, out_score

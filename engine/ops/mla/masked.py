@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.interventions import DsaRule
+
 
 def masked_attention_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
                             q_pos: torch.Tensor, scale: float, *,
-                            key_start: torch.Tensor | None = None) -> torch.Tensor:
+                            key_start: torch.Tensor | None = None,
+                            intervention: DsaRule | None = None) -> torch.Tensor:
     """Causal attention in latent space over the whole cache buffer.
 
     Args:
@@ -24,6 +27,7 @@ def masked_attention_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.
         k_r (torch.Tensor): `[B, cap, Dr]` shared key part.
         q_pos (torch.Tensor): `[Tq]` query positions (device tensor).
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row.
+        intervention (DsaRule, Optional): its hidden key ranges are masked out (`engine.interventions`).
 
     Returns:
         o_lat `[B, Tq, H, R]` fp32 (a query with no visible key gets zeros).
@@ -36,6 +40,8 @@ def masked_attention_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.
     hidden = key_pos > q_pos.repeat_interleave(H).view(1, -1, 1)  # [1, Tq * H, cap]
     if key_start is not None:
         hidden = hidden | (key_pos < key_start.view(-1, 1, 1))
+    if intervention is not None and intervention.hide is not None:
+        hidden = hidden | intervention.key_masks(q_pos.repeat_interleave(H), key_pos)[0]
     s = (q_all @ keys.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = (s - m.masked_fill(torch.isinf(m), 0.0)).exp()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.interventions import DsaRule
+
 _BLOCK_BUDGET = 8 * 1024 * 1024  # elements of one score or gather block (fp32: 32 MB)
 
 
@@ -45,6 +47,7 @@ def _online_softmax_step(
 def dense_attention_expanded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
     *, key_block: int | None = None, q_block: int | None = None, key_start: torch.Tensor | None = None,
+    intervention: DsaRule | None = None,
 ) -> torch.Tensor:
     """Causal attention with per-head keys and values.
 
@@ -56,6 +59,7 @@ def dense_attention_expanded(
         key_block, q_block (int, Optional): block sizes (a score block is [B, H, q_block, key_block]).
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding);
             a query with no visible key gets a zero output.
+        intervention (DsaRule, Optional): its hidden key ranges are masked out (`engine.interventions`).
 
     Returns:
         `[B, Tq, H, Dv]` fp32.
@@ -86,6 +90,8 @@ def dense_attention_expanded(
                 s = s.masked_fill(key_pos[k0:k1] > pos.unsqueeze(-1), float("-inf"))
             if key_start is not None:
                 s = s.masked_fill((key_pos[k0:k1] < key_start.unsqueeze(-1))[:, None, None, :], float("-inf"))
+            if intervention is not None and intervention.hide is not None:
+                s = s.masked_fill(intervention.key_masks(pos, key_pos[k0:k1])[0], float("-inf"))
             m, l, acc = _online_softmax_step(s, vh[:, :, k0:k1], m, l, acc)
         out[:, :, q0:q1] = acc / l.clamp_min(1e-30)  # l = 0 only for rows with no visible key (padding)
     return out.transpose(1, 2)
@@ -94,6 +100,7 @@ def dense_attention_expanded(
 def dense_attention_latent(
     q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor, q_pos: torch.Tensor,
     scale: float, *, key_block: int | None = None, key_start: torch.Tensor | None = None,
+    intervention: DsaRule | None = None,
 ) -> torch.Tensor:
     """Causal attention in latent space (W_kb absorbed into `q_lat`).
 
@@ -104,6 +111,7 @@ def dense_attention_latent(
         k_r (torch.Tensor): `[B, Tk, Dr]` shared key part.
         q_pos (torch.Tensor): `[Tq]`.
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
+        intervention (DsaRule, Optional): its hidden key ranges are masked out (`engine.interventions`).
 
     Returns:
         o_lat `[B, Tq, H, R]` fp32.
@@ -128,6 +136,8 @@ def dense_attention_latent(
             s = s.masked_fill(key_pos[k0:k1] > row_pos.unsqueeze(-1), float("-inf"))
         if key_start is not None:
             s = s.masked_fill((key_pos[k0:k1] < key_start.unsqueeze(-1)).unsqueeze(1), float("-inf"))
+        if intervention is not None and intervention.hide is not None:
+            s = s.masked_fill(intervention.key_masks(row_pos, key_pos[k0:k1])[0], float("-inf"))
         m, l, acc = _online_softmax_step(s, block[..., :R], m, l, acc)
     return (acc / l.clamp_min(1e-30)).unflatten(1, (Tq, H))
 
