@@ -32,7 +32,7 @@ class Answer:
 
 
 def _topk(trace: Trace) -> int:
-    return int(trace.session["model"].get("dsa_topk") or 0)
+    return int(trace.settings.get("topk") or 0)
 
 
 def _answer_span(trace: Trace, after: int = 0, first: bool = False) -> tuple[int, int] | None:
@@ -72,8 +72,8 @@ def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
 
 def sink_readers(trace: Trace, threshold: float = 0.5) -> Answer:
     """Q2: did any DSA layer stop reading the first tokens (attention sink) as the context grew?"""
-    sink_tokens = int(trace.policy.get("sink_tokens", 4))
-    timeline, alarms = sink_over_time(trace.df("dsa_sink"), _topk(trace), sink_tokens, threshold)
+    sink_tokens = int(trace.settings.get("sink_tokens", 4))
+    timeline, alarms = sink_over_time(trace.df("dsa_sink"), threshold=threshold)  # top-k, sink: as recorded
     last = timeline.sort_values("step").groupby("layer").tail(1)
     rates = ", ".join(f"{r.layer}: {format_read(r.rate, r.chance)}" for r in last.itertuples())
     head = (f"ALARM layers {', '.join(map(str, alarms['layer']))} stopped at positions "
@@ -138,7 +138,7 @@ def dense_mass_kept(trace: Trace) -> Answer:
     line = ", ".join(f"layer {r.layer}: {r.mean * 100:.0f}% (p5 {r.p5 * 100:.0f}%, {r.queries} queries)"
                      for r in summary.itertuples())
     if "iou" in mass and mass["iou"].notna().any():
-        faith = faithfulness(mass, _topk(trace))
+        faith = faithfulness(mass)  # the recorded top-k
         summary = summary.merge(faith[["layer", "iou", "recall", "chance_recall"]], on="layer", how="left")
         line += "; dense top-k recall " + ", ".join(f"{r.layer}: {format_read(r.recall, r.chance_recall)}"
                                                   for r in faith.itertuples())

@@ -5,11 +5,15 @@ dsa_sink deltas; no I/O.
 
 - `jaccard(a, b)` and `cross_layer_jaccard(topk)`: overlap of consecutive DSA layers' selections for
   the same query (chance: the exact expected Jaccard of two random k-sets, hypergeometric overlap).
-- `locality(topk, topk_k)`: share of picks among the last W = 2k and 8k tokens (a layer collapsed to
+- `locality(topk)`: share of picks among the last W = 2k and 8k tokens (a layer collapsed to
   a sliding window reads ~100% there), read-distance quantiles.
 - `faithfulness(dense_mass)`: IoU / recall of the selection against the dense top-k (sampled queries).
-- `sink_over_time(sink, topk_k)`: share of queries that select positions 0..sink-1 per step, with
+- `sink_over_time(sink)`: share of queries that select positions 0..sink-1 per step, with
   its chance value and an alarm where a layer stops reading the sink once the context passes top-k.
+
+The top-k, the sink size and the DSA layer ids come from the table itself when it is a trace's
+(`trace.table` / `trace.df` carry the recording's settings: `workbench.analysis.recorded`); an explicit
+value that disagrees with the recording raises InputError instead of moving every chance value.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from engine.errors import InputError
+
 from workbench.analysis.chance import chance_of_hit
 from workbench.analysis.common import Frame, column, list_values, to_pandas
+from workbench.analysis.recorded import recorded_setting, settings_of
 
 
 def jaccard(a: Sequence[int], b: Sequence[int]) -> float:
@@ -71,13 +78,21 @@ def cross_layer_jaccard(topk: Frame, layers: Sequence[int] | None = None) -> pd.
 
     Args:
         topk (DataFrame | Table): dsa_topk rows.
-        layers (Sequence[int], Optional): the DSA layers in model order (default: those in `topk`).
+        layers (Sequence[int], Optional): DSA layers in model order (default: the recording's DSA layers, else
+            those in `topk`); a layer the recording does not call a DSA layer is an InputError.
 
     Returns: layer_a, layer_b, queries (positions both recorded), jaccard (mean over them),
     jaccard_min, chance (mean expected Jaccard of random sets of the same sizes), ratio.
     """
     by_layer = _rows_by_layer(topk)
-    order = sorted(by_layer) if layers is None else [l for l in layers if l in by_layer]
+    recorded = settings_of(topk).get("dsa_layers")
+    if layers is not None and recorded is not None:
+        foreign = sorted(set(int(l) for l in layers) - set(recorded))
+        if foreign:
+            raise InputError(f"cross_layer_jaccard: layers {foreign} are not DSA layers of this trace (its DSA "
+                             f"layers are {recorded}); leave layers out to use them all")
+    chosen = layers if layers is not None else recorded
+    order = sorted(by_layer) if chosen is None else [l for l in chosen if l in by_layer]
     out = []
     for a, b in zip(order[:-1], order[1:]):
         common = sorted(set(by_layer[a]) & set(by_layer[b]))
@@ -96,16 +111,18 @@ def cross_layer_jaccard(topk: Frame, layers: Sequence[int] | None = None) -> pd.
     return pd.DataFrame(out, columns=["layer_a", "layer_b", "queries", "jaccard", "jaccard_min", "chance", "ratio"])
 
 
-def locality(topk: Frame, topk_k: int, multiples: Sequence[int] = (2, 8),
+def locality(topk: Frame, topk_k: int | None = None, multiples: Sequence[int] = (2, 8),
              quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> pd.DataFrame:
     """How local each layer's reads are, from full index lists (dsa_topk rows).
 
-    Only queries that see more than top-k keys count (below that every key is read).
+    `topk_k` is the recorded DSA top-k of a trace's table (an explicit value must match it; a table
+    built by hand needs it). Only queries that see more than top-k keys count (below that every key is read).
     Returns per layer: queries, picks, share_w{m}k (share of picks with distance < m * topk_k) and
     chance_w{m}k (share random picks would give: mean of min(W, visible) / visible), distance
     quantiles p10/p50/p90 (query position - key position), collapsed (share_w2k >= 0.95: the layer acts
     as a sliding window).
     """
+    topk_k = int(recorded_setting(topk, "topk", topk_k, "locality", "topk_k"))
     layer = column(topk, "layer").astype(np.int64)
     pos = column(topk, "position").astype(np.int64)
     keys, owner = list_values(topk, "selected")
@@ -131,14 +148,15 @@ def locality(topk: Frame, topk_k: int, multiples: Sequence[int] = (2, 8),
     return pd.DataFrame(out)
 
 
-def faithfulness(dense_mass: Frame, topk_k: int) -> pd.DataFrame:
+def faithfulness(dense_mass: Frame, topk_k: int | None = None) -> pd.DataFrame:
     """Does the indexer pick what dense attention would? Per layer, over the sampled queries (dsa_dense_mass
-    rows recorded with policy.dense_overlap).
+    rows recorded with policy.dense_overlap). `topk_k`: the recorded top-k (explicit: must match it).
 
     Returns: layer, queries, mass (mean dense mass kept), iou, recall (means), chance_recall (mean
     min(k, visible) / visible: a random k-set's expected recall of the dense top-k), chance_iou
     (expected IoU of two random k-sets), recall_ratio.
     """
+    topk_k = int(recorded_setting(dense_mass, "topk", topk_k, "faithfulness", "topk_k"))
     df = to_pandas(dense_mass)
     if "iou" not in df or df["iou"].isna().all():
         raise ValueError("dsa_dense_mass has no iou/recall: record with policy dense_overlap=true (or 'all')")
@@ -156,14 +174,15 @@ def faithfulness(dense_mass: Frame, topk_k: int) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def sink_over_time(sink: Frame, topk_k: int, sink_tokens: int = 4, threshold: float = 0.5) -> tuple[pd.DataFrame,
+def sink_over_time(sink: Frame, topk_k: int | None = None, sink_tokens: int | None = None, threshold: float = 0.5) -> tuple[pd.DataFrame,
                                                                                                      pd.DataFrame]:
     """Attention sink over time: per layer and step, the share of queries selecting a position < sink_tokens.
 
     Args:
         sink (DataFrame | Table): dsa_sink deltas (layer, step, position, queries, sink_hits).
-        topk_k (int): the indexer's top-k (below it every query reads every key, the sink included).
-        sink_tokens (int): policy.sink_tokens.
+        topk_k (int, Optional): the indexer's top-k (below it every query reads every key, the sink
+            included); the recorded one of a trace's table, which an explicit value must match.
+        sink_tokens (int, Optional): policy.sink_tokens; the recorded one likewise.
         threshold (float): a step's rate below this is "not reading the sink".
 
     Returns (timeline, alarms). timeline: layer, step, position (context reached), queries, rate,
@@ -171,6 +190,8 @@ def sink_over_time(sink: Frame, topk_k: int, sink_tokens: int = 4, threshold: fl
     whose rate fell below `threshold` at a step where the context exceeded top-k after having been
     at or above it: layer, step, position, rate, chance, rate_before.
     """
+    topk_k = int(recorded_setting(sink, "topk", topk_k, "sink_over_time", "topk_k"))
+    sink_tokens = int(recorded_setting(sink, "sink_tokens", sink_tokens, "sink_over_time"))
     df = to_pandas(sink)
     tl = df.groupby(["layer", "step"], as_index=False, sort=True).agg(
         position=("position", "max"), queries=("queries", "sum"), hits=("sink_hits", "sum"))

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from engine.fileio import process_alive
 from workbench.analysis.dsa import rebin_counts
+from workbench.analysis.recorded import SETTINGS_KEY, settings_of_session, with_settings
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
@@ -100,6 +101,12 @@ class Trace:
     @property
     def policy(self) -> dict:
         return {**POLICY_DEFAULTS, **self.session.get("policy", {})}
+
+    @property
+    def settings(self) -> dict:
+        """What the recording was made with: topk, dsa_bin_tokens, sink_tokens, dsa_layers, num_experts
+        (`workbench.analysis.recorded`; the tables and frames this trace returns carry them)."""
+        return settings_of_session(self.session)
 
     def refresh(self) -> set[str]:
         """Pick up a new session.json and new parts; returns the names that changed ("session", tables)."""
@@ -267,7 +274,8 @@ class Trace:
         # keys, 0.6 s): skipped when every row is kept, as when the parts read hold only the wanted range
         if mask is not None and not (mask.null_count == 0 and pc.all(mask).as_py()):
             table = table.filter(mask)
-        return table.select(wanted)
+        # the recording's top-k, bin width, sink size and layer ids travel with the rows (statistics read them)
+        return with_settings(table.select(wanted), self.settings)
 
     def _tokens_table(self, columns: Sequence[str] | None) -> pa.Table:
         spec = TABLES["tokens"]
@@ -337,8 +345,11 @@ class Trace:
 
     def df(self, name: str, layers: Sequence[int] | None = None, columns: Sequence[str] | None = None,
            **filters) -> pd.DataFrame:
-        """`table(...)` as a pandas DataFrame (list columns hold numpy arrays)."""
-        return self.table(name, layers, columns, **filters).to_pandas()
+        """`table(...)` as a pandas DataFrame (list columns hold numpy arrays; the recording's settings in
+        `attrs`, as `workbench.analysis.recorded` reads them)."""
+        frame = self.table(name, layers, columns, **filters).to_pandas()
+        frame.attrs[SETTINGS_KEY] = self.settings
+        return frame
 
     def tokens(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """The token table (position, token_id, piece, segment, modality, image_id, patch_row, patch_col)."""

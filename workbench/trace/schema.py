@@ -133,9 +133,8 @@ class TableSpec:
         if cited and (self.signal not in SIGNALS or not set(cited) <= set(SIGNALS[self.signal].names)):
             raise ValueError(f"table {self.name}: columns cite fields {cited} that signal {self.signal!r} "
                              "does not declare")
-        fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in self.columns]
-        tags = {b"k3wb.table": self.name.encode(), b"k3wb.schema_version": str(SCHEMA_VERSION).encode()}
-        object.__setattr__(self, "arrow_schema", pa.schema(fields, metadata=tags))
+        fields = [pa.field(c.name, c.type, nullable=c.nullable, metadata=_field_notes(self, c)) for c in self.columns]
+        object.__setattr__(self, "arrow_schema", pa.schema(fields, metadata=_table_notes(self)))
         object.__setattr__(self, "meta", {c.name: _kind(c.type) for c in self.columns})
 
     @property
@@ -160,6 +159,72 @@ class TableSpec:
             if c.name == name:
                 return c
         raise KeyError(name)
+
+
+# units of the columns whose name alone does not say it; table-specific entries first
+_UNITS = {
+    ("dsa_key_counts", "count"): "selections (DSA picks of a key in the bin)",
+    ("dsa_distance_hist", "count"): "selections (DSA picks at that distance)",
+    ("dsa_segment_totals", "count"): "selections (DSA picks of a key in the segment)",
+    ("moe_counts", "count"): "token slots (a token routed to k experts fills k slots)",
+    "layer": "model layer index", "step": "forward step", "rank": "process rank", "position": "token position",
+    "selected": "token positions", "key_bin": "bin index (key position // bin width)",
+    "log2_bin": "floor(log2(distance + 1)), distance in tokens", "segment": "segment id", "expert": "expert id",
+    "ep_rank": "expert-parallel rank", "tokens": "token slots", "queries": "queries", "sink_hits": "queries",
+    "mass": "probability mass (0..1)", "iou": "ratio (0..1)", "recall": "ratio (0..1)", "norm": "Frobenius norm",
+    "max_abs": "absolute value", "mean_decay": "decay factor exp(g) (0..1)", "mean_beta": "write strength (0..1)",
+    "eff_rank": "effective rank", "half_life": "tokens", "global_share": "ratio (0..1)", "entropy": "nats",
+    "weights": "combine weight", "experts": "expert ids", "scores": "indexer score", "token_id": "token id",
+    "piece": "text", "modality": "text or image", "image_id": "segment id", "patch_row": "patch row",
+    "patch_col": "patch column",
+}
+
+DELTA_NOTE = ("rows are increments written at each flush: the value is the SUM of {sums} over all rows with "
+              "equal {keys}; a single row is only a part of it")
+
+
+def _unit(table: str, column: str) -> str:
+    return _UNITS.get((table, column)) or _UNITS.get(column, "")
+
+
+def _field_notes(spec: "TableSpec", column: Column) -> dict[bytes, bytes]:
+    """A column's description in its Arrow field metadata (pyarrow: `schema.field(name).metadata`)."""
+    notes = {b"description": column.doc.encode(), b"unit": _unit(spec.name, column.name).encode()}
+    if column.name in spec.sums:
+        notes[b"aggregate"] = b"sum over rows with equal keys (a delta)"
+    return notes
+
+
+def _table_notes(spec: "TableSpec") -> dict[bytes, bytes]:
+    """What the table's rows mean, as schema metadata: Parquet stores it as the file's key-value metadata,
+    so DuckDB reads it too (`SELECT * FROM parquet_kv_metadata('part-000000.parquet')`); one
+    `k3wb.column.<name>` entry per column repeats the field descriptions there, since DuckDB does not
+    read Arrow field metadata."""
+    notes = {"k3wb.table": spec.name, "k3wb.schema_version": str(SCHEMA_VERSION), "k3wb.row": spec.doc,
+             "k3wb.kind": spec.kind}
+    if spec.kind == "delta":
+        notes["k3wb.read_as"] = DELTA_NOTE.format(sums=", ".join(spec.sums), keys=", ".join(spec.keys))
+    if spec.name == "dsa_key_counts":
+        notes["k3wb.bin_width"] = ("key_bin covers key positions [key_bin * W, (key_bin + 1) * W) with W = "
+                                   "policy.dsa_bin_tokens of session.json (k3wb.dsa_bin_tokens in each part)")
+    for c in spec.columns:
+        unit = _unit(spec.name, c.name)
+        notes[f"k3wb.column.{c.name}"] = c.doc + (f" [unit: {unit}]" if unit else "")
+    return {k.encode(): v.encode() for k, v in notes.items()}
+
+
+# the policy setting a table's values depend on, written into each of its parts (`part_notes`)
+_PART_SETTINGS = {"dsa_key_counts": "dsa_bin_tokens", "dsa_sink": "sink_tokens"}
+
+
+def part_notes(spec: "TableSpec", policy: dict) -> dict[bytes, bytes]:
+    """The table's schema metadata plus the recording's own setting its values depend on (the bin width
+    of dsa_key_counts, the sink size of dsa_sink), so one part file read alone is still readable."""
+    notes = dict(spec.arrow_schema.metadata)
+    setting = _PART_SETTINGS.get(spec.name)
+    if setting is not None:
+        notes[f"k3wb.{setting}".encode()] = str(policy.get(setting, POLICY_DEFAULTS[setting])).encode()
+    return notes
 
 
 def _kind(t: pa.DataType) -> tuple[str, np.dtype]:

@@ -39,7 +39,7 @@ from workbench.trace.errors import TraceError
 from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic, write_json_atomic,
                                    write_parquet_atomic)
 from workbench.trace.schema import (IMAGES_DIR, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
-                                    SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, table_spec)
+                                    SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, part_notes, table_spec)
 
 # fields the writer owns; a caller may read them but update_session refuses to set them
 _MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens", "parts")
@@ -317,6 +317,7 @@ class TraceWriter:
         for name, seq, batches in jobs:
             spec = TABLES[name]
             table = coalesce(spec, to_table(spec, batches))
+            table = table.replace_schema_metadata(part_notes(spec, self._session.get("policy") or {}))
             directory = self.path / name
             if seq == 0:
                 directory.mkdir(exist_ok=True)
