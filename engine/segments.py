@@ -12,6 +12,9 @@ from engine.errors import InputError
 from engine.vision.thumbnail import decode_thumbnail
 
 THUMBNAIL_TENSOR = "thumbnails."  # + segment id: a snapshot's PNG bytes of that image's thumbnail
+# segments one session may hold (snapshots and traces refuse more): each is one append or generate
+# call, and every view of a session lists them, so a file claiming millions would stall each page load
+MAX_SEGMENTS = 1 << 16
 
 
 @dataclass
@@ -34,6 +37,8 @@ def segments_from_json(raw: Any, n_tokens: int) -> list[Segment]:
     """A snapshot's segment list, checked field by field (InputError naming the entry)."""
     if not isinstance(raw, list):
         raise InputError(f"snapshot segments must be a list, got {type(raw).__name__}")
+    if len(raw) > MAX_SEGMENTS:
+        raise InputError(f"snapshot holds {len(raw):,} segments, more than the {MAX_SEGMENTS:,} a session may have")
     names = {f.name: f for f in fields(Segment)}
     out = []
     for i, seg in enumerate(raw):

@@ -11,7 +11,8 @@ every part of the tables the summary was read from (name, size and the part's la
 hold its Parquet footer: every column chunk's offsets and statistics; a small part whole), not the
 trace's path or the parts' times, so a copied trace still finds its summaries and a part that is
 added, replaced or rewritten gives another key and the summary is simply not found. A summary that
-cannot be read (truncated, another layout, over `MAX_BYTES`) counts as not found and is recomputed.
+cannot be read (truncated, another layout, over `MAX_BYTES` / `MAX_JSON_BYTES`, a column over
+`MAX_ROWS` values, a compressed body: `arrow_limits`) counts as not found and is recomputed.
 
 Two places, looked up in this order:
 - `<trace>/summaries/`: written only inside `into_trace(trace)`, i.e. by the command that recorded
@@ -38,9 +39,17 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from apps.dashboard.arrow_limits import BoundsError, read_bounded
 from workbench.trace import Trace
+from workbench.trace.bounds import MAX_DENSE_CELLS
 
-MAX_BYTES = 1 << 30  # a summary file larger than this is not read (they are a few MB at 1M tokens)
+# summaries arrive with traces from anyone: limits on what reading one may allocate (a 1M-token
+# trace's summaries take a few tens of MB); the file limit bounds an Arrow summary's decoded size
+# because only uncompressed bodies are read, mapped in place
+MAX_BYTES = 256 << 20  # an Arrow summary file larger than this is not read
+MAX_JSON_BYTES = 16 << 20  # a JSON summary: decoded into Python objects, several times its size
+MAX_ROWS = 1 << 26  # values in one column of an Arrow summary (a list column's items too)
+MAX_SUM_GROUPS = 1 << 20  # groups of a running-sums summary (each becomes a Python dict entry)
 VERSION = 2  # bump when a summary's layout or the key changes
 TRACE_DIR = "summaries"  # inside a trace directory
 _TAIL = 64 << 10  # bytes of a part's end hashed into the key (its footer); a smaller part is hashed whole
@@ -121,9 +130,9 @@ def _target(cache_key: Key, name: str) -> Path | None:
     return paths[-1] if paths else None
 
 
-def _readable(path: Path) -> bool:
+def _readable(path: Path, limit: int = MAX_BYTES) -> bool:
     try:
-        return not path.is_symlink() and path.is_file() and path.stat().st_size <= MAX_BYTES
+        return not path.is_symlink() and path.is_file() and path.stat().st_size <= limit
     except OSError:
         return False
 
@@ -145,14 +154,13 @@ def _write(path: Path | None, data: bytes) -> None:
         pass  # a cache that cannot be written is only slower
 
 
-def load_arrow(cache_key: Key | None, name: str) -> pa.Table | None:
+def load_arrow(cache_key: Key | None, name: str, max_rows: int = MAX_ROWS) -> pa.Table | None:
     for path in _paths(cache_key, name + ".arrow") if cache_key else ():
         if not _readable(path):
             continue
         try:
-            with pa.memory_map(str(path)) as source:
-                return pa.ipc.open_file(source).read_all()
-        except (OSError, pa.ArrowException, ValueError):
+            return read_bounded(path, max_rows)
+        except (OSError, BoundsError):
             continue
     return None
 
@@ -168,11 +176,15 @@ def save_arrow(cache_key: Key | None, name: str, table: pa.Table) -> None:
 
 def load_json(cache_key: Key | None, name: str) -> Any:
     for path in _paths(cache_key, name + ".json") if cache_key else ():
-        if not _readable(path):
+        if not _readable(path, MAX_JSON_BYTES):
             continue
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            with open(path, "rb") as f:  # bounded read: the file may have grown since it was checked
+                data = f.read(MAX_JSON_BYTES + 1)
+            if len(data) > MAX_JSON_BYTES:
+                continue
+            return json.loads(data.decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
             continue
     return None
 
@@ -186,8 +198,8 @@ def restore_sums(trace: Trace, table: str) -> bool:
     """Give `trace` its running sums of `table` (dsa_key_counts, moe_counts) from the cache, so their
     parts are not read; whether they were there (and fit: `Trace.restore_running_sums` checks them)."""
     cache_key = key(trace, (table,))
-    stored = load_arrow(cache_key, f"sums-{table}")
-    if stored is None or "counts" not in stored.column_names:
+    stored = load_arrow(cache_key, f"sums-{table}", max_rows=MAX_DENSE_CELLS)
+    if stored is None or "counts" not in stored.column_names or stored.num_rows > MAX_SUM_GROUPS:
         return False
     groups = [c for c in stored.column_names if c != "counts"]
     counts = stored["counts"].combine_chunks()

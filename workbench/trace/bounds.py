@@ -25,6 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from engine.segments import MAX_SEGMENTS
 from workbench.trace.errors import TraceCorruptError
 
 MAX_POSITIONS = 2 ** 31 - 1  # positions are int32 in every table
@@ -73,6 +74,9 @@ def check_session(session: dict, file: Path) -> None:
     segments = session.get("segments", [])
     if not isinstance(segments, list):
         raise TraceCorruptError(f"{file}: field `segments` must be a list, got {type(segments).__name__}")
+    if len(segments) > MAX_SEGMENTS:
+        raise TraceCorruptError(f"{file}: field `segments` holds {len(segments):,} segments, more than the "
+                                f"{MAX_SEGMENTS:,} a session may have")
     for i, seg in enumerate(segments):
         if not isinstance(seg, dict):
             raise TraceCorruptError(f"{file}: segments[{i}] must be an object, got {type(seg).__name__}")

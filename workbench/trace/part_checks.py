@@ -5,7 +5,11 @@
   `TraceError` subclass with one line naming the path.
 - `read_footer(path, spec)`: a part's Parquet footer has the table's columns with their types; its
   row count and the integer ranges of its indexed columns (from the statistics) become a `Part`,
-  which the reader uses to skip parts outside a query.
+  which the reader uses to skip parts outside a query. A part whose footer claims more rows or
+  decoded bytes than `MAX_PART_ROWS` / `MAX_PART_BYTES` is refused before any page is decoded: Parquet
+  encodes a run of equal values in a few bytes, so a file of a few MB can decode to many GB.
+- `strings_as_dictionaries(spec)` / `check_strings(table)`: string columns are decoded as dictionaries
+  and expanded only when their expanded size is within the limit (the footer cannot bound it).
 - `conform(table, spec)`: a decoded part with the schema's nullability (a part written by another
   tool may declare its columns nullable), or ValueError when a column that allows no null holds one.
 - `valueless_columns(meta, spec, columns)`: the nullable columns a part's footer shows to hold no value
@@ -20,11 +24,21 @@ from pathlib import Path
 from typing import Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from engine.fileio import read_limited
 from workbench.trace.bounds import check_session
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS, TableSpec
+
+# far above what the writer produces (a part is one flush: at most max_buffer_rows rows or
+# max_buffer_bytes buffered; tokens.parquet one row per position) and far below what exhausts memory
+MAX_PART_ROWS = 1 << 25
+MAX_PART_BYTES = 1 << 30  # decoded size of one part, estimated from its footer
+MAX_SESSION_BYTES = 64 << 20  # session.json: a few KB, plus ~100 bytes per segment
+# decoded bytes of one value by Parquet physical type (strings and half floats: see `_decoded_bytes`)
+_VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
 
 
 @dataclass
@@ -52,8 +66,9 @@ def read_session(path: Path) -> dict:
             raise TraceError(f"{file} is not a regular file; a trace's {SESSION_FILE} must be one")
         raise TraceError(f"{path} is not a K3 Workbench trace: it has no {SESSION_FILE}")
     try:
-        session = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # read through the size limit: a sparse file can claim gigabytes while taking no disk space
+        session = json.loads(read_limited(file, "a trace's session.json", TraceCorruptError, MAX_SESSION_BYTES))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise TraceCorruptError(f"{file} cannot be read as JSON: {exc}") from None
     if not isinstance(session, dict) or session.get("schema") != SCHEMA_NAME:
         raise TraceError(f"{path} is not a K3 Workbench trace: {SESSION_FILE} lacks the schema marker "
@@ -75,6 +90,12 @@ def read_session(path: Path) -> dict:
 def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]]]:
     """Rows and integer column ranges of a part; raises ValueError/ArrowException when it is unusable."""
     meta = pq.read_metadata(path)
+    if meta.num_rows > MAX_PART_ROWS:
+        raise ValueError(f"its footer claims {meta.num_rows:,} rows, more than the {MAX_PART_ROWS:,} a part may hold")
+    decoded = _decoded_bytes(meta)
+    if decoded > MAX_PART_BYTES:
+        raise ValueError(f"its footer claims about {decoded:,} decoded bytes, more than the {MAX_PART_BYTES:,} "
+                         "a part may hold")
     arrow = meta.schema.to_arrow_schema()
     missing = [c.name for c in spec.columns if c.name not in arrow.names]
     if missing:
@@ -99,6 +120,52 @@ def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, 
         if lo is not None:
             ranges[name] = (int(lo), int(hi))
     return meta.num_rows, ranges
+
+
+def _decoded_bytes(meta: pq.FileMetaData) -> int:
+    """What decoding every column of a part allocates at least, from its footer alone: each leaf's value
+    count (a list's items included) times the value's width, plus an offset per row of each column. A
+    string column adds its uncompressed page bytes (what its plain-encoded values hold); one encoded
+    with a dictionary can expand far beyond that, so the reader decodes strings as dictionaries and
+    checks them with `check_strings` before expanding them."""
+    total = meta.num_rows * 4 * meta.num_columns
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        for i in range(group.num_columns):
+            chunk = group.column(i)
+            width = _VALUE_BYTES.get(chunk.physical_type)
+            if width is None and chunk.physical_type == "FIXED_LEN_BYTE_ARRAY":  # half floats: 2 bytes
+                width = meta.schema.column(i).length
+            elif width is None:  # BYTE_ARRAY: an offset per value, the characters in the pages
+                width = 4
+                total += max(chunk.total_uncompressed_size, 0)
+            total += max(chunk.num_values, 0) * max(width, 1)
+    return total
+
+
+def check_strings(table: pa.Table, spec: TableSpec, limit: int = MAX_PART_BYTES) -> pa.Table:
+    """`table` with the plain string columns of `spec`, read as dictionaries (`strings_as_dictionaries`),
+    expanded to plain strings once their expanded size is known to be within `limit` (ValueError naming
+    the column otherwise): a few distinct long strings repeated over many rows take a few bytes in the
+    file and many gigabytes expanded."""
+    for name in strings_as_dictionaries(spec):
+        col = table[name] if name in table.column_names else None
+        if col is None or not pa.types.is_dictionary(col.type):
+            continue
+        expanded = 0
+        for chunk in col.chunks:
+            lengths = pc.binary_length(chunk.dictionary).fill_null(0)
+            expanded += pc.sum(pc.take(lengths, chunk.indices)).as_py() or 0
+        if expanded > limit:
+            raise ValueError(f"column {name} expands to {expanded:,} bytes of text, more than the {limit:,} "
+                             "a part may hold")
+        table = table.set_column(table.column_names.index(name), name, col.cast(pa.string()))
+    return table
+
+
+def strings_as_dictionaries(spec: TableSpec) -> list[str]:
+    """The plain string columns of a table, to be read as dictionaries and expanded by `check_strings`."""
+    return [c.name for c in spec.columns if pa.types.is_string(c.type)]
 
 
 def valueless_columns(meta: pq.FileMetaData, spec: TableSpec, columns: Sequence[str]) -> list[str]:

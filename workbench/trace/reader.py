@@ -39,7 +39,8 @@ from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
-from workbench.trace.part_checks import Part, conform, read_footer, read_session, valueless_columns
+from workbench.trace.part_checks import (Part, check_strings, conform, read_footer, read_session,
+                                         strings_as_dictionaries, valueless_columns)
 from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
@@ -186,7 +187,8 @@ class Trace:
               layers: Sequence[int] | None = None, skip_valueless: bool = False) -> pa.Table | None:
         try:
             if layers is None:
-                file = pq.ParquetFile(part.path, page_checksum_verification=True)
+                file = pq.ParquetFile(part.path, page_checksum_verification=True,
+                                      read_dictionary=strings_as_dictionaries(spec))
                 absent = valueless_columns(file.metadata, spec, columns) if skip_valueless and columns else []
                 # one thread per part: the callers that read many parts already read them in parallel, and
                 # Arrow's own pool on top of theirs only oversubscribed two cores (cold 1M open: -6 to -12%)
@@ -196,8 +198,9 @@ class Trace:
                     field = file.schema_arrow.field(name)
                     table = table.append_column(field, pa.nulls(file.metadata.num_rows, field.type))
             else:
-                table = pq.read_table(part.path, columns=columns, filters=[("layer", "in", list(layers))])
-            table = conform(table, spec)
+                table = pq.read_table(part.path, columns=columns, filters=[("layer", "in", list(layers))],
+                                      read_dictionary=strings_as_dictionaries(spec))
+            table = conform(check_strings(table, spec), spec)
         except FileNotFoundError:
             if spec.name == "tokens":
                 raise

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.segments import MAX_SEGMENTS
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
 from workbench.trace.errors import TraceError
 from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic, write_json_atomic,
@@ -74,6 +75,8 @@ def check_segments(segments: Any) -> list[dict]:
     """Validate session segments (id, kind, name, start, end, modality, optional image) and return them."""
     if not isinstance(segments, list):
         raise TraceError("session segments must be a list of dicts")
+    if len(segments) > MAX_SEGMENTS:  # a reader would refuse the trace
+        raise TraceError(f"a session may have at most {MAX_SEGMENTS:,} segments, got {len(segments):,}")
     ids = set()
     for i, seg in enumerate(segments):
         where = f"segments[{i}]"

@@ -1,0 +1,177 @@
+"""Issue 31 items 2 and 3: files small on disk that claim huge sizes are refused before anything is
+allocated (limits on rows, decoded bytes and counts, not on file bytes), with an error naming the
+file and the limit; a bad summary counts as absent."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from apps.dashboard import summary_cache
+from apps.dashboard.arrow_limits import BoundsError, read_bounded
+from tests.hardening.conftest import bounded
+from workbench.trace import TraceCorruptError, TraceWriter, open_trace
+from workbench.trace import part_checks
+from workbench.trace.export import export_trace
+from workbench.trace.schema import TABLES, parquet_options
+
+
+def _trace(tmp_path):
+    path = tmp_path / "t"
+    w = TraceWriter.create(path, {"model": {"layers": 8, "num_experts": 16, "max_position_embeddings": 4096}},
+                           fsync=False)
+    for step in range(2):
+        w.append("dsa_key_counts", layer=3, step=step, rank=0, key_bin=np.arange(4), count=np.ones(4, np.int64))
+        w.flush()
+    w.close()
+    return path
+
+
+def _many_rows_part(path, rows_per_group: int = 1 << 22, groups: int = 9):
+    """A dsa_key_counts part of 37.7M valid rows (equal values: under 1 MB on disk)."""
+    spec = TABLES["dsa_key_counts"]
+    n = rows_per_group
+    table = pa.table({"layer": np.full(n, 3, np.int16), "step": np.zeros(n, np.int32), "rank": np.zeros(n, np.int16),
+                      "key_bin": np.zeros(n, np.int32), "count": np.ones(n, np.int64)}, schema=spec.arrow_schema)
+    out = path / "dsa_key_counts" / "part-000002.parquet"
+    with pq.ParquetWriter(out, spec.arrow_schema, **parquet_options(spec)) as writer:
+        for _ in range(groups):
+            writer.write_table(table, row_group_size=n)
+    return out
+
+
+def test_a_part_of_many_valid_rows_is_refused_from_its_footer(tmp_path):
+    path = _trace(tmp_path)
+    bad = _many_rows_part(path)
+    assert bad.stat().st_size < 2 << 20 and pq.read_metadata(bad).num_rows > part_checks.MAX_PART_ROWS
+    with bounded(seconds=5, rss_mib=100):
+        t = open_trace(path)
+        assert t.dsa_heatmap(bins=4).sum() == 8
+    assert any(str(bad) in p and "rows, more than the" in p and "skipped" in p for p in t.problems)
+    with pytest.raises(TraceCorruptError, match="rows, more than the"):
+        export_trace(path, tmp_path / "out", fmt="csv")
+    assert not (tmp_path / "out").exists()
+
+
+def test_list_items_count_as_decoded_bytes(tmp_path, monkeypatch):
+    path = _trace(tmp_path)
+    spec = TABLES["dsa_topk"]
+    rows = 4
+    keys = np.zeros(rows * 100_000, np.int32)
+    selected = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * 100_000), pa.array(keys))
+    scores = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * 100_000),
+                                      pa.array(keys.astype(np.float32)))
+    table = pa.table({"layer": np.full(rows, 3, np.int16), "step": np.zeros(rows, np.int32),
+                      "rank": np.zeros(rows, np.int16), "position": np.arange(rows, dtype=np.int32),
+                      "selected": selected, "scores": scores}, schema=spec.arrow_schema)
+    bad = path / "dsa_topk" / "part-000000.parquet"
+    bad.parent.mkdir(exist_ok=True)
+    pq.write_table(table, bad, **parquet_options(spec))
+    monkeypatch.setattr(part_checks, "MAX_PART_BYTES", 1 << 20)  # the rows decode to 3.2 MB
+    t = open_trace(path)
+    assert t.table("dsa_topk").num_rows == 0
+    assert any(str(bad) in p and "decoded bytes, more than the 1,048,576" in p for p in t.problems)
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _claim_schema(file, written: pa.Schema, claimed: pa.Schema) -> None:
+    """Replace the Arrow schema a Parquet footer stores (a Thrift string, base64) without touching a page."""
+    old, new = (base64.b64encode(s.serialize().to_pybytes()) for s in (written, claimed))
+    data = file.read_bytes()
+    at = data.index(_varint(len(old)) + old)
+    data = data[:at] + _varint(len(new)) + new + data[at + len(_varint(len(old))) + len(old):]
+    footer = int.from_bytes(data[-8:-4], "little") + len(_varint(len(new)) + new) - len(_varint(len(old)) + old)
+    file.write_bytes(data[:-8] + footer.to_bytes(4, "little") + b"PAR1")
+
+
+def test_a_repeated_long_token_piece_is_refused_before_it_is_expanded(tmp_path):
+    path = _trace(tmp_path)
+    tokens = path / "tokens.parquet"
+    spec = TABLES["tokens"]
+    n = 120_000  # x 10,000 characters: 1.2 GB of text once expanded, a few KB in the file
+    pieces = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["x" * 10_000]))
+    columns = {c.name: pa.array(np.zeros(n, c.type.to_pandas_dtype()), c.type)
+               for c in spec.columns if c.name not in ("piece", "modality")}
+    columns["modality"] = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array(["text"]))
+    columns["piece"] = pieces
+    schema = pa.schema([pa.field(f.name, pieces.type if f.name == "piece" else f.type, f.nullable)
+                        for f in spec.arrow_schema])
+    pq.write_table(pa.table({f.name: columns[f.name] for f in schema}, schema=schema), tokens)
+    _claim_schema(tokens, schema, spec.arrow_schema)  # the pages hold one dictionary entry, the footer says string
+    assert tokens.stat().st_size < 1 << 20
+    with bounded(seconds=5, rss_mib=150):
+        t = open_trace(path)
+        assert len(t.tokens()) == 0
+    assert any(str(tokens) in p and "column piece expands to 1,200,000,000 bytes" in p for p in t.problems)
+
+
+def test_a_sparse_session_json_is_not_read_whole(tmp_path):
+    path = _trace(tmp_path)
+    file = path / "session.json"
+    with open(file, "r+b") as f:
+        f.truncate(3 << 30)  # sparse: no disk taken, 3 GB claimed
+    with bounded(seconds=5, rss_mib=150):
+        with pytest.raises(TraceCorruptError, match=r"session.json: larger than the .* bytes allowed"):
+            open_trace(path)
+
+
+def test_a_session_with_too_many_segments_is_refused(tmp_path):
+    from engine.segments import MAX_SEGMENTS
+    path = _trace(tmp_path)
+    session = json.loads((path / "session.json").read_text())
+    session["segments"] = [{"id": i, "kind": "turn", "start": 0, "end": 0} for i in range(MAX_SEGMENTS + 1)]
+    (path / "session.json").write_text(json.dumps(session))
+    with pytest.raises(TraceCorruptError, match=f"holds {MAX_SEGMENTS + 1:,} segments, more than the"):
+        open_trace(path)
+
+
+def _ipc(path, table: pa.Table, compression: str | None = None):
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_file(str(path), table.schema, options=options) as writer:
+        writer.write_table(table)
+    return path
+
+
+def test_arrow_summaries_are_read_within_limits(tmp_path):
+    ok = _ipc(tmp_path / "ok.arrow", pa.table({"a": np.arange(10), "b": pa.array([[1, 2]] * 10)}))
+    assert read_bounded(ok, 100).equals(pa.table({"a": np.arange(10), "b": pa.array([[1, 2]] * 10)}))
+    with pytest.raises(BoundsError, match="claims 20 rows, more than the 15"):  # the list's 20 items
+        read_bounded(ok, 15)
+    zipped = _ipc(tmp_path / "z.arrow", pa.table({"a": np.zeros(10_000_000, np.int64)}), "zstd")
+    assert zipped.stat().st_size < 1 << 20
+    nulls = _ipc(tmp_path / "n.arrow", pa.table({"a": pa.nulls(600_000_000)}))  # no buffers: a tiny file
+    with bounded(seconds=2, rss_mib=40):
+        with pytest.raises(BoundsError, match="compressed"):
+            read_bounded(zipped, 1 << 40)
+        with pytest.raises(BoundsError, match="claims 600,000,000 rows"):
+            read_bounded(nulls, summary_cache.MAX_ROWS)
+    (tmp_path / "junk.arrow").write_bytes(b"ARROW1\0\0" + b"\xff" * 64)
+    with pytest.raises(BoundsError):
+        read_bounded(tmp_path / "junk.arrow", 100)
+
+
+def test_a_bad_summary_counts_as_absent(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
+    key = summary_cache.Key("ab" * 20, tmp_path)
+    (tmp_path / "summaries").mkdir()
+    _ipc(tmp_path / "summaries" / f"{key.digest}.x.arrow", pa.table({"a": np.zeros(1000, np.int64)}), "zstd")
+    assert summary_cache.load_arrow(key, "x") is None
+    summary_cache.save_arrow(key, "x", pa.table({"a": np.arange(3)}))  # the user cache: read after the bad one
+    assert summary_cache.load_arrow(key, "x")["a"].to_pylist() == [0, 1, 2]
+    big = tmp_path / "summaries" / f"{key.digest}.y.json"
+    with open(big, "wb") as f:
+        f.truncate(summary_cache.MAX_JSON_BYTES + 1)
+    assert summary_cache.load_json(key, "y") is None
