@@ -32,6 +32,7 @@ the declarations without loading torch).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -208,6 +209,19 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class SampleUnion:
+    """The positions any of several `Sample`s keeps (what a point with several listeners measures)."""
+
+    samples: tuple[Sample, ...]
+
+    def rows(self, pos: np.ndarray) -> np.ndarray:
+        keep = np.zeros(len(pos), bool)
+        for sample in self.samples:
+            keep[sample.rows(pos)] = True
+        return np.flatnonzero(keep)
+
+
+@dataclass(frozen=True)
 class ProbeRequest:
     """What a listener asks of a probe point; the layer reads it (nothing calls back).
 
@@ -220,7 +234,7 @@ class ProbeRequest:
     """
 
     optional: frozenset[str] = frozenset()
-    queries: Sample | None = None
+    queries: Sample | SampleUnion | None = None
     decode_every: int = 1
 
     def wants(self, name: str) -> bool:
@@ -284,21 +298,86 @@ class Emission(NamedTuple):
 
 
 Sink = Callable[[Emission], None]
+
+
+def combined_request(requests: list[ProbeRequest]) -> ProbeRequest:
+    """One request that measures everything any of `requests` asks for: the union of their optional
+    fields and sampled queries, and every decode step any of them measures (the gcd of their periods,
+    a superset; `FanOut` gives each listener only its own rows back)."""
+    if len(requests) == 1:
+        return requests[0]
+    queries: Sample | SampleUnion | None
+    samples = [r.queries for r in requests]
+    if any(q is None for q in samples):
+        queries = None
+    else:
+        flat = tuple(dict.fromkeys(x for q in samples for x in (q.samples if isinstance(q, SampleUnion) else (q,))))
+        queries = flat[0] if len(flat) == 1 else SampleUnion(flat)
+    periods = [r.decode_every for r in requests if r.decode_every > 0]
+    return ProbeRequest(optional=frozenset().union(*(r.optional for r in requests)), queries=queries,
+                        decode_every=math.gcd(*periods) if periods else 0)
+
+
+class FanOut:
+    """The sink of a point with several listeners: each emission goes to every listener, with only the
+    optional fields it asked for and, for `dsa.dense_mass` (whose rows are the sampled queries), only the
+    rows its own request samples. Listeners are called in the order they attached."""
+
+    def __init__(self, listeners: list[tuple[Sink, ProbeRequest]], combined: ProbeRequest) -> None:
+        self.listeners, self.combined = listeners, combined
+
+    def __call__(self, emission: Emission) -> None:
+        for sink, request in self.listeners:
+            own = _own_part(emission, request, self.combined)
+            if own is not None:
+                sink(own)
+
+
+def _own_part(emission: Emission, request: ProbeRequest, combined: ProbeRequest) -> Emission | None:
+    """`emission` cut down to what `request` asks for (None when none of its rows are wanted)."""
+    if request == combined:
+        return emission
+    signal = emission.point.signal
+    data = {k: v for k, v in emission.data.items() if k not in signal.optional or request.wants(k)}
+    if signal.name == "dsa.dense_mass":
+        positions = emission.data["positions"].numpy()
+        if emission.phase == "decode":
+            steps = emission.row_steps().numpy()
+            keep = (np.flatnonzero(steps % request.decode_every == 0) if request.decode_every > 0
+                    else np.zeros(0, np.int64))
+        else:
+            keep = np.arange(len(positions)) if request.queries is None else request.queries.rows(positions)
+        if len(keep) == 0:
+            return None
+        if len(keep) < len(positions):
+            import torch
+
+            index = torch.from_numpy(keep)
+            data = {k: v.index_select(signal.field(k).dims.index("n"), index.to(v.device)) for k, v in data.items()}
+            steps_kept = None if emission.steps is None else emission.steps[index]
+            return emission._replace(data=data, steps=steps_kept)
+    return emission._replace(data=data)
+
+
 _UNBOUND = ProbeContext()  # tags of a layer used outside a model (never begun: always step 0, "idle")
 
 
 class ProbePoint:
     """One recordable signal of one layer. `sink` is None unless a listener attached one.
 
+    Several listeners may attach (a recording, an intervention's measurement, a user's own sink): `sink`
+    is then a `FanOut` over them and `request` the union of their requests (`combined_request`), so the
+    layers and the decode step read one sink and one request whatever the number of listeners.
+
     Attributes:
         name: the signal's name (`dsa.topk`); `signal` its declaration; `family` e.g. `dsa`.
         layer: model layer index.
         path: module path in the model (`model.layers.3.self_attn`), set by `bind_probes`.
-        request: what the listener asks for (a `ProbeRequest`).
+        request: what the listeners ask for (a `ProbeRequest`).
     """
 
     __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected",
-                 "tape")
+                 "tape", "_listeners")
 
     def __init__(self, name: str, layer: int) -> None:
         if name not in SIGNALS:
@@ -309,6 +388,7 @@ class ProbePoint:
         self.path = ""
         self.sink: Sink | None = None
         self.request = ProbeRequest()
+        self._listeners: list[tuple[Sink, ProbeRequest]] = []
         self.context = _UNBOUND
         # inside the compiled decode step emissions are kept here (the graph's outputs) and handed to
         # the sink on the host after it (`engine.decode_step`); one list for the point's lifetime, so
@@ -329,20 +409,51 @@ class ProbePoint:
         return f"{self.path}:{self.name}"
 
     def attach(self, sink: Sink, request: ProbeRequest | None = None) -> None:
-        """Start listening; the request may name only optional fields the signal declares."""
-        if self.sink is not None:
-            raise RuntimeError(f"{self} already has a listener")
+        """Start listening (beside any listener already attached); the request may name only optional
+        fields the signal declares."""
         request = request or ProbeRequest()
         unknown = request.optional - self.signal.optional
         if unknown:
             raise ValueError(f"{self.name} has no optional fields {sorted(unknown)}; "
                              f"optional: {sorted(self.signal.optional)}")
-        self.request, self.sink = request, sink
+        if self._listeners:
+            self.deliver()  # the steps on the tape belong to the listeners attached when they ran
+        self._listeners.append((sink, request))
+        self._rewire()
 
-    def detach(self) -> None:
-        """Stop listening; the listener first receives the decode steps the tape still holds."""
+    def detach(self, sink: Sink | None = None) -> None:
+        """Stop `sink` listening (every listener when None); the listeners first receive the decode
+        steps the tape still holds."""
         self.deliver()
-        self.sink, self.request = None, ProbeRequest()
+        if sink is None:
+            self._listeners.clear()
+        else:
+            kept = [(s, r) for s, r in self._listeners if s != sink]
+            if len(kept) == len(self._listeners):
+                raise ValueError(f"{sink!r} is not listening to {self}")
+            self._listeners = kept
+        self._rewire()
+
+    def update_request(self, sink: Sink, request: ProbeRequest) -> None:
+        """Change what the listener `sink` asks for (e.g. new marked positions)."""
+        if not any(s == sink for s, _ in self._listeners):
+            raise ValueError(f"{sink!r} is not listening to {self}")
+        self._listeners = [(s, request if s == sink else r) for s, r in self._listeners]
+        self._rewire()
+
+    @property
+    def listeners(self) -> tuple[Sink, ...]:
+        """The attached sinks, in the order they attached."""
+        return tuple(s for s, _ in self._listeners)
+
+    def _rewire(self) -> None:
+        if not self._listeners:
+            self.sink, self.request = None, ProbeRequest()
+        elif len(self._listeners) == 1:  # one listener: it is the sink itself (no fan-out on the path)
+            self.sink, self.request = self._listeners[0]
+        else:
+            self.request = combined_request([r for _, r in self._listeners])
+            self.sink = FanOut(list(self._listeners), self.request)
 
     def rows(self, start: int, count: int) -> np.ndarray:
         """Rows of this forward call the listener wants measured (`ProbeRequest.rows`)."""

@@ -127,11 +127,52 @@ def test_attach_validates_the_request() -> None:
     point = next(p for p in probe_points(model) if p.name == "kda.state")
     with pytest.raises(ValueError, match="no optional fields"):
         point.attach(lambda e: None, ProbeRequest(optional=frozenset({"scores"})))
-    point.attach(lambda e: None)
-    with pytest.raises(RuntimeError, match="already has a listener"):
-        point.attach(lambda e: None)
+    first, second = (lambda e: None), (lambda e: None)
+    point.attach(first)
+    assert point.sink is first  # one listener: no fan-out on the path
+    point.attach(second, ProbeRequest(optional=frozenset({"max_abs"})))
+    assert point.listeners == (first, second) and point.request.optional == {"max_abs"}
+    point.detach(first)
+    assert point.sink is second and point.request.optional == {"max_abs"}
+    with pytest.raises(ValueError, match="is not listening"):
+        point.detach(first)
     point.detach()
     assert point.sink is None and point.request == ProbeRequest()
+
+
+def test_two_listeners_each_get_what_they_asked_for_from_one_run() -> None:
+    """Two sinks on every point watch the same run; each receives what it would have received alone: its
+    own optional fields and, for the dense mass, its own sampled queries and decode steps."""
+    model = load_model("preset:tiny:k3.1", seed=3)
+    wants = {"a": (frozenset({"scores"}), Sample(stride=5), 2), "b": (frozenset(), Sample(stride=3), 3)}
+
+    def request(point, who):
+        optional, sample, every = wants[who]
+        if point.name == "dsa.dense_mass":
+            return ProbeRequest(queries=sample, decode_every=every)
+        return ProbeRequest(optional=optional if point.name == "dsa.topk" else frozenset())
+
+    alone = {who: run_session(model, lambda p, who=who: request(p, who)) for who in wants}
+    together: dict[str, list] = {"a": [], "b": []}
+    points = list(probe_points(model))
+    for point in points:
+        for who in wants:
+            point.attach(together[who].append, request(point, who))
+    try:
+        session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK, progress=False)
+        session.append(ids=torch.randint(0, 256, (PREFILL,), generator=torch.Generator().manual_seed(1)).tolist())
+        list(session.generate(NEW, temperature=0, stop_ids=()))
+    finally:
+        for point in points:
+            point.detach()
+    for who in wants:
+        def rows(emissions):
+            out = {}
+            for e in emissions:
+                for name, t in e.data.items():
+                    out.setdefault((e.point.full_name, name), []).append(t.flatten().tolist())
+            return out
+        assert rows(together[who]) == rows(alone[who]), who
 
 
 def test_check_reports_departures() -> None:

@@ -81,7 +81,8 @@ class Recorder:
         for point in probe_points(self.model):
             if point.name not in wanted:
                 continue
-            if point.sink is not None:
+            # other listeners (an intervention's measurement, a user's sink) may watch beside a recording
+            if any(isinstance(getattr(sink, "__self__", None), Recorder) for sink in point.listeners):
                 raise RuntimeError(f"{point} is already being recorded (nested record() on one model?)")
             point.attach(self._on_probe, self._requests[point.name]())
             self._points.append(point)
@@ -93,7 +94,7 @@ class Recorder:
 
     def detach(self) -> None:
         for point in self._points:
-            point.detach()
+            point.detach(self._on_probe)
         self._points.clear()
         if self._on_event in self.session.observers:
             self.session.observers.remove(self._on_event)
@@ -138,7 +139,7 @@ class Recorder:
         self._marks = Marks(tuple(self.policy.mark_positions), spans)
         for point in self._points:
             if point.name == "dsa.dense_mass":
-                point.request = self._requests[point.name]()
+                point.update_request(self._on_probe, self._requests[point.name]())
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
