@@ -323,13 +323,17 @@ class Session:
         self._emit("step", step=self.step - 1, phase=phase, start=self.state.length - len(ids), count=len(ids))
         return logits
 
-    def prefill(self, *, return_logits: bool = False) -> torch.Tensor | None:
+    def prefill(self, *, return_logits: bool = False, until: int | None = None) -> torch.Tensor | None:
         """Consume every pending token, `prefill_chunk` at a time (bounded memory at any length).
+        `until`: stop at that position instead (a branch point: `fork()` there, then run each branch on).
 
         Returns the logits [pending, V] when `return_logits`, else the last position's [V]
         (None when nothing was pending and nothing was ever run).
         """
-        total = self.pending
+        end = len(self.tokens) if until is None else until
+        if isinstance(end, bool) or not isinstance(end, int) or not self.state.length <= end <= len(self.tokens):
+            raise InputError(f"until={until!r:.40} must be a position in [{self.state.length}, {len(self.tokens)}]")
+        total = end - self.state.length
         if total == 0:
             return None if return_logits else self.last_logits
         collected = []
@@ -338,10 +342,10 @@ class Session:
         started = time.perf_counter()
         done = 0
         with bar:
-            while self.pending:
+            while self.state.length < end:
                 if self._stop:
                     break
-                chunk = self.tokens[self.state.length: self.state.length + self.prefill_chunk]
+                chunk = self.tokens[self.state.length: min(end, self.state.length + self.prefill_chunk)]
                 logits = self._forward(chunk, "prefill", return_logits)
                 if return_logits:
                     collected.append(logits)

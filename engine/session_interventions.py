@@ -21,8 +21,9 @@ def activate(session: Any, spec: Any) -> InterventionPlan | None:
     """Check `spec` against the session's model, close the record of the interventions it replaces and
     open theirs; return the plan (None for an empty spec). Nothing changes when a check fails.
 
-    A `kda.erase` / `kda.scale` at a position the session has already consumed is applied now, once,
-    to the state as it is (its record says `applied_at`); later ones apply when their token is consumed.
+    A `kda.erase` / `kda.scale` at a position the session has already consumed is applied now to the state
+    as it is (its record says `applied_at`), unless the record shows it applied already (set again, e.g.
+    restored after a `with` block); later ones apply when their token is consumed.
     """
     items = parse_interventions(spec)
     plan = InterventionPlan(items, session.config, session.device) if items else None
@@ -32,7 +33,7 @@ def activate(session: Any, spec: Any) -> InterventionPlan | None:
             entry["to"] = length
     for item in items:
         entry: dict[str, Any] = {**to_json(item), "from": length, "to": None}
-        if isinstance(item, (KdaErase, KdaScale)) and item.at < length:
+        if isinstance(item, (KdaErase, KdaScale)) and item.at < length and not _applied(session, item):
             _edit_state_now(session, plan, item)
             entry["applied_at"] = length - 1
         session.intervention_log.append(entry)
@@ -51,6 +52,18 @@ def _edit_state_now(session: Any, plan: InterventionPlan, item: Intervention) ->
         heads = range(session.config.kda_num_heads) if item.heads == "all" else item.heads
         factor[list(heads)] = item.factor
         state.recurrent = state.recurrent * factor[lo:hi].to(state.recurrent.device).view(1, -1, 1, 1)
+
+
+def _applied(session: Any, item: Intervention) -> bool:
+    """Whether the record shows the edit `item` applied: set while its position was consumed, or applied
+    when set."""
+    spec = to_json(item)
+    for entry in session.intervention_log:
+        if {k: v for k, v in entry.items() if k in spec} != spec:
+            continue
+        if "applied_at" in entry or (entry["from"] <= item.at and (entry["to"] is None or entry["to"] > item.at)):
+            return True
+    return False
 
 
 def _names(item: Intervention, layer: int, config: Any) -> bool:

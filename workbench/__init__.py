@@ -10,6 +10,10 @@ Public API:
 - `recorded_session(model_ref, trace, ...)`: load a model and its tokenizer, open a `Session` and
   record it, in one context manager (what `workbench run`, `workbench demo` and the dashboard's
   drive mode share).
+- `intervene(session, *interventions)`: a context manager running its block with interventions on what
+  the layers read, remember and route (`engine.interventions`; spec objects may name a segment).
+- `effects(session, *interventions, continuation=, target=)`: the answer, a target's per-token
+  log-probability and the per-step KL with and without interventions, from one shared prefix (`Effects`).
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
@@ -34,6 +38,7 @@ _EXPORTS = {
     "chart_picture": "workbench.pictures", "draw_shape": "workbench.shape_pictures",
     "draw_digit": "workbench.shape_pictures",
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
+    "intervene": "workbench.intervene", "effects": "workbench.effects", "Effects": "workbench.effects",
 }
 
 __all__ = sorted(_EXPORTS)
