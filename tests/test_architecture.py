@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text",
                          "workbench.pictures", "workbench.shape_pictures")),
     # probe sinks: reduce engine signals into trace rows
-    ("workbench recorders", ("workbench.recorders",)),
+    ("workbench recorders", ("workbench.recorders", "workbench.captures")),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.intervene", "workbench.effects",

@@ -1,0 +1,285 @@
+"""`import_capture`: saved vLLM / SGLang responses -> a trace in our schema, reduced as our recorder reduces.
+
+    summary = import_capture("sglang", "responses.jsonl", "checkpoints/k3.1-pro", "traces/agent-run")
+
+The responses of one file are one conversation: each record's prompt continues the previous record's
+tokens (prompt + output), as an agent's turns do. Each record adds a `turn` segment (its new prompt
+tokens) and a `generated` segment (its output). Positions are forwarded exactly once in the trace;
+a later response's rows for positions an earlier one already covered are not read again.
+
+Reductions are the recorder's own (`workbench.recorders.reduce`): expert counts by segment and
+modality, EP rank load, DSA key-bin counts, read distances, per-segment totals and sink hits, and the
+raw rows the policy keeps (prompt positions are "prefill", generated ones "decode", as in a session).
+What a capture does not hold is absent, and `session.json` says so under `capture.absent` (KDA state,
+DSA dense mass, router weights and entropy; indexer top-k when the engine returned none).
+
+Crash safety: the trace is written into a temporary directory beside the target and renamed into
+place only when complete (`engine.atomic_dir`); a failure removes it, so no half-written trace is left.
+An existing target is replaced only with `overwrite` and only when it is a trace this command wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engine import atomic_dir
+from engine.builtin import model_dir
+from engine.config import ModelConfig
+from engine.config_io import load_config
+from engine.errors import InputError
+from engine.presets import get_preset
+from engine.probes import Marks, Sample
+from engine.tokenizer import Tokenizer
+from workbench.captures.arrays import RowArray
+from workbench.captures.records import LayerMap, Record, layer_map, parse_records
+from workbench.recorders import reduce
+from workbench.recorders.policy import RecordPolicy, load_policy
+from workbench.trace import TraceError, TraceWriter
+from workbench.trace.schema import MODALITIES, SESSION_FILE
+
+CHUNK_ROWS = 4096  # rows decoded and reduced at a time: memory stays bounded at any capture length
+EP_WORLD = 1  # a capture does not say how the server spread experts over ranks: all load is rank 0's
+ABSENT = {
+    "kda": "KDA state is not captured by vLLM or SGLang",
+    "dsa_dense_mass": "dense attention mass needs the attention scores, which no capture holds",
+    "moe_routes.weights": "captures hold expert ids only; router weights are NaN",
+    "moe_routes.entropy": "captures hold expert ids only; router entropy is NaN",
+}
+NO_SELECTIONS = {
+    "vllm": "vLLM returns no indexer top-k in a release (vllm-project/vllm PR 49555 is open)",
+    "sglang": "the responses hold no meta_info.indexer_topk (launch SGLang with --enable-return-indexer-topk "
+              "and ask with return_indexer_topk)",
+}
+
+
+def load_capture_model(spec: str) -> tuple[ModelConfig, Tokenizer | None]:
+    """`--model`: a checkpoint directory, a config.json, `builtin:NAME` or `preset:NAME[:VARIANT]`."""
+    if spec.startswith("preset:"):
+        name, _, variant = spec.removeprefix("preset:").partition(":")
+        config = get_preset(name, variant or None)
+    else:
+        config = load_config(model_dir(spec))
+    path = Path(model_dir(spec))
+    return config, Tokenizer.for_model(path.parent if path.is_file() else path, config.vocab_size)
+
+
+def _is_imported_trace(path: Path) -> bool:
+    try:
+        return "capture" in json.loads((path / SESSION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+class _Import:
+    """State of one import: the conversation's positions, segments and the writer."""
+
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer | None, policy: RecordPolicy,
+                 records: list[Record]) -> None:
+        self.config, self.tokenizer, self.policy, self.records = config, tokenizer, policy, records
+        self.ids = np.zeros(0, np.int64)
+        self.segments: list[dict] = []
+        self.decode = np.zeros(0, bool)  # positions forwarded in a decode step (generated, not the last)
+        self._layout()
+        self.segment_of = torch.zeros(len(self.ids), dtype=torch.long)
+        for seg in self.segments:
+            self.segment_of[seg["start"]: seg["end"]] = seg["id"]
+        spans = tuple((s["start"], s["end"]) for s in self.segments if s["name"] in policy.mark_segments)
+        self.marks = Marks(tuple(policy.mark_positions), spans)
+        self.step = 0
+        self.covered = {"moe": 0, "dsa": 0}  # positions below this already have rows
+        self.missing = {"moe": 0, "dsa": 0}
+        self.maps: dict[str, LayerMap] = {}
+
+    def _layout(self) -> None:
+        """Check the records form one conversation and lay out its segments."""
+        ids: list[np.ndarray] = []
+        decode: list[np.ndarray] = []
+        done, so_far = 0, np.zeros(0, np.int64)
+        for rec in self.records:
+            if len(rec.prompt) < done or not np.array_equal(rec.prompt[:done], so_far):
+                raise InputError(f"record {rec.number}: its prompt does not continue the tokens of the records "
+                                 f"before it (one file is one conversation; import other conversations "
+                                 f"into traces of their own)")
+            new = rec.prompt[done:]
+            name = f"request {rec.number}" + (f" ({rec.request_id})" if rec.request_id else "")
+            if len(new):
+                self.segments.append({"id": len(self.segments), "kind": "turn", "name": f"{name} prompt",
+                                      "start": done, "end": done + len(new), "modality": "text"})
+            end = done + len(new) + len(rec.output)
+            self.segments.append({"id": len(self.segments), "kind": "generated", "name": f"{name} output",
+                                  "start": done + len(new), "end": end, "modality": "text"})
+            ids += [new, rec.output]
+            flags = np.zeros(len(new) + len(rec.output), bool)
+            flags[len(new): len(new) + max(len(rec.output) - 1, 0)] = True
+            decode.append(flags)
+            so_far = np.concatenate([so_far, new, rec.output])
+            done = end
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        self.decode = np.concatenate(decode) if decode else np.zeros(0, bool)
+
+    # ---- rows the policy keeps ---------------------------------------------------------------------------------
+    def keep(self, pos: np.ndarray, stride: int, decode_all: bool, window: tuple[int, int] = (0, 0)) -> np.ndarray:
+        """Row indices to keep in full, as the recorder picks them (prefill: sampled; decode: every row)."""
+        decode = self.decode[pos]
+        prefill_rows = Sample(stride=stride, window_every=window[0], window_tokens=window[1],
+                              marks=self.marks).rows(pos)
+        prefill_rows = prefill_rows[~decode[prefill_rows]]
+        decode_rows = np.flatnonzero(decode) if decode_all else \
+            np.intersect1d(Sample(stride=stride, marks=self.marks).rows(pos), np.flatnonzero(decode))
+        return np.union1d(prefill_rows, decode_rows)
+
+    # ---- arrays -------------------------------------------------------------------------------------------------
+    def chunks(self, family: str, array: RowArray, offset: int, end: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(positions, rows [n, layers, width]) of the array's positions not yet covered, CHUNK_ROWS at a time."""
+        start = end - array.rows
+        if start < 0:
+            raise InputError(f"{array.where}: {array.rows:,} rows but only {end:,} forwarded tokens")
+        first = max(start, self.covered[family])
+        self.missing[family] += max(start - self.covered[family], 0)
+        for lo in range(first, end, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, end)
+            yield np.arange(lo, hi) + offset, array.read(lo - start, hi - start)
+        self.covered[family] = max(self.covered[family], end)
+
+    def layers(self, family: str, array: RowArray) -> LayerMap:
+        found = layer_map(self.config, family, array.layers)
+        known = self.maps.setdefault(family, found)
+        if known != found:
+            raise InputError(f"{array.where}: its layer axis ({found.axis}) differs from earlier records' "
+                             f"({known.axis})")
+        return found
+
+    def moe(self, writer: TraceWriter, array: RowArray, end: int) -> None:
+        lmap, p = self.layers("moe", array), self.policy
+        n_seg = len(self.segments)
+        for pos, rows in self.chunks("moe", array, 0, end):
+            self.step += 1
+            for entry, layer in zip(lmap.entries, lmap.layers):
+                experts = rows[:, entry, :]
+                bad = np.argwhere((experts < 0) | (experts >= self.config.num_experts))
+                if len(bad):
+                    r, c = bad[0]
+                    raise InputError(f"{array.where}: expert id {experts[r, c]} at position {pos[r]} (layer {layer}) "
+                                     f"is outside [0, {self.config.num_experts}) of the model config")
+                t = torch.from_numpy(experts)
+                seg = self.segment_of[torch.from_numpy(pos)]
+                modality = torch.zeros_like(seg)  # captures carry token ids only: every position is text
+                counts = reduce.moe_counts(t, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))
+                self._append(writer, "moe_counts", layer, counts, "count",
+                             modality=lambda m: np.asarray(MODALITIES, dtype=object)[m])
+                self._append(writer, "moe_rank_load", layer,
+                             reduce.moe_rank_load(t, self.config.num_experts, EP_WORLD), "tokens")
+                keep = self.keep(pos, 0, p.moe_decode_routes, (p.moe_window_every, p.moe_window_tokens))
+                if len(keep):
+                    k = experts.shape[1]
+                    writer.append("moe_routes", layer=layer, step=self.step, rank=0, position=pos[keep],
+                                  experts=experts[keep], weights=np.full((len(keep), k), np.nan, np.float16),
+                                  entropy=np.full(len(keep), np.nan, np.float32))
+
+    def dsa(self, writer: TraceWriter, array: RowArray, end: int) -> None:
+        lmap, p = self.layers("dsa", array), self.policy
+        n_seg = len(self.segments)
+        for pos, rows in self.chunks("dsa", array, 0, end):
+            self.step += 1
+            pos_t = torch.from_numpy(pos)
+            last = int(pos[-1])
+            for entry, layer in zip(lmap.entries, lmap.layers):
+                idx = rows[:, entry, :]
+                bad = np.argwhere((idx < -1) | (idx > pos[:, None]))
+                if len(bad):
+                    r, c = bad[0]
+                    raise InputError(f"{array.where}: key position {idx[r, c]} selected by the query at position "
+                                     f"{pos[r]} (layer {layer}) is not in [0, {pos[r]}] (-1 = empty slot)")
+                t = torch.from_numpy(idx)
+                n_bins = last // p.dsa_bin_tokens + 1
+                self._append(writer, "dsa_key_counts", layer, reduce.dsa_key_counts(t, p.dsa_bin_tokens, n_bins),
+                             "count")
+                self._append(writer, "dsa_distance_hist", layer, reduce.dsa_distance_hist(pos_t, t), "count")
+                self._append(writer, "dsa_segment_totals", layer, reduce.dsa_segment_totals(t, self.segment_of, n_seg),
+                             "count")
+                self._append(writer, "dsa_sink", layer, reduce.dsa_sink(last, t, p.sink_tokens), None)
+                keep = self.keep(pos, p.dsa_prefill_stride, p.dsa_decode_lists)
+                if len(keep):
+                    writer.append("dsa_topk", layer=layer, step=self.step, rank=0, position=pos[keep],
+                                  selected=idx[keep])
+
+    def _append(self, writer: TraceWriter, table: str, layer: int, pending: dict, drop_zero: str | None,
+                **convert) -> None:
+        cols = reduce.to_columns(pending, drop_zero)
+        for name, fn in convert.items():
+            cols[name] = fn(cols[name])
+        n = len(next(c for c in cols.values() if isinstance(c, np.ndarray) and c.ndim > 0))
+        if n:
+            writer.append(table, layer=layer, step=self.step, rank=0, **cols)
+
+    def tokens(self, writer: TraceWriter) -> None:
+        n = len(self.ids)
+        tok = self.tokenizer
+        vocab = tok.vocab_size if tok is not None else 0
+        pieces = [tok.piece(int(i)) if int(i) < vocab else str(int(i)) for i in self.ids] if tok is not None else \
+            [str(int(i)) for i in self.ids]
+        writer.append("tokens", position=np.arange(n, dtype=np.int32), token_id=self.ids.astype(np.int32),
+                      piece=np.asarray(pieces, dtype=object), segment=self.segment_of.numpy().astype(np.int32),
+                      modality="text", image_id=np.full(n, -1, np.int32), patch_row=np.full(n, -1, np.int16),
+                      patch_col=np.full(n, -1, np.int16))
+
+
+def import_capture(engine: str, responses: str | Path, model: str, out: str | Path, *,
+                   policy: "str | RecordPolicy | dict | None" = "default", overwrite: bool = False) -> dict:
+    """Write the trace of a saved vLLM / SGLang conversation; returns the `capture` entry of its session.json.
+
+    Args:
+        engine: "vllm" or "sglang" (which response format the file holds).
+        responses: JSON (one response or a list) or JSON Lines file of saved responses, in conversation order.
+        model: the model the server ran: checkpoint directory, config.json, builtin:NAME or preset:NAME.
+        out: the trace directory to write (absent, empty, or an imported trace with overwrite=True).
+        policy: which raw rows to keep, as for `workbench.record` ("default", "all", a file, ...).
+    """
+    out, responses = Path(out), Path(responses)
+    atomic_dir.recover(out, lambda p: (p / SESSION_FILE).is_file())
+    atomic_dir.require_ours(out, overwrite, _is_imported_trace, "a trace written by `workbench import`", TraceError)
+    config, tokenizer = load_capture_model(str(model))
+    pol = load_policy(policy)
+    records = parse_records(engine, responses, config)  # every shape and token id checked before any writing
+    state = _Import(config, tokenizer, pol, records)
+    have_dsa = any(rec.selections for rec in records)
+    absent = dict(ABSENT)
+    if not have_dsa:
+        absent["dsa"] = NO_SELECTIONS[engine] if config.dsa is not None else "the model has no DSA layers"
+    if not any(rec.routes for rec in records):
+        absent["moe"] = "the responses hold no routed experts (launch the server with --enable-return-routed-experts)"
+    capture = {"engine": engine, "responses": responses.name, "records": len(records),
+               "request_ids": [rec.request_id for rec in records], "absent": absent}
+    meta = {"model": {**config.summary(), "checkpoint": str(model)}, "engine": {"source": f"{engine} capture"},
+            "policy": pol.to_json(), "segments": state.segments, "capture": capture}
+    tmp = atomic_dir.temp_path(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # this process's own temporary from an earlier attempt
+    writer = TraceWriter.create(tmp, meta)
+    try:
+        state.tokens(writer)
+        for rec in records:  # positions are the conversation's: each prompt continues the records before it
+            for array, end in rec.routes:
+                state.moe(writer, array, end)
+            for array, end in rec.selections:
+                state.dsa(writer, array, end)
+        capture["layer_map"] = {family: lmap.to_json() for family, lmap in state.maps.items()}
+        capture["positions_without_rows"] = {f: state.missing[f] + max(len(state.ids) - 1 - state.covered[f], 0)
+                                             for f in state.maps}
+        writer.update_session(capture=capture)
+        writer.close("complete")
+        atomic_dir.replace(tmp, out)
+    except BaseException:
+        try:
+            writer.close("failed")
+        except Exception:  # the failure being raised matters, not a second one while cleaning up
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return capture
