@@ -49,6 +49,7 @@ from engine.session_interventions import activate as activate_interventions
 from engine.session_state import model_fingerprint, restore, session_state_dict
 from engine.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
+from engine.transcript import TranscriptMessage, append_rendered, parse_messages, render_messages
 from engine.vision import ImageSource
 from engine.session_images import PreparedImage, prepare_image
 
@@ -210,6 +211,20 @@ class Session:
                 self.model.check_input_ids(torch.tensor([ids]))
                 out.append(self._add_segment(ids, kind="turn", name=name or "prompt", role=role))
         return out
+
+    def append_messages(self, messages: "Sequence[dict] | Sequence[TranscriptMessage]", *,
+                        image_root: str | Path | None = None, add_generation_prompt: bool = False) -> list[Segment]:
+        """A conversation in the OpenAI messages format (`engine.transcript`): one segment per message,
+        plus one per image. Every message is checked and every image preprocessed before anything
+        changes (InputError naming the message and field). Local image paths must lie inside
+        `image_root` (none allowed without it); `data:` URLs always work."""
+        if messages and all(isinstance(m, TranscriptMessage) for m in messages):
+            parsed = list(messages)
+        else:
+            parsed = parse_messages(messages, image_root=Path(image_root) if image_root is not None else None)
+        chat = render_messages(self.model, self.tokenizer, parsed, add_generation_prompt=add_generation_prompt,
+                               start=len(self.tokens))
+        return append_rendered(self, chat)
 
     def _add_segment(self, ids: list[int], *, kind: str, name: str, role: str | None, modality: str = "text",
                      image: dict | None = None) -> Segment:

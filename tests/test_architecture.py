@@ -49,7 +49,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.intervene", "workbench.effects",
-                           "workbench.__main__")),
+                           "workbench.__main__", "workbench.conversation_trace")),
     ("apps dashboard", ("apps.dashboard",)),
     # `workbench serve`: the OpenAI-compatible endpoint (it reuses the dashboard's Host/Origin policy)
     ("apps serve", ("apps.serve",)),

@@ -15,10 +15,10 @@ from typing import Sequence
 
 from engine.errors import EngineError
 from apps.cli import (compare_cmd, dashboard_cmd, demo_cmd, export_cmd, import_cmd, model_cmds, plan_cmd,
-                      questions_cmd, run_cmd, summarize_cmd)
+                      questions_cmd, run_cmd, serve_cmd, summarize_cmd)
 
 COMMAND_MODULES = [model_cmds, run_cmd, plan_cmd, demo_cmd, dashboard_cmd, summarize_cmd, export_cmd, compare_cmd,
-                   questions_cmd, import_cmd]
+                   questions_cmd, import_cmd, serve_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

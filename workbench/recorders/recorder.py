@@ -76,6 +76,23 @@ class Recorder:
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self) -> None:
+        self._attach_sinks()
+        for seg in self.session.segments:  # context appended before recording started (already in session.json)
+            self._on_segment(seg, announce=False)
+        if self._thumbnails:  # their thumbnails were written just now: name them
+            self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments])
+
+    def pause(self) -> None:
+        """Write what was recorded and let go of the model, keeping the trace open: a server records one
+        conversation per trace while other conversations run on the same model in between."""
+        self.flush()
+        self.detach()
+
+    def resume(self) -> None:
+        """Listen again after `pause()`; what the trace holds already is not written twice."""
+        self._attach_sinks()
+
+    def _attach_sinks(self) -> None:
         wanted = {name for fam in self.families for name in FAMILIES[fam]}
         self._update_marks()
         for point in probe_points(self.model):
@@ -87,10 +104,6 @@ class Recorder:
             point.attach(self._on_probe, self._requests[point.name]())
             self._points.append(point)
         self.session.observers.append(self._on_event)
-        for seg in self.session.segments:  # context appended before recording started (already in session.json)
-            self._on_segment(seg, announce=False)
-        if self._thumbnails:  # their thumbnails were written just now: name them
-            self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments])
 
     def detach(self) -> None:
         for point in self._points:

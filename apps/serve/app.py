@@ -1,0 +1,219 @@
+"""The HTTP side of `workbench serve`: a Starlette app speaking the OpenAI chat-completions API.
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions` (server-sent events when `stream` is true).
+Every request passes `Guard` first: its `Host` (and `Origin`, when a browser sends one) must name
+this server (the dashboard's `HostPolicy`: a web page under a rebound DNS name is refused, 403), and
+when an API key is set, `Authorization: Bearer KEY` must match it (compared in constant time; the
+key is never logged or echoed). Bodies are read up to a size limit before they are parsed.
+
+The model runs on the worker thread (`apps.serve.worker`); a handler submits a job and relays its
+events. A client that disconnects cancels its job (still queued: skipped; running: stopped after
+the current token). Any error becomes an OpenAI-style error body with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from apps.dashboard.host_guard import HostPolicy
+from apps.serve.protocol import (RequestError, chunk_body, completion_body, error_body, parse_chat_request,
+                                 usage)
+from apps.serve.worker import EngineWorker, Job
+
+POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """What the HTTP side enforces."""
+
+    model_id: str
+    hosts: HostPolicy
+    api_key: str | None = None
+    max_body_bytes: int = 64 << 20
+    max_tokens: int = 4096
+    image_root: Path | None = None
+
+
+def _json_error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware: Host/Origin policy and API key, before any route runs."""
+
+    def __init__(self, app: ASGIApp, config: AppConfig) -> None:
+        self.app, self.config = app, config
+        self._key = config.api_key.encode() if config.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        reason = self.config.hosts.refusal(headers.get("host"), headers.get("origin"))
+        if reason is not None:
+            refused = RequestError(reason.replace("this dashboard", "this server"), status=403,
+                                   kind="permission_error", code="host_not_allowed")
+            await _json_error(refused)(scope, receive, send)
+            return
+        if self._key is not None and not self._authorised(headers.get("authorization", "")):
+            refused = RequestError("invalid or missing API key (send Authorization: Bearer KEY)", status=401,
+                                   kind="invalid_request_error", code="invalid_api_key")
+            await _json_error(refused, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorised(self, header: str) -> bool:
+        scheme, _, given = header.partition(" ")
+        # the comparison runs whatever was sent, so its time says nothing about how much of the key matched
+        ok = hmac.compare_digest(given.strip().encode("utf-8", "replace"), self._key or b"")
+        return ok and scheme.lower() == "bearer"
+
+
+async def _read_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise RequestError(f"the request body is larger than the {limit:,} bytes allowed", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the request body is larger than the {limit:,} bytes allowed", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not UTF-8 (byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise RequestError(f"the request body is not valid JSON ({str(exc)[:200]})") from None
+
+
+def _sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
+    """The ASGI application (the worker must be started by the caller)."""
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model",
+                                                         "created": 0, "owned_by": "k3-workbench"}]})
+
+    async def chat(request: Request) -> Response:
+        try:
+            body = await _read_body(request, config.max_body_bytes)
+            req = parse_chat_request(body, max_tokens_limit=config.max_tokens, image_root=config.image_root)
+        except RequestError as exc:
+            return _json_error(exc)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = f"chatcmpl-{secrets.token_hex(12)}"
+        job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        if not worker.submit(job):
+            busy = RequestError(f"the server's queue is full ({worker.options.max_queue} requests wait for the "
+                                "model); retry later", status=429, kind="rate_limit_error", code="rate_limit_exceeded")
+            return _json_error(busy, {"Retry-After": "1"})
+
+        async def next_event() -> tuple | None:
+            """The job's next event; None (and the job cancelled) once the client has gone."""
+            while True:
+                try:
+                    return await asyncio.wait_for(events.get(), POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        return None
+
+        try:
+            first = await next_event()
+        except BaseException:
+            job.cancelled.set()
+            raise
+        if first is None:
+            return Response(status_code=499)
+        if first[0] == "error":
+            return _json_error(RequestError(first[2], status=first[1], param=first[3],
+                                            kind="invalid_request_error" if first[1] < 500 else "server_error"))
+        if req.stream:
+            return StreamingResponse(_stream(job, events, config.model_id, req.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+        content: list[str] = []
+        try:
+            while True:
+                event = await next_event()
+                if event is None:
+                    return Response(status_code=499)
+                if event[0] == "delta":
+                    content.append(event[1])
+                elif event[0] == "error":
+                    return _json_error(RequestError(event[2], status=event[1], param=event[3], kind="server_error"))
+                elif event[0] == "done":
+                    info = event[1]
+                    return JSONResponse(completion_body(
+                        request_id, config.model_id, "".join(content), _finish(info["finish_reason"]),
+                        usage(info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"]),
+                        {"k3": _k3_info(info)}))
+        except BaseException:
+            job.cancelled.set()
+            raise
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return _json_error(RequestError(f"{request.method} {request.url.path[:200]} is not an endpoint of this server "
+                                        "(POST /v1/chat/completions, GET /v1/models)", status=status))
+
+    app = Starlette(routes=[Route("/v1/models", models, methods=["GET"]),
+                            Route("/v1/chat/completions", chat, methods=["POST"])],
+                    exception_handlers={404: not_found, 405: not_found})
+    return Guard(app, config)
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _k3_info(info: dict) -> dict:
+    """What this server adds to a response: the conversation, its trace and turn, the reused prefix."""
+    return {"conversation": info["conversation"], "trace": info["trace"], "turn": info["turn"],
+            "cached_tokens": info["cached_tokens"], "ttft_s": info["ttft_s"]}
+
+
+async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events of a running job; cancelling the stream (the client left) cancels the job."""
+    rid = job.request_id
+    try:
+        yield _sse(chunk_body(rid, model_id, {"role": "assistant", "content": ""}))
+        while True:
+            event = await events.get()
+            if event[0] == "delta":
+                yield _sse(chunk_body(rid, model_id, {"content": event[1]}))
+            elif event[0] == "error":
+                yield _sse(error_body(RequestError(event[2], status=event[1], kind="server_error")))
+                return
+            elif event[0] == "done":
+                info = event[1]
+                yield _sse(chunk_body(rid, model_id, {}, _finish(info["finish_reason"])))
+                if include_usage:
+                    yield _sse(chunk_body(rid, model_id, {}, usage_=usage(
+                        info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"])))
+                yield b"data: [DONE]\n\n"
+                return
+    finally:
+        job.cancelled.set()  # a no-op once the job is done; stops generation when the client went away
+
+
+__all__ = ["AppConfig", "Guard", "create_app"]

@@ -1,0 +1,172 @@
+"""The OpenAI chat-completions wire format: request checks, response bodies, error bodies.
+
+`parse_chat_request(body, ...)` turns a decoded JSON body into a `ChatRequest` or raises
+`RequestError` (HTTP status, message, offending parameter), which `error_body` renders the way
+OpenAI's API does: `{"error": {"message", "type", "param", "code"}}`. Fields the engine has no
+use for (`tools`, `response_format`, `user`, ...) are accepted and ignored, as other
+OpenAI-compatible servers do; fields that would change the answer and that the engine cannot honour
+(`n` > 1, `logprobs`) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InputError
+from engine.transcript import TranscriptMessage, parse_messages
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status`, OpenAI error `kind`, the `param` at fault."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def error_body(exc: RequestError) -> dict[str, Any]:
+    return {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked `POST /v1/chat/completions` body."""
+
+    messages: list[TranscriptMessage]
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {str(value)[:40]!r}", param=name)
+    if not lo <= value <= hi:
+        raise RequestError(f"{name} must be in [{lo:g}, {hi:g}], got {value:g}", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {str(value)[:40]!r}", param=name)
+    if not lo <= value <= hi:
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if (not isinstance(values, list) or len(values) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in values)):
+        raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at "
+                           f"most {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(values)
+
+
+def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | None) -> ChatRequest:
+    """Check a decoded request body (raises RequestError naming the parameter)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if "messages" not in body:
+        raise RequestError("messages is required", param="messages")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model must be a string", param="model")
+    n = _integer(body, "n", 1, 1 << 30)
+    if n not in (None, 1):
+        raise RequestError("only n=1 is supported (one model, one sequence per request)", param="n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise RequestError("logprobs are not supported by this server", param="logprobs")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("stream_options must be an object {\"include_usage\": bool}", param="stream_options")
+    limit = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
+    if limit is None:
+        limit = _integer(body, "max_tokens", 1, max_tokens_limit)
+    top_p = _number(body, "top_p", 0.95, 0.0, 1.0)
+    if top_p == 0:
+        raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", param="top_p")
+    try:
+        messages = parse_messages(body["messages"], image_root=image_root)
+    except InputError as exc:
+        raise RequestError(str(exc), param="messages") from None
+    return ChatRequest(messages=messages, stream=bool(stream), include_usage=bool(options.get("include_usage")),
+                       temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                       top_p=top_p,
+                       max_tokens=limit if limit is not None else min(256, max_tokens_limit),
+                       seed=_integer(body, "seed", -(2 ** 63), 2 ** 63 - 1), stop=_stop(body))
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_body(request_id: str, model: str, content: str, finish_reason: str, usage_: dict,
+                    extra: dict[str, Any]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage_, **extra}
+
+
+def chunk_body(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None,
+               usage_: dict | None = None) -> dict[str, Any]:
+    choices = [] if usage_ is not None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                              "logprobs": None}]
+    out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                           "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string and holds back what might begin one, so a client
+    never receives part of a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text that may be sent now; sets `stopped` when a stop string appeared."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[:min(hits)], ""
+            return out
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out

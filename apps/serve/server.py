@@ -1,0 +1,85 @@
+"""Run `workbench serve`: the engine worker plus the ASGI app under uvicorn.
+
+    server = Server(model, tokenizer, ServeOptions(model_name="builtin:demo", trace_root=Path("traces/serve")),
+                    AppConfig(model_id="builtin:demo", hosts=HostPolicy.for_server("127.0.0.1")),
+                    host="127.0.0.1", port=8000)
+    server.run()                      # blocks; Ctrl-C stops it and closes every conversation's trace
+    # or, in tests: server.start_in_thread(); ...; server.stop()
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from apps.serve.app import AppConfig, create_app
+from apps.serve.worker import EngineWorker, ServeOptions
+from engine.errors import InputError
+
+
+class Server:
+    """One model served over HTTP (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, options: ServeOptions, config: AppConfig, *,
+                 host: str = "127.0.0.1", port: int = 8000) -> None:
+        self.worker = EngineWorker(model, tokenizer, options)
+        self.app = create_app(self.worker, config)
+        self.host = host
+        self.socket = _bind(host, port)
+        self.port = self.socket.getsockname()[1]
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                                      timeout_graceful_shutdown=5, lifespan="off"))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def run(self) -> None:
+        """Serve until interrupted; then finish the running request and close every trace."""
+        self.worker.start()
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self.worker.stop()
+
+    def start_in_thread(self, timeout: float = 30.0) -> None:
+        self.worker.start()
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.socket]},
+                                        name="k3wb-serve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.worker.stop()
+        self.socket.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now, so a port in use is one clear error before anything else runs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InputError(f"port {port} on {host} is already in use; choose another with --port") from None
+        raise InputError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock

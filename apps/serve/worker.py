@@ -1,0 +1,223 @@
+"""The one thread that runs the model: requests in arrival order, each continued from the longest
+cached prefix (`prefix_cache`), recorded into its conversation's trace, streamed back as events.
+
+The HTTP side (`apps.serve.app`) never touches the model; it submits a `Job` and reads the events
+the job emits, in order: `("start", info)` once the request rendered (its tokens are known), then
+`("delta", text)` for streamed text, then `("done", info)`; or `("error", status, message, param)`
+at any point. A job whose client went away has `cancelled` set: it is skipped if still queued,
+and its generation stops after the current token otherwise. The queue is bounded (`submit` returns
+False when full: the client gets 429). An exception inside one request ends that request (and
+drops its conversation, whose state is then unknown), never the thread.
+"""
+
+from __future__ import annotations
+
+import codecs
+import queue
+import secrets
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection
+
+from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
+from apps.serve.protocol import ChatRequest, StopMatcher
+from engine.errors import EngineError, InputError
+from engine.sampling import SamplingParams
+from engine.session import Session
+from engine.transcript import RenderedChat, append_rendered, render_messages
+
+Event = tuple
+
+
+@dataclass
+class Job:
+    """One request on its way through the worker."""
+
+    request: ChatRequest
+    request_id: str
+    emit: Callable[[Event], None]  # thread-safe: hands an event to the HTTP side
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class ServeOptions:
+    """How the worker runs sessions and records them."""
+
+    model_name: str
+    trace_root: Path | None = None
+    policy: Any = "default"
+    families: Collection[str] = ("dsa", "kda", "moe")
+    cache_bytes: int = 4 << 30
+    prefill_chunk: int = 2048
+    max_queue: int = 16
+
+
+class EngineWorker:
+    """Runs jobs on one model, one at a time (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, options: ServeOptions) -> None:
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.cache = PrefixCache(options.cache_bytes)
+        self.replies = ReplyMemory()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._outstanding = 0  # queued + running
+        self._lock = threading.Lock()
+        self._conversations = 0
+        self._thread = threading.Thread(target=self._loop, name="k3wb-serve-engine", daemon=True)
+        self._gen_prompt = tokenizer.chat_prompt([], add_generation_prompt=True)
+        self._tail = tokenizer.message_frame("assistant")[1]
+        self._stop_ids = {i for i in (model.config.eos_token_id, tokenizer.end_of_msg_id) if i is not None}
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Queue `job`; False when `max_queue` requests already wait (besides the running one)."""
+        with self._lock:
+            if self._outstanding > self.options.max_queue:
+                return False
+            self._outstanding += 1
+        self._jobs.put(job)
+        return True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the running job, then close every conversation's trace ("complete")."""
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for conv in self.cache.drain():
+            self._close(conv, "complete")
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if not job.cancelled.is_set():
+                    self._run(job)
+            except Exception as exc:  # noqa: BLE001 - one failed request must never stop the server
+                traceback.print_exc(file=sys.stderr)
+                job.emit(("error", 500, f"the engine failed on this request ({type(exc).__name__}); the server "
+                          "keeps running", None))
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+
+    # ---- one request -----------------------------------------------------------------------------
+    def _render(self, job: Job) -> RenderedChat | None:
+        try:
+            return render_messages(self.model, self.tokenizer, job.request.messages, add_generation_prompt=True,
+                                   replies=self.replies.lookup)
+        except InputError as exc:
+            job.emit(("error", 400, str(exc), "messages"))
+            return None
+
+    def _new_conversation(self) -> Conversation:
+        self._conversations += 1
+        conv_id = f"conv-{self._conversations:04d}-{secrets.token_hex(3)}"
+        session = Session(self.model, self.tokenizer, prefill_chunk=self.options.prefill_chunk,
+                          model_name=self.options.model_name, progress=False)
+        conv = Conversation(conv_id, session)
+        if self.options.trace_root is not None:
+            from workbench import ConversationTrace  # recording machinery loads only when recording
+
+            conv.trace = ConversationTrace(session, self.options.trace_root / conv_id, policy=self.options.policy,
+                                           families=self.options.families,
+                                           info={"server": {"conversation": conv_id, "endpoint": "workbench serve"}})
+        return conv
+
+    def _close(self, conv: Conversation, status: str) -> None:
+        if conv.trace is not None:
+            try:
+                conv.trace.close(status)
+            except EngineError as exc:  # e.g. a full disk: the trace keeps what it flushed
+                print(f"conversation {conv.id}: {exc}", file=sys.stderr)
+
+    def _run(self, job: Job) -> None:
+        started = time.perf_counter()
+        chat = self._render(job)
+        if chat is None:
+            return
+        conv = self.cache.take(chat)
+        cached = conv.session.length if conv is not None else 0
+        if conv is None:
+            conv = self._new_conversation()
+        job.emit(("start", {"prompt_tokens": len(chat.ids), "cached_tokens": cached, "conversation": conv.id}))
+        try:
+            result = self._generate(job, conv, chat, started, cached)
+        except BaseException as exc:
+            self._close(conv, "failed")
+            if isinstance(exc, InputError):
+                job.emit(("error", 400, str(exc), None))
+                return
+            raise
+        conv.turns += 1
+        for old in self.cache.put(conv):
+            self._close(old, "complete")
+        if result["finish_reason"] != "cancelled" and result["content"]:
+            ids = self._gen_prompt + result["ids"]
+            if not result["ids"] or result["ids"][-1] != self.tokenizer.end_of_msg_id:
+                ids += self._tail
+            self.replies.remember(chat.ids[:len(chat.ids) - len(self._gen_prompt)], result["content"], ids)
+        usage = {"prompt_tokens": len(chat.ids), "completion_tokens": len(result["ids"]), "cached_tokens": cached}
+        job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns,
+                           "trace": conv.trace.path.name if conv.trace is not None else None}))
+
+    def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, started: float,
+                  cached: int) -> dict[str, Any]:
+        req = job.request
+        session = conv.session
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                max_new_tokens=req.max_tokens)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        matcher = StopMatcher(req.stop)
+        pieces: list[str] = []
+        ids: list[int] = []
+        finish, ttft = "length", None
+        turn_ctx = conv.trace.turn(job.request_id) if conv.trace is not None else _NoTurn(job.request_id)
+        with turn_ctx as turn:
+            append_rendered(session, chat, skip=len(session.tokens))
+            for tok in session.generate(params=params, add_generation_prompt=False):
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                ids.append(tok.id)
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                if tok.id in self._stop_ids:
+                    finish = "stop"
+                    break
+                text = matcher.feed(decoder.decode(self.tokenizer.encoding.decode_single_token_bytes(tok.id)))
+                if text:
+                    pieces.append(text)
+                    job.emit(("delta", text))
+                if matcher.stopped:
+                    finish = "stop"
+                    break
+            if finish == "length":
+                rest = matcher.feed(decoder.decode(b"", final=True)) + matcher.flush()
+                if rest:
+                    pieces.append(rest)
+                    job.emit(("delta", rest))
+            turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=len(ids),
+                        finish_reason=finish, ttft_s=ttft)
+        return {"content": "".join(pieces), "ids": ids, "finish_reason": finish, "ttft_s": ttft}
+
+
+class _NoTurn:
+    """The turn context when nothing is recorded."""
+
+    def __init__(self, request_id: str) -> None:
+        self.entry: dict[str, Any] = {"id": request_id}
+
+    def __enter__(self) -> dict[str, Any]:
+        return self.entry
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
