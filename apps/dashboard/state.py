@@ -83,6 +83,16 @@ def relative_to_root(text: str, root: str | Path | None) -> str:
     return text
 
 
+def capture_notes(session: dict) -> tuple[str, ...]:
+    """What a trace imported from vLLM / SGLang responses does not hold (`workbench import`), as one
+    warning: its empty views are then explained instead of looking like a recording that failed."""
+    capture = session.get("capture")
+    if not isinstance(capture, dict) or not isinstance(capture.get("absent"), dict) or not capture["absent"]:
+        return ()
+    absent = "; ".join(f"{what}: {why}" for what, why in capture["absent"].items())
+    return (f"imported from {capture.get('engine', 'server')} responses; not in the capture ({absent})",)
+
+
 def _one_line(exc: BaseException) -> str:
     """An exception as one line for the page; the project's own errors need no class name."""
     text = " ".join(str(exc).split()) or "(no message)"
@@ -242,7 +252,8 @@ class TraceFollower:
             if partial is not None and session is not self._last.session:
                 partial(self._next(path=str(self.path), error=None, session=session))
             self._reduce_views(trace, opts, session, partial)
-            frame = self._next(path=str(self.path), error=None, session=session, problems=tuple(trace.problems))
+            frame = self._next(path=str(self.path), error=None, session=session,
+                               problems=tuple(trace.problems) + capture_notes(trace.session))
         except Exception as exc:  # noqa: BLE001 - e.g. a session.json field of the wrong shape: shown, retried
             shared.trace = None if not isinstance(exc, (TraceError, OSError, ValueError)) else shared.trace
             frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")

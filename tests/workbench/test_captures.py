@@ -15,6 +15,7 @@ import pytest
 import workbench
 from apps.cli import main
 from apps.dashboard.reducers import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
+from apps.dashboard.state import TraceFollower
 from engine.errors import InputError
 from workbench.captures import export_responses, import_capture
 from workbench.captures.arrays import encode_flat, encode_npy
@@ -147,6 +148,13 @@ def test_cli_import_and_overwrite(recorded, tmp_path, capsys) -> None:
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(out), "--overwrite"]) == 0
+    # the dashboard says what the capture lacks instead of showing empty KDA and DSA views unexplained
+    follower = TraceFollower(out)
+    frame = follower.compute()
+    follower.stop()
+    assert frame.error is None and not frame.kda.heat.rows
+    assert any("imported from vllm responses; not in the capture" in p and "KDA state" in p and "indexer top-k" in p
+               for p in frame.problems)
     # a trace the command did not write is never replaced, --overwrite or not
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(root / "all"), "--overwrite"]) == 2
     assert "not empty and is not a trace written by `workbench import`" in capsys.readouterr().err
