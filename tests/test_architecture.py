@@ -5,7 +5,7 @@ including imports inside functions (the ones that hide a cycle) and the lazy pub
 package's `_EXPORTS` table. A module may import its own floor or any floor below it; an import
 that points up a floor fails, and so does any cycle of imports between modules (on any floors).
 
-The floors are data (`FLOORS`, bottom first; the same map as README.md's "Architecture map"). A new
+The floors are data (`FLOORS`, bottom first; the same map as docs/architecture.md's "Architecture map"). A new
 module belongs to the floor of the longest prefix that names it; a new package that no prefix names
 fails `test_every_module_has_a_floor` until it is given one here.
 """

@@ -4,7 +4,7 @@ Every row names a case, the `workbench` arguments that hit it (paths from a per-
 a tiny checkpoint, a snapshot, a trace and an export) and words the one line must contain. Cases on
 outputs use a model that does not exist: the output error coming first proves outputs are checked
 before the model is loaded, i.e. before any prefill. What was there before is checked unchanged.
-The README's reliability table lists these rows beside the library-level cases.
+docs/reliability.md's error table lists these rows beside the library-level cases.
 """
 
 from __future__ import annotations
