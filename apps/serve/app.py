@@ -14,6 +14,7 @@ the current token). Any error becomes an OpenAI-style error body with a 4xx/5xx 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import secrets
@@ -56,10 +57,10 @@ class Guard:
 
     def __init__(self, app: ASGIApp, config: AppConfig) -> None:
         self.app, self.config = app, config
-        self._key = config.api_key.encode() if config.api_key else None
+        self._key = hashlib.sha256(config.api_key.encode()).digest() if config.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
+        if scope["type"] != "http":  # no websocket routes exist; lifespan events carry no request
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -78,8 +79,9 @@ class Guard:
 
     def _authorised(self, header: str) -> bool:
         scheme, _, given = header.partition(" ")
-        # the comparison runs whatever was sent, so its time says nothing about how much of the key matched
-        ok = hmac.compare_digest(given.strip().encode("utf-8", "replace"), self._key or b"")
+        # digests of equal length, compared in constant time: the time says nothing about the key or its length
+        given_digest = hashlib.sha256(given.strip().encode("utf-8", "replace")).digest()
+        ok = hmac.compare_digest(given_digest, self._key or b"")
         return ok and scheme.lower() == "bearer"
 
 

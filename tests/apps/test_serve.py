@@ -7,7 +7,6 @@ import io
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -199,7 +198,7 @@ def test_the_openai_client_sees_a_bad_request_error(client) -> None:
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
 
 
-def test_a_full_queue_answers_429(tiny, tmp_path: Path) -> None:
+def test_a_full_queue_answers_429(tiny) -> None:
     model, tokenizer = tiny
     srv = Server(model, tokenizer, ServeOptions(model_name=MODEL, trace_root=None, max_queue=0),
                  AppConfig(model_id=MODEL, hosts=HostPolicy.for_server("127.0.0.1")), port=0)
@@ -248,3 +247,16 @@ def test_host_origin_and_api_key_are_checked_before_anything_runs() -> None:
         page = tc.get("/v1/models", headers={**ok, "Origin": "http://evil.example.com"})
         assert page.status_code == 403
         assert tc.get("/v1/nothing", headers=ok).json()["error"]["message"].startswith("GET /v1/nothing")
+
+
+def test_serve_refuses_other_hosts_without_an_api_key(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    from apps.cli import main
+
+    monkeypatch.delenv("K3WB_API_KEY", raising=False)
+    assert main(["serve", "--model", MODEL, "--host", "0.0.0.0", "--no-record"]) == 2
+    assert "set an API key" in capsys.readouterr().err
+    monkeypatch.setenv("K3WB_API_KEY", "short")
+    assert main(["serve", "--model", MODEL, "--host", "0.0.0.0", "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 16" in err and "short" not in err  # the key itself is never echoed
