@@ -45,6 +45,10 @@ class DSAConfig:
 FLOAT32_EPS = 1.1920928955078125e-07
 
 
+# far above K3.1's 2048 keys per query and small enough that sizing by it cannot exhaust memory
+MAX_DSA_TOPK = 1 << 16
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """MoonViT-V2 tower and patch-merger projector sizes (spec section 8).
@@ -315,7 +319,10 @@ class ModelConfig:
         if self.dsa is not None:
             d = self.dsa
             need(d.n_heads > 0 and d.head_dim > 0, "dsa_config", "indexer heads and head_dim must be positive")
-            need(d.topk > 0, "dsa_config.index_topk", f"must be positive, got {d.topk}")
+            # decode capacities and per-query key lists are sized by top-k, whatever the context
+            need(0 < d.topk <= min(MAX_DSA_TOPK, self.max_position_embeddings), "dsa_config.index_topk",
+                 f"must be in [1, {min(MAX_DSA_TOPK, self.max_position_embeddings)}] (at most "
+                 f"max_position_embeddings and {MAX_DSA_TOPK}), got {d.topk}")
             not_mla = sorted(set(d.layers) - mla)
             need(not not_mla, "dsa_config.layers",
                  f"layers {[i + 1 for i in not_mla]} (1-indexed) run the indexer but are not full-attention layers")

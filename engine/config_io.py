@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from engine.config import DSAConfig, ModelConfig, VisionConfig
+from engine.config import MAX_DSA_TOPK, DSAConfig, ModelConfig, VisionConfig
 from engine.errors import ConfigError
 from engine.fileio import read_limited
 
@@ -33,6 +33,7 @@ MAX_HEADS = 1 << 14
 MAX_VOCAB = 1 << 24
 MAX_EXPERTS = 32767  # expert ids are int16 in traces
 MAX_POSITIONS = 2 ** 31 - 1  # positions are int32
+MAX_VISION_GRID = 1 << 12  # a vision tower's learned position grid and patch merge kernel, per side
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -122,7 +123,7 @@ def _parse_dsa(raw: dict, mla_layers: tuple[int, ...], n_layers: int) -> DSAConf
     return DSAConfig(
         n_heads=_as_int(_get(raw, "index_n_heads", "n_heads", "num_heads"), "dsa_config.index_n_heads", 1, MAX_HEADS),
         head_dim=_as_int(_get(raw, "index_head_dim", "head_dim"), "dsa_config.index_head_dim", 1, MAX_WIDTH),
-        topk=_as_int(_get(raw, "index_topk", "topk", "top_k"), "dsa_config.index_topk", 1, MAX_POSITIONS),
+        topk=_as_int(_get(raw, "index_topk", "topk", "top_k"), "dsa_config.index_topk", 1, MAX_DSA_TOPK),
         layers=tuple(sorted(layers)),
         k_norm_eps=_as_float(_get(raw, "index_k_norm_eps", "k_norm_eps", "norm_eps", default=1e-6),
                              "dsa_config.index_k_norm_eps", positive=True),
@@ -131,13 +132,15 @@ def _parse_dsa(raw: dict, mla_layers: tuple[int, ...], n_layers: int) -> DSAConf
 
 def _parse_vision(raw: dict, text_hidden: int, text_eps: float) -> VisionConfig:
     """`vision_config` -> VisionConfig; K3 spells most fields with a `vt_` prefix."""
-    def num(fld: str, *names: str, default: int) -> int:
-        return _as_int(_get(raw, *names, default=default), f"vision_config.{fld}")
+    def num(fld: str, *names: str, default: int, hi: int = MAX_WIDTH) -> int:
+        return _as_int(_get(raw, *names, default=default), f"vision_config.{fld}", 1, hi)
 
     merge = _get(raw, "merge_kernel_size", default=[2, 2])
     if (not isinstance(merge, (list, tuple)) or len(merge) != 2
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in merge)):
-        raise ConfigError(f"config field `vision_config.merge_kernel_size`: expected two integers, got {merge!r}")
+        raise ConfigError(f"config field `vision_config.merge_kernel_size`: expected two integers, got {merge!r:.80}")
+    for k in merge:
+        _as_int(k, "vision_config.merge_kernel_size", 1, MAX_VISION_GRID)
     projector = raw.get("mm_projector_type", "patchmergerv2")
     if projector != "patchmergerv2":
         raise ConfigError(f"config field `vision_config.mm_projector_type`: only 'patchmergerv2' is supported, "
@@ -147,14 +150,16 @@ def _parse_vision(raw: dict, text_hidden: int, text_eps: float) -> VisionConfig:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise ConfigError(f"config field `vision_config.rope_theta`: expected a number, got {theta!r}")
     return VisionConfig(
-        patch_size=num("patch_size", "patch_size", default=14),
+        patch_size=num("patch_size", "patch_size", default=14, hi=MAX_VISION_GRID),
         hidden_size=num("vt_hidden_size", "vt_hidden_size", "hidden_size", default=1024),
-        num_layers=num("vt_num_hidden_layers", "vt_num_hidden_layers", "num_hidden_layers", default=27),
-        num_heads=num("vt_num_attention_heads", "vt_num_attention_heads", "num_attention_heads", default=12),
+        num_layers=num("vt_num_hidden_layers", "vt_num_hidden_layers", "num_hidden_layers", default=27,
+                       hi=MAX_LAYERS),
+        num_heads=num("vt_num_attention_heads", "vt_num_attention_heads", "num_attention_heads", default=12,
+                      hi=MAX_HEADS),
         qkv_hidden_size=num("qkv_hidden_size", "qkv_hidden_size", default=1536),
         intermediate_size=num("vt_intermediate_size", "vt_intermediate_size", "intermediate_size", default=4096),
-        pos_emb_height=num("init_pos_emb_height", "init_pos_emb_height", default=64),
-        pos_emb_width=num("init_pos_emb_width", "init_pos_emb_width", default=64),
+        pos_emb_height=num("init_pos_emb_height", "init_pos_emb_height", default=64, hi=MAX_VISION_GRID),
+        pos_emb_width=num("init_pos_emb_width", "init_pos_emb_width", default=64, hi=MAX_VISION_GRID),
         merge_kernel=(merge[0], merge[1]),
         text_hidden_size=num("text_hidden_size", "text_hidden_size", default=text_hidden),
         rope_theta=float(theta),

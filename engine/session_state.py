@@ -91,6 +91,14 @@ def restore(state: dict[str, Any], model: KimiForCausalLM, *, dtype: torch.dtype
     if tensors["tokens"].ndim != 1 or tensors["tokens"].dtype != torch.int64:
         raise InputError(f"corrupt snapshot state (token ids must be int64 [n], got "
                          f"{str(tensors['tokens'].dtype).removeprefix('torch.')} {list(tensors['tokens'].shape)})")
+    # counted before listed: a list of Python ints takes ~36 bytes per token id
+    claimed = state.get("tokens")
+    if type(claimed) is not int or not 0 <= claimed <= config.max_position_embeddings:
+        raise InputError(f"corrupt snapshot metadata (token count {claimed!r:.40} is not an integer in "
+                         f"[0, {config.max_position_embeddings}], the model's max_position_embeddings)")
+    if tensors["tokens"].numel() != claimed:
+        raise InputError(f"corrupt snapshot state (it holds {tensors['tokens'].numel():,} token ids, its metadata "
+                         f"says {claimed:,})")
     tokens = tensors["tokens"].tolist()
     if prefix_hash(tokens) != state.get("prefix_sha256") or len(tokens) != state.get("tokens"):
         raise InputError("token ids do not match the recorded prefix hash: corrupt snapshot")

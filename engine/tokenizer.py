@@ -41,7 +41,6 @@ KIMI_PAT_STR = "|".join([
 NUM_SPECIAL = 256
 _MAX_MODEL_BYTES = 256 << 20  # the real tiktoken.model (163,584 ranks) is about 2.5 MB
 _MAX_CONFIG_BYTES = 16 << 20
-_MAX_SPECIAL_ID = 2 ** 31 - 1  # tiktoken stores ranks as u32; ids are int32 in traces
 # offset from the first special id -> name (the real Kimi ids are 163584 + offset)
 SPECIAL_NAMES = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
                  18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>"}
@@ -226,6 +225,9 @@ def _read_special(config_file: Path, base: int) -> dict[str, int]:
         decoder = config.get("added_tokens_decoder", {}) if isinstance(config, dict) else None
         if not isinstance(decoder, dict):
             raise TypeError("added_tokens_decoder must be an object {id: {content: ...}}")
+        if len(decoder) > NUM_SPECIAL:  # counted before anything is built from them
+            raise TypeError(f"it lists {len(decoder):,} special tokens, more than the {NUM_SPECIAL} ids that "
+                            "follow the base vocabulary")
         special = {}
         for k, v in decoder.items():
             if not isinstance(v, dict) or not isinstance(v.get("content"), str) or not k.isdigit():
@@ -233,9 +235,12 @@ def _read_special(config_file: Path, base: int) -> dict[str, int]:
             special[v["content"]] = int(k)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{config_file}: cannot read added_tokens_decoder ({str(exc)[:200]})") from None
-    huge = sorted(i for i in special.values() if i > _MAX_SPECIAL_ID)
-    if huge:
-        raise CheckpointError(f"{config_file}: special token ids {huge[:3]} exceed {_MAX_SPECIAL_ID}")
+    # the specials are the NUM_SPECIAL ids right after the base ranks (the vocabulary ends there); ids
+    # below collide with ranks, which `load` reports with the ranks they collide with
+    beyond = sorted(i for i in special.values() if i >= base + NUM_SPECIAL)
+    if beyond:
+        raise CheckpointError(f"{config_file}: special token ids {beyond[:3]} are beyond the vocabulary (the "
+                              f"{NUM_SPECIAL} special ids are {base}..{base + NUM_SPECIAL - 1})")
     if len(set(special.values())) != len(special):
         raise CheckpointError(f"{config_file}: two special tokens share an id")
     return special

@@ -34,6 +34,7 @@ from engine.errors import ImageError
 
 # refuse images above this many pixels from the header alone (PIL's own bomb error is at 179M)
 MAX_IMAGE_PIXELS = 100_000_000
+_BAND_PIXELS = 1 << 20  # pixels converted or hashed at a time (a band of whole rows)
 MAX_PATCHES = 65536
 MAX_PATCHES_PER_SIDE = 512
 MIN_SIDE = 2
@@ -108,6 +109,27 @@ def _check_size(width: int, height: int, name: str, max_pixels: int) -> None:
                          f"{max_pixels:,} (decompression-bomb guard; nothing was decoded)")
 
 
+def _grey_to_8bit(arr: np.ndarray, scale: float) -> Image.Image:
+    """A grey image of any numeric type scaled by `scale` into 8 bits, a band of rows at a time: the
+    float64 temporaries of the whole image would take 8 bytes per pixel, several times over."""
+    out = np.empty(arr.shape, np.uint8)
+    rows = max(1, _BAND_PIXELS // max(arr.shape[1], 1))
+    for top in range(0, arr.shape[0], rows):
+        band = np.nan_to_num(arr[top:top + rows].astype(np.float64)) * scale
+        out[top:top + rows] = np.clip(np.rint(band), 0, 255)
+    return Image.fromarray(out, "L")
+
+
+def _pixel_digest(im: Image.Image) -> str:
+    """sha256 of the size and the RGB bytes of `im`, read a band of rows at a time (the same digest as
+    hashing `im.tobytes()` whole, without a second copy of the image)."""
+    digest = hashlib.sha256(f"{im.width}x{im.height}:".encode())
+    rows = max(1, _BAND_PIXELS // max(im.width, 1))
+    for top in range(0, im.height, rows):
+        digest.update(im.crop((0, top, im.width, min(top + rows, im.height))).tobytes())
+    return digest.hexdigest()
+
+
 def _to_rgb8(im: Image.Image, name: str) -> Image.Image:
     """Any Pillow mode -> 8-bit RGB; transparency is composited on white."""
     mode = im.mode
@@ -115,12 +137,11 @@ def _to_rgb8(im: Image.Image, name: str) -> Image.Image:
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
     elif mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         # 16-bit (and 32-bit int) grey: scale the 16-bit range to 8 bits
-        arr = np.asarray(im).astype(np.float64)
-        im = Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), "L")
+        im = _grey_to_8bit(np.asarray(im), 1 / 257.0)
     elif mode == "F":
-        arr = np.asarray(im).astype(np.float64)
+        arr = np.asarray(im)
         scale = 255.0 if np.nanmax(arr, initial=0.0) <= 1.0 else 1.0  # [0, 1] floats or 8-bit-range floats
-        im = Image.fromarray(np.clip(np.rint(np.nan_to_num(arr) * scale), 0, 255).astype(np.uint8), "L")
+        im = _grey_to_8bit(arr, scale)
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -264,7 +285,7 @@ def preprocess_image(source: ImageSource, *, name: str | None = None, patch: int
     if thumbnail is not None:
         thumb = im.copy()
         thumb.thumbnail((thumbnail, thumbnail), Image.Resampling.BICUBIC)
-    digest = hashlib.sha256(f"{im.width}x{im.height}:".encode() + im.tobytes()).hexdigest()
+    digest = _pixel_digest(im)
     new_size = fit_to_limits(im.width, im.height, patch=patch, merge=merge, max_patches=max_patches,
                              max_per_side=max_per_side)
     if new_size != im.size:

@@ -175,3 +175,128 @@ def test_a_bad_summary_counts_as_absent(tmp_path, monkeypatch):
     with open(big, "wb") as f:
         f.truncate(summary_cache.MAX_JSON_BYTES + 1)
     assert summary_cache.load_json(key, "y") is None
+
+
+def _hf_config() -> dict:
+    from engine import config_to_hf, get_preset
+    return config_to_hf(get_preset("tiny"))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c["text_config"]["dsa_config"].update(index_topk=2 ** 24),
+     r"`dsa_config.index_topk`: expected an integer in \[1, 65536\], got 16777216"),
+    (lambda c: c["text_config"]["dsa_config"].update(index_topk=2 ** 31 - 1), "`dsa_config.index_topk`"),
+    (lambda c: c["text_config"].update(max_position_embeddings=1024) or
+     c["text_config"]["dsa_config"].update(index_topk=2048), r"index_topk.*\[1, 1024\].*got 2048"),
+    (lambda c: c["vision_config"].update(vt_num_hidden_layers=10 ** 9),
+     r"`vision_config.vt_num_hidden_layers`: expected an integer in \[1, 4096\]"),
+    (lambda c: c["vision_config"].update(vt_num_hidden_layers=1e9), "`vision_config.vt_num_hidden_layers`: expected an integer"),
+    (lambda c: c["vision_config"].update(init_pos_emb_height=10 ** 6), "`vision_config.init_pos_emb_height`"),
+    (lambda c: c["vision_config"].update(merge_kernel_size=[2, 10 ** 7]), "`vision_config.merge_kernel_size`"),
+    (lambda c: c["vision_config"].update(vt_num_attention_heads=10 ** 8), "`vision_config.vt_num_attention_heads`"),
+])
+def test_sizes_a_config_sets_are_bounded(tmp_path, edit, words):
+    from engine.config_io import load_config
+    from engine.errors import ConfigError
+    config = _hf_config()
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with bounded(seconds=2, rss_mib=50):
+        with pytest.raises(ConfigError, match=words) as info:
+            load_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_a_snapshot_token_tensor_longer_than_its_metadata_says_is_refused_before_listing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine import load_model
+    from engine.errors import InputError
+    from engine.session import Session
+    from engine.snapshot import read_snapshot
+    from engine.tokenizer import Tokenizer
+    import torch
+    model = load_model("preset:tiny", seed=2)
+    session = Session(model, Tokenizer.byte_level(), progress=False)
+    session.append("fifteen tokens!", name="doc")
+    session.save(tmp_path / "snap")
+    state_file = tmp_path / "snap" / "state.safetensors"
+    tensors = load_file(str(state_file))
+    tensors["tokens"] = torch.zeros(4_000_000, dtype=torch.int64)  # a list of these would take ~150 MB
+    save_file(tensors, str(state_file))
+    state = read_snapshot(tmp_path / "snap")
+    with bounded(seconds=2, rss_mib=60):
+        with pytest.raises(InputError, match="holds 4,000,000 token ids, its metadata says 15"):
+            Session(model, Tokenizer.byte_level(), progress=False).load_state_dict(state)
+
+
+def test_a_tokenizer_config_with_300k_special_tokens_is_refused_before_building_them(tmp_path):
+    from engine.errors import CheckpointError
+    from engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+    write_byte_level_tokenizer(tmp_path)
+    decoder = {str(256 + i): {"content": f"<|t{i}|>"} for i in range(300_000)}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    with bounded(seconds=5, rss_mib=200):
+        with pytest.raises(CheckpointError, match=r"tokenizer_config.json: cannot read added_tokens_decoder \(it lists 300,000 special tokens, more than the 256"):
+            Tokenizer.load(tmp_path)
+
+
+def test_a_3_gib_policy_file_is_not_read(tmp_path):
+    from engine.errors import InputError
+    from workbench.recorders.policy import load_policy
+    policy = tmp_path / "policy.json"
+    with open(policy, "wb") as f:
+        f.write(b'{"name": "x"}')
+        f.truncate(3 << 30)  # sparse
+    with bounded(seconds=2, rss_mib=50):
+        with pytest.raises(InputError, match=r"policy.json: larger than the 1,048,576 bytes allowed for a policy file"):
+            load_policy(str(policy))
+
+
+def test_a_huge_layer_range_is_refused_before_it_is_expanded(tmp_path):
+    from workbench.trace.errors import TraceError
+    from workbench.trace.export import parse_layers
+    with bounded(seconds=1, rss_mib=20):
+        with pytest.raises(TraceError, match="layer 2000000000 is beyond 32767"):
+            parse_layers("1000000-2000000000")
+    path = _trace(tmp_path)  # a model of 8 layers
+    with pytest.raises(TraceError, match=r"layers 8, 9 are not layers of the trace .* 0\.\.7\); export aborted"):
+        export_trace(path, tmp_path / "out", fmt="csv", layers=parse_layers("3,8-9"))
+    assert not (tmp_path / "out").exists()
+
+
+def _png16(width: int, height: int) -> bytes:
+    """A 16-bit grey PNG of zeros, compressed row by row (never held whole)."""
+    import struct
+    import zlib
+    packer = zlib.compressobj(9)
+    row = b"\0" * (1 + 2 * width)
+    body = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 16, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
+def test_a_16_bit_png_decodes_without_whole_image_float_copies():
+    from engine.vision.preprocess import _pixel_digest, open_image
+    data = _png16(5000, 5000)  # 25M pixels; whole-image float64 conversion peaked at ~670 MB more here
+    assert len(data) < 64 << 10
+    with bounded(seconds=5, rss_mib=250):  # the 16-bit pixels, their 8-bit grey and RGB copies: ~180 MB
+        image, _ = open_image(data, name="deep.png")
+        _pixel_digest(image)
+    assert image.size == (5000, 5000) and image.mode == "RGB"
+
+
+def test_16_bit_grey_converts_and_hashes_as_before():
+    import hashlib
+
+    from PIL import Image
+
+    from engine.vision.preprocess import _pixel_digest, _to_rgb8
+    values = np.random.default_rng(0).integers(0, 65536, (37, 29)).astype(np.uint16)
+    image = _to_rgb8(Image.frombytes("I;16", (29, 37), values.astype("<u2").tobytes()), "x")
+    expected = np.clip(np.rint(values.astype(np.float64) / 257.0), 0, 255).astype(np.uint8)
+    assert (np.asarray(image)[..., 0] == expected).all()
+    assert _pixel_digest(image) == hashlib.sha256(b"29x37:" + image.tobytes()).hexdigest()

@@ -68,7 +68,8 @@ def test_a_token_listed_twice(tok_dir):
     ({"300": "[BOS]"}, "needs a decimal id and a string content"),
     ({"x": {"content": "[BOS]"}}, "needs a decimal id"),
     ({"300": {"content": 5}}, "string content"),
-    ({str(2 ** 40): {"content": "[BOS]"}}, "exceed"),
+    ({str(2 ** 40): {"content": "[BOS]"}}, "beyond the vocabulary"),
+    ({"512": {"content": "[BOS]"}}, r"ids \[512\] are beyond the vocabulary \(the 256 special ids are 256..511\)"),
     ({"300": {"content": "a"}, "301": {"content": "a"}}, None),
 ])
 def test_bad_added_tokens_decoder(tok_dir, decoder, words):

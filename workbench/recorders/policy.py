@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputError
+from engine.fileio import read_limited
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ ALL = RecordPolicy(name="all", dsa_prefill_stride=1, dsa_scores=True, dense_mass
                    moe_window_tokens=1)
 
 
+# a policy file is a few hundred bytes of fields (marked positions included); read through this limit
+MAX_POLICY_BYTES = 1 << 20
+
+
 def load_policy(spec: "str | RecordPolicy | dict | None") -> RecordPolicy:
     """`"default"`, `"all"`, a RecordPolicy, a dict of fields, or the path of a JSON file of fields."""
     if spec is None or spec == "default":
@@ -146,7 +151,7 @@ def load_policy(spec: "str | RecordPolicy | dict | None") -> RecordPolicy:
         if not path.is_file():
             raise InputError(f"unknown policy {spec!r}: use default, all, or a JSON file of policy fields")
         try:
-            fields = json.loads(path.read_text(encoding="utf-8"))
+            fields = json.loads(read_limited(path, "a policy file", InputError, MAX_POLICY_BYTES).decode("utf-8"))
         except (UnicodeDecodeError, RecursionError) as exc:
             raise InputError(f"{path}: policy file is not UTF-8 JSON ({str(exc)[:120]})") from None
         except json.JSONDecodeError as exc:

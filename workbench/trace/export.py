@@ -34,6 +34,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from engine import atomic_dir
+from workbench.trace.bounds import MAX_LAYERS, SessionBounds
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace
 from workbench.trace.schema import EXPORT_MANIFEST, IMAGES_DIR, SESSION_FILE, TABLES, parquet_options
@@ -52,8 +53,22 @@ def parse_layers(text: str) -> list[int]:
         if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise TraceError(f"bad layer list {text!r}: use numbers and ranges like 0,3,5-7")
         lo = int(m.group(1))
-        layers.update(range(lo, int(m.group(2) or lo) + 1))
+        hi = int(m.group(2) or lo)
+        if hi > MAX_LAYERS:  # checked before the range is expanded: "0-2000000000" must not fill memory
+            raise TraceError(f"bad layer list {text!r:.80}: layer {hi} is beyond {MAX_LAYERS}, the highest "
+                             "layer a trace can hold")
+        layers.update(range(lo, hi + 1))
     return sorted(layers)
+
+
+def _check_layers(layers: Sequence[int], trace: Trace) -> None:
+    """Refuse layers the trace's model does not have (TraceError naming them and the model's range)."""
+    count = SessionBounds.of(trace.session).layers
+    outside = [layer for layer in layers if not 0 <= layer < count]
+    if outside:
+        shown = ", ".join(map(str, outside[:3])) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+        raise TraceError(f"layers {shown} are not layers of the trace {trace.path} (its model has layers "
+                         f"0..{count - 1}); export aborted, nothing was written")
 
 
 def _jsonable(table: pa.Table) -> pa.Table:
@@ -193,6 +208,8 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     except TraceError as exc:
         kept = "the previous export there is kept" if is_export(Path(out)) else "nothing was written"
         raise type(exc)(f"{exc}; export aborted, {kept}") from None
+    if layers is not None:
+        _check_layers(layers, trace)
     names = list(TABLES) if tables is None else list(dict.fromkeys(tables))
     unknown = [t for t in names if t not in TABLES]
     if unknown:
