@@ -166,7 +166,8 @@ def parse_entry(entry: Any, index: int = 0) -> Intervention:
     where = f"intervention {index} ({op})"
     if "segment" in entry:
         raise InputError(f"{where}: \"segment\" must be resolved to positions first "
-                         "(the workbench does it: workbench.intervene / --intervene)")
+                         "(workbench.intervene and `workbench run --intervene` resolve segment names; a bare token "
+                         "sequence has none)")
     unknown = set(entry) - _KEYS[op] - {"op"}
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; {op} takes {sorted(_KEYS[op])}")

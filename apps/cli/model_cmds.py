@@ -15,6 +15,7 @@ from engine.builtin import model_dir
 from engine.census import census, human, human_bytes
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.interventions import InterventionPlan, parse_interventions
 from engine.parallel import distributed
 from engine.presets import PRESETS
 from engine.vision import expand_media_placeholders, merged_grid, preprocess_image
@@ -22,6 +23,7 @@ from engine.weights.load import IMAGES_UNAVAILABLE, has_vision_tensors, validate
 from engine.weights.validate_values import check_values
 from engine.weights.safetensors_io import CheckpointFiles
 from engine.weights.write import write_checkpoint
+from workbench import load_intervention_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     lg.add_argument("--seed", type=int, default=0, help="weights seed for preset: models")
     lg.add_argument("--dsa-dense", action="store_true", help="read every past key on DSA layers (K3-style)")
+    lg.add_argument("--intervene", type=Path, metavar="SPEC_JSON",
+                    help="apply interventions to every sequence: a JSON list with token positions "
+                         "(engine.interventions; a sequence has no segment names)")
     add_parallel_args(lg)
     lg.set_defaults(func=cmd_logits)
 
@@ -173,6 +178,7 @@ def sequence_inputs(model, seq: engine_inputs.InputSequence, index: int,
 
 def cmd_logits(args: argparse.Namespace) -> int:
     sequences = engine_inputs.read_sequences(args.input_ids)
+    interventions = parse_interventions(load_intervention_spec(args.intervene)) if args.intervene is not None else ()
     if args.out.is_dir():  # checked before the model is loaded, not after the forward
         raise InputError(f"--out {args.out} is a directory; give a .safetensors file path")
     parent = next((p for p in args.out.parents if p.exists()), None)
@@ -181,6 +187,8 @@ def cmd_logits(args: argparse.Namespace) -> int:
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
         model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
         model.runtime.dsa_force_dense = args.dsa_dense
+        # checked against the model before any forward runs
+        model.runtime.interventions = InterventionPlan(interventions, model.config, ctx.device) if interventions else None
         out: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             for i, seq in enumerate(sequences):

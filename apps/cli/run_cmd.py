@@ -20,7 +20,7 @@ from engine.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from engine.snapshot import check_target as check_snapshot_target
-from engine.transcript import read_transcript
+from workbench import intervene, load_intervention_spec
 from workbench.sessions import FAMILIES, recorded_session
 from workbench.trace import check_trace_target
 
@@ -31,13 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
-    src.add_argument("--messages", type=Path, metavar="CHAT_JSON", help="replay a conversation in the OpenAI messages "
-                     "format (a JSON list, or an object with \"messages\"): one segment per message; local images "
-                     "must lie in the file's directory")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
     p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
                    help="an image before the prompt (repeatable, in order; --chat: one user message, images then text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--intervene", type=Path, metavar="SPEC_JSON",
+                   help="run with interventions on what the layers read, remember and route: a JSON list such as "
+                        '[{"op": "dsa.hide", "segment": "prompt", "layers": "all"}] (engine.interventions)')
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (model card default 1.0)")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0)
@@ -79,8 +79,9 @@ def record_families(spec: str) -> tuple[str, ...]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
-    args.transcript = read_transcript(args.messages) if args.messages is not None else None  # checked before loading
-    if prompt is None and args.load is None and not args.image and args.transcript is None:
+    # read and parsed before the model loads; layers, heads and experts are checked once it has
+    args.interventions = [load_intervention_spec(args.intervene)] if args.intervene is not None else []
+    if prompt is None and args.load is None and not args.image:
         raise InputError("give --prompt TEXT or --prompt-file FILE (or --image FILE, or --load SNAPSHOT)")
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
@@ -128,8 +129,6 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         # a bad image fails here, before anything ran (and the trace keeps what it has)
-        if args.transcript is not None:
-            session.append_messages(args.transcript)
         if args.chat and (args.image or prompt is not None):  # one user message: the images, then the text
             session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
                                    name="prompt")
@@ -140,9 +139,10 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                 session.append(prompt, name="prompt")
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out = sys.stdout if ctx.is_leader else io.StringIO()
-        for token in session.generate(params=params):
-            out.write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
-            out.flush()
+        with intervene(session, *args.interventions):  # segment names resolve to the prompt's segments
+            for token in session.generate(params=params):
+                out.write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
+                out.flush()
     out.write(decoder.decode(b"", final=True) + "\n")
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)

@@ -8,6 +8,7 @@ inject the failures the tests look for: a rank that raises, a rank with another 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import load_model
+from engine.interventions import InterventionPlan, parse_interventions
 from engine.parallel import distributed
 from engine.session import Session
 
@@ -32,6 +34,7 @@ def main() -> int:
     p.add_argument("--other-model-on-rank", type=int, default=-1, help="this rank loads --other-model")
     p.add_argument("--other-model")
     p.add_argument("--check-ranks", action="store_true", help="cross-rank invariant checks in every forward")
+    p.add_argument("--intervene", default="[]", help="a JSON intervention spec for the forward and the session")
     args = p.parse_args()
     torch.set_num_threads(1)
     with distributed(debug_checks=args.check_ranks, heartbeat_timeout_s=10.0) as ctx:
@@ -41,9 +44,13 @@ def main() -> int:
             raise RuntimeError("injected failure")
         if ctx.rank == args.die_rank:
             os._exit(3)
+        items = parse_interventions(json.loads(args.intervene))
+        model.runtime.interventions = InterventionPlan(items, model.config, ctx.device) if items else None
         with torch.inference_mode():
             logits = model(torch.tensor([PROMPT]))[0]
+        model.runtime.interventions = None
         session = Session(model)
+        session.set_interventions(items)
         session.append(ids=PROMPT)
         tokens = [t.id for t in session.generate(max_new_tokens=args.new_tokens, temperature=0)]
         if ctx.is_leader and args.out:

@@ -94,6 +94,33 @@ def test_k31_mxfp4_checkpoint_same_logits_and_greedy_tokens(world, k31_mxfp4, k3
     _check_job(world, k31_mxfp4, k31_reference, tmp_path, *(["--check-ranks"] if world == 2 else []))
 
 
+# every op at once, on heads and experts that live on one rank only (tiny-tp: 8 KDA heads, 16 experts)
+EVERY_OP = [{"op": "dsa.hide", "positions": [3, 12]}, {"op": "dsa.pin", "positions": [0, 2], "layers": [5]},
+            {"op": "kda.suppress_writes", "positions": [2, 15], "heads": [1, 6]},
+            {"op": "kda.scale", "at": 24, "factor": 0.5, "heads": [7]}, {"op": "kda.erase", "at": 9, "layers": [3]},
+            {"op": "moe.ban", "experts": [0, 9, 15]}, {"op": "moe.force", "experts": [3], "layers": [2]}]
+
+
+def test_every_intervention_two_ranks_equal_one(k31_mxfp4, tmp_path):
+    """Every rank applies the same interventions: its own heads' share of a KDA edit, the same banned and
+    forced experts and hidden keys (`--check-ranks` asserts the DSA selections and routes agree)."""
+    from engine.interventions import InterventionPlan, parse_interventions
+
+    model = load_model(k31_mxfp4)
+    items = parse_interventions(EVERY_OP)
+    model.runtime.interventions = InterventionPlan(items, model.config)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT]))[0]
+    model.runtime.interventions = None
+    session = Session(model)
+    session.set_interventions(items)
+    session.append(ids=PROMPT)
+    tokens = [t.id for t in session.generate(max_new_tokens=6, temperature=0)]
+    plain = reference(k31_mxfp4)
+    assert not torch.allclose(logits, plain[0], atol=1e-3)  # the interventions change the output
+    _check_job(2, k31_mxfp4, (logits, tokens), tmp_path, "--check-ranks", "--intervene", json.dumps(EVERY_OP))
+
+
 def test_kimi_linear_preset_world2(tmp_path):
     # dense experts at full width, plain residuals, low-rank KDA gate; weights sliced from the random source
     model = "preset:tiny-tp:kimi-linear"

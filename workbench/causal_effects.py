@@ -27,7 +27,7 @@ import torch
 
 from engine.errors import InputError
 from engine.interventions import DsaHide, DsaPin, Intervention, KdaErase, KdaScale
-from workbench.intervene import resolve, spec_json
+from workbench.interventions import resolve, spec_json
 
 Continuation = Callable[[Any], None]
 

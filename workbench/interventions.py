@@ -25,7 +25,7 @@ MAX_SPEC_BYTES = 1 << 20
 _AT_OPS = ("kda.erase", "kda.scale")
 
 
-def load_spec(path: str | Path) -> list[Any]:
+def load_intervention_spec(path: str | Path) -> list[Any]:
     """The JSON list in `path` (size checked before it is read); InputError naming the file."""
     path = Path(path)
     try:
@@ -63,7 +63,7 @@ def resolve(session: Any, *interventions: Any) -> tuple[Intervention, ...]:
     entries: list[Any] = []
     for item in interventions:
         if isinstance(item, Path) or (isinstance(item, str) and not item.lstrip().startswith("[")):
-            entries += load_spec(item)
+            entries += load_intervention_spec(item)
         elif isinstance(item, str):
             try:
                 entries += json.loads(item)
