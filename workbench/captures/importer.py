@@ -262,6 +262,10 @@ def import_capture(engine: str, responses: str | Path, model: str, out: str | Pa
     if tmp.exists():
         shutil.rmtree(tmp)  # this process's own temporary from an earlier attempt
     writer = TraceWriter.create(tmp, meta)
+    threads = torch.get_num_threads()
+    # the reductions run on chunks of a few thousand rows, where intra-op threads cost more in
+    # hand-offs than they save; the caller's setting is restored below
+    torch.set_num_threads(1)
     try:
         state.tokens(writer)
         for rec in records:  # positions are the conversation's: each prompt continues the records before it
@@ -282,4 +286,6 @@ def import_capture(engine: str, responses: str | Path, model: str, out: str | Pa
             pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        torch.set_num_threads(threads)
     return capture
