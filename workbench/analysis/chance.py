@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-__all__ = ["chance_of_hit", "expected_hits", "format_read", "format_hits"]
+__all__ = ["chance_of_hit", "expected_hits", "expected_key_selections", "format_read", "format_hits"]
 
 _lgamma = np.frompyfunc(math.lgamma, 1, 1)
 
@@ -92,6 +92,27 @@ def expected_hits(visible, span, picks) -> np.ndarray | float:
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(v > 0, k * s / np.where(v > 0, v, 1.0), 0.0)
     return float(out) if out.ndim == 0 else out
+
+
+def expected_key_selections(queries: np.ndarray, picks: int, edges: np.ndarray) -> np.ndarray:
+    """Selections of keys in each range [edges[b], edges[b+1]) that uniformly random top-k picks would make.
+
+    Args:
+        queries (np.ndarray): [T] how many queries were made at each position 0..T-1 (each sees keys 0..q).
+        picks (int): keys each query selects (the DSA top-k; a query seeing fewer selects them all).
+        edges (np.ndarray): [bins + 1] ascending range edges in positions (fractional edges split a key).
+
+    A query at q picks each visible key with probability min(k, q + 1) / (q + 1), so key p expects
+    sum over q >= p of that: a suffix sum, O(T) with no [T, T] array. Returns float64 [bins].
+    """
+    queries = np.asarray(queries, dtype=np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    q = np.arange(len(queries), dtype=np.float64)
+    rate = queries * np.minimum(float(picks), q + 1) / (q + 1)
+    per_key = np.cumsum(rate[::-1])[::-1]  # expected selections of the key at each position
+    cum = np.concatenate([[0.0], np.cumsum(per_key)])
+    at_edges = np.interp(edges, np.arange(len(cum), dtype=np.float64), cum, left=0.0, right=cum[-1])
+    return np.diff(at_edges)
 
 
 def _ratio(observed: float, chance: float) -> str:

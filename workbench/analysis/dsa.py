@@ -137,6 +137,28 @@ def sink_eviction(sink: Frame, threshold: float = 0.5, window: int = 1) -> pd.Da
                                       "evicted"])
 
 
+def queries_per_position(sink: Frame, extent: int) -> np.ndarray:
+    """How many DSA queries were made at each position 0..extent-1, from the dsa_sink deltas: int64 [extent].
+
+    A dsa_sink row covers one forward of one layer (`position` its last query, `queries` how many, in a
+    contiguous run ending there); the layer and rank with the most queries are counted (every DSA layer
+    sees the same queries), positions past `extent` dropped.
+    """
+    df = to_pandas(sink)
+    out = np.zeros(max(int(extent), 0) + 1, np.int64)
+    if len(df) == 0 or extent <= 0:
+        return out[:-1]
+    totals = df.groupby(["layer", "rank"])["queries"].sum()
+    layer, rank = totals.idxmax()
+    mine = df[(df["layer"] == layer) & (df["rank"] == rank)]
+    last = mine["position"].to_numpy().astype(np.int64)
+    first = np.maximum(last - mine["queries"].to_numpy().astype(np.int64) + 1, 0)
+    keep = first < extent
+    np.add.at(out, first[keep], 1)
+    np.add.at(out, np.minimum(last[keep] + 1, extent), -1)
+    return np.cumsum(out)[:-1]
+
+
 def segment_reads(totals: Frame, segments: pd.DataFrame | None = None) -> pd.DataFrame:
     """Which segment each layer read: share of a layer's selections per segment (dsa_segment_totals).
 

@@ -116,7 +116,10 @@ def memory_health(kda_norms: Frame, segments: pd.DataFrame | None = None, platea
     it never fell), forget_drop, forget_segment, min_eff_rank / min_eff_rank_position / final_eff_rank
     (NaN when not recorded), half_life (median channel half-life at the last measurement, or from
     mean_decay when only that was recorded), global_share (final), mean_beta, mean_decay,
-    norm_growth_per_1k. `health_of_layers` gives the same from per-layer matrices.
+    norm_growth_per_1k (least-squares slope over the whole session: negative once a full state decays),
+    saturate_growth_per_1k (norm gained per 1000 tokens from the first measurement to the plateau: >= 0,
+    NaN when the first measurement is already on it). `health_of_layers` gives the same from per-layer
+    matrices.
     """
     df = to_pandas(kda_norms)
     layers = {}
@@ -165,7 +168,11 @@ def _layer_health(layer: int, pos: np.ndarray, stats: dict, plateau: float) -> p
     norms = stats["norm"]
     n_heads = norms.shape[1]
     peak = norms.max(0)
-    saturate = pos[(norms >= plateau * peak).argmax(0)]
+    reached = (norms >= plateau * peak).argmax(0)
+    saturate = pos[reached]
+    heads = np.arange(n_heads)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        climb = np.where(reached > 0, (norms[reached, heads] - norms[0]) / (saturate - pos[0]) * 1000.0, np.nan)
     if len(pos) > 1:
         drops = (norms[:-1] - norms[1:]) / np.maximum(norms[:-1], 1e-12)
         at = drops.argmax(0)
@@ -201,7 +208,7 @@ def _layer_health(layer: int, pos: np.ndarray, stats: dict, plateau: float) -> p
         "final_eff_rank": final_rank, "half_life": half_final,
         "global_share": share[-1] if share is not None else np.full(n_heads, np.nan),
         "mean_beta": wf["mean_beta"].to_numpy(), "mean_decay": wf["mean_decay"].to_numpy(),
-        "norm_growth_per_1k": wf["norm_growth_per_1k"].to_numpy()})
+        "norm_growth_per_1k": wf["norm_growth_per_1k"].to_numpy(), "saturate_growth_per_1k": climb})
 
 
 def heads_at_risk(health: pd.DataFrame, top: int = 10) -> pd.DataFrame:
@@ -210,14 +217,30 @@ def heads_at_risk(health: pd.DataFrame, top: int = 10) -> pd.DataFrame:
     Takes `memory_health(...)`. Returns the `top` fastest-saturating heads (smallest
     saturate_fraction, then lowest effective rank) and the `top` fastest-forgetting heads (shortest
     half-life, then the largest norm drop), with `kind` ("saturates" / "forgets"), `position` (where it
-    happened: the plateau, or the largest drop) and `segment`.
+    happened: the plateau, or the largest drop) and `segment`. Each head is listed once: the two lists
+    pick heads in turns down their own orders, saturating first, skipping heads already listed; a head
+    that never lost norm and has no recorded half-life does not forget, so it is never listed as forgetting.
     """
     if len(health) == 0:
         return pd.DataFrame(columns=["kind", "rank", "layer", "head", "position", "segment"])
-    sat = health.sort_values(["saturate_fraction", "min_eff_rank", "layer", "head"], na_position="last").head(top)
+    by_sat = health.sort_values(["saturate_fraction", "min_eff_rank", "layer", "head"], na_position="last")
+    can_forget = health[np.isfinite(health["half_life"]) | (health["forget_drop"] > 0)]
+    by_forget = can_forget.sort_values(["half_life", "forget_drop", "layer", "head"],
+                                       ascending=[True, False, True, True], na_position="last")
+    picked: dict[str, list] = {"saturates": [], "forgets": []}
+    taken: set = set()
+    queues = {"saturates": list(by_sat.index), "forgets": list(by_forget.index)}
+    while any(len(picked[k]) < top and queues[k] for k in picked):
+        for kind in ("saturates", "forgets"):
+            queue = queues[kind]
+            while queue and queue[0] in taken:
+                queue.pop(0)
+            if queue and len(picked[kind]) < top:
+                taken.add(queue[0])
+                picked[kind].append(queue.pop(0))
+    sat = by_sat.loc[picked["saturates"]]
     sat = sat.assign(kind="saturates", position=sat["saturate_position"], segment=sat["saturate_segment"])
-    forget = health.sort_values(["half_life", "forget_drop", "layer", "head"], ascending=[True, False, True, True],
-                                na_position="last").head(top)
+    forget = by_forget.loc[picked["forgets"]]
     forget = forget.assign(kind="forgets",
                            position=np.where(forget["forget_position"] >= 0, forget["forget_position"],
                                              forget["saturate_position"]),

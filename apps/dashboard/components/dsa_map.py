@@ -1,7 +1,9 @@
 """View 2, the DSA memory map: which context positions each DSA layer selects, and what it read for a token.
 
 - heat map: DSA layers x context position, binned on the server to the screen width; colour =
-  log(1 + selections) of keys in the bin (from the trace's running sums, never per-token glyphs);
+  selections of keys in the bin on a log scale (from the trace's running sums, never per-token glyphs);
+  the hover names the layer, the bin's key range, its count and what uniformly random top-k picks of
+  the same queries would select there (chance) with the ratio;
 - generated text: click a token (or type a position) to select a query;
 - read-out: for the selected query, the same layers x position grid with only its selected keys,
   a per-layer table (keys, nearest / farthest read, share local, segment read most) with the text
@@ -36,8 +38,9 @@ class DSAMemoryMap(ViewComponent):
 
     def __init__(self, **params) -> None:
         super().__init__(**params)
-        self.heat = HeatFigure("How often each context range was selected (all queries so far)", "position",
-                               "DSA layer", "log(1+selections)", palette="inferno")
+        self.heat = HeatFigure("How often each context range was selected (all queries so far; hover: beside chance)",
+                               "keys", "DSA layer", "selections", palette="inferno", log_scale=True,
+                               chance_label="chance (random top-k)")
         self.position_input = pn.widgets.IntInput.from_param(self.state.param.position, label="Query position",
                                                              width=160)
         self.strip = TokenStrip(sizing_mode="stretch_width", css_classes=["k3-dsa-tokens"])
@@ -77,7 +80,7 @@ class DSAMemoryMap(ViewComponent):
     @cached_property
     def image_card(self) -> pn.Column:
         return pn.Column(pn.pane.Markdown("**What the DSA layers read in the image**", margin=(0, 10)),
-                         self.image.controls, pn.Row(self.image.figure, pn.Column(
+                         self.image.controls, pn.Row(self.image.picture, pn.Column(
                              self.image.summary, self.image.layers_table, sizing_mode="stretch_width"),
                              sizing_mode="stretch_width"),
                          visible=False, sizing_mode="stretch_width", css_classes=["k3-dsa-image"])
@@ -94,8 +97,8 @@ class DSAMemoryMap(ViewComponent):
         self.redraw()
 
     def draw(self, data: DSAMapData, session: SessionMapData, changed: set[str]) -> None:
-        if "heat" in changed:
-            self.heat.update(data.heat)
+        if {"heat", "heat_chance"} & changed:
+            self.heat.update(data.heat, chance=data.heat_chance)
         if {"segments", "heat"} & changed:
             starts = segment_starts(session.segments) if self.show_segments else []
             self.heat.set_boundaries(starts)

@@ -5,6 +5,9 @@
 - text vs image: each expert's share among text tokens and among image tokens (one layer or all);
 - routes: the experts (and combine weights) each layer chose for the selected token;
 - load per expert-parallel rank, and the most imbalanced layer (max / mean rank load).
+
+Each share is shown beside its uniform baseline (every expert equally used: 1/E; a router spreading
+evenly: entropy ln E; every rank equally loaded: the mean), since any routing has some spread by chance.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from functools import cached_property
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+from bokeh.models import ColumnDataSource, FactorRange, FixedTicker, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
@@ -35,7 +38,8 @@ class ExpertsView(ViewComponent):
 
     def __init__(self, **params) -> None:
         super().__init__(**params)
-        self.heat = HeatFigure("Expert usage (share of the layer's routed slots)", "expert", "MoE layer", "share")
+        self.heat = HeatFigure("Expert usage (share of the layer's routed slots; hover: beside uniform 1/E)", "expert",
+                               "MoE layer", "share", chance_label="uniform share 1/E")
         self.bars_source = ColumnDataSource({"expert": [], "text": [], "image": []})
         self.bars = figure(title="Text vs image tokens: share per expert", height=200, sizing_mode="stretch_width",
                            tools="xpan,xwheel_zoom,reset", toolbar_location="above", x_axis_label="expert",
@@ -44,12 +48,21 @@ class ExpertsView(ViewComponent):
                        line_color=None, legend_label="text", fill_alpha=0.7)
         self.bars.vbar(x="expert", top="image", width=0.5, source=self.bars_source, fill_color="#54a24b",
                        line_color=None, legend_label="image", fill_alpha=0.9)
+        self.uniform_source = ColumnDataSource({"x": [], "y": []})
+        self.bars.line(x="x", y="y", source=self.uniform_source, line_color="#333", line_dash="dashed",
+                       legend_label="uniform 1/E")
         self.bars.legend.location = "top_right"
         trim(self.bars)
         self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
+        self.load_mean = ColumnDataSource({"x": [], "y": []})
         self.load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
-                           toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots")
+                           toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots",
+                           x_range=Range1d(-0.5, 0.5), visible=False)
         self.load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
+        self.load.line(x="x", y="y", source=self.load_mean, line_color="#333", line_dash="dashed",
+                       legend_label="even split (mean)")
+        self.load.legend.location = "bottom_right"
+        self.load.xaxis.ticker = FixedTicker(ticks=[])
         trim(self.load)
         self.load_note = text_pane("", css_classes=["k3-ep-note"])
         self.routes_note = text_pane("Select a token to see its routes.", sizing_mode="stretch_width")
@@ -89,7 +102,8 @@ class ExpertsView(ViewComponent):
             self._segment_ids = {f"{s['id']}: {s.get('name') or s['kind']}": int(s["id"]) for s in session.segments}
             self.param.segment.objects = [ALL, *self._segment_ids]
         if "heat" in changed:
-            self.heat.update(data.heat)
+            experts = data.heat.values.shape[1] if data.heat is not None and data.heat.values.ndim == 2 else 0
+            self.heat.update(data.heat, chance=np.full(experts, 1.0 / experts) if experts else None)
             layers = [ALL, *map(str, data.heat.rows)] if data.heat is not None else [ALL]
             if layers != self.param.layer.objects:
                 self.param.layer.objects = layers
@@ -111,6 +125,8 @@ class ExpertsView(ViewComponent):
         self.bars_source.data = {"expert": np.arange(len(text)), "text": text / max(text.sum(), 1),
                                  "image": image / max(image.sum(), 1)}
         self.bars.x_range.update(start=-0.5, end=len(text) - 0.5)
+        uniform = 1.0 / max(len(text), 1)
+        self.uniform_source.data = {"x": [-0.5, len(text) - 0.5], "y": [uniform, uniform]}
 
     def _routes(self, data: ExpertsData) -> None:
         if data.routes is None and "routes" not in self.__dict__:
@@ -135,7 +151,11 @@ class ExpertsView(ViewComponent):
                      "policy keeps them for generated tokens and sampled windows).")
         else:
             mean_h = np.mean([r["entropy"] for r in routes])
-            set_text(self.routes_note, f"{len(routes)} MoE layers routed this token; mean router entropy {mean_h:.2f} nats")
+            experts = data.heat.values.shape[1] if data.heat is not None and data.heat.values.ndim == 2 else 0
+            uniform = f" (a uniform router over {experts} experts: ln {experts} = {np.log(experts):.2f} nats)" \
+                if experts > 1 else ""
+            set_text(self.routes_note, f"{len(routes)} MoE layers routed this token; mean router entropy "
+                     f"{mean_h:.2f} nats{uniform}")
 
     def _load(self, data: ExpertsData) -> None:
         if data.rank_load is None:
@@ -143,10 +163,23 @@ class ExpertsView(ViewComponent):
             set_text(self.load_note, "no expert-parallel load recorded")
             return
         load = np.asarray(data.rank_load, np.float64)
+        if len(load) <= 1:
+            # one rank holds every expert: there is no split to be uneven, so no chart
+            self.load.visible = False
+            self.load_source.data = {"rank": [], "tokens": [], "colour": []}
+            set_text(self.load_note, "1 expert-parallel rank holds all experts: no load to balance "
+                     "(run with several ranks to see their split)")
+            return
         hot = int(load.argmax())
+        mean = load.mean()
+        # the busiest rank is red only when it is above an even split
         self.load_source.data = {"rank": np.arange(len(load)), "tokens": load,
-                                 "colour": ["#e45756" if i == hot else "#4c78a8" for i in range(len(load))]}
-        mean = load.mean() if len(load) else 0
+                                 "colour": ["#e45756" if i == hot and load[hot] > mean else "#4c78a8"
+                                            for i in range(len(load))]}
+        self.load_mean.data = {"x": [-0.5, len(load) - 0.5], "y": [mean, mean]}
+        self.load.x_range.update(start=-0.5, end=len(load) - 0.5)
+        self.load.xaxis.ticker.ticks = list(range(len(load)))
+        self.load.visible = True
         worst = data.rank_worst
         note = f"busiest rank {hot}: {load[hot] / mean:.2f} x mean" if mean else ""
         if worst is not None:

@@ -12,8 +12,8 @@ serialise and the browser time to build a view of, on every page open.
 from __future__ import annotations
 
 import numpy as np
-from bokeh.models import (Axis, ColorBar, ColumnDataSource, FixedTicker, GlyphRenderer, Grid, HoverTool, Image,
-                          LinearColorMapper, NumeralTickFormatter, Range1d, VSpan, VStrip)
+from bokeh.models import (Axis, ColorBar, ColumnDataSource, CustomJSHover, FixedTicker, GlyphRenderer, Grid, HoverTool,
+                          Image, LinearColorMapper, LogColorMapper, NumeralTickFormatter, Range1d, VSpan, VStrip)
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
@@ -31,15 +31,25 @@ class HeatFigure:
         value_label (str): what the colour means (hover and colour bar).
         palette (str): "viridis" or "inferno".
         height (int): pixel height.
+        log_scale (bool): colour on a log scale (counts spanning orders of magnitude); zeros get the
+            palette's darkest colour, below the lowest count shown.
+        chance_label (str, Optional): the hover also shows, per column, the value `update(..., chance=)`
+            gives (what uniformly random picks would give there) beside the cell's value and their ratio.
+
+    The hover names the row by its label (a layer id, not the row index) and the cell's x range.
     """
 
     def __init__(self, title: str, x_label: str, y_label: str, value_label: str, palette: str = "viridis",
-                 height: int = 260) -> None:
-        self.source = ColumnDataSource({"image": [np.zeros((1, 1), np.float32)], "x": [0.0], "y": [-0.5],
-                                        "dw": [1.0], "dh": [1.0]})
+                 height: int = 260, log_scale: bool = False, chance_label: str | None = None) -> None:
+        self.source = ColumnDataSource(self._empty_data())
         self.bounds = ColumnDataSource({"x": []})
-        self.mapper = LinearColorMapper(palette=Inferno256 if palette == "inferno" else Viridis256,
-                                        nan_color="rgba(0,0,0,0)")
+        colours = Inferno256 if palette == "inferno" else Viridis256
+        if log_scale:
+            # the darkest eighth is kept for empty cells, so a cell read once never looks unread
+            self.mapper = LogColorMapper(palette=colours[32:], low_color=colours[0], nan_color="rgba(0,0,0,0)")
+        else:
+            self.mapper = LinearColorMapper(palette=colours, nan_color="rgba(0,0,0,0)")
+        self.log_scale = log_scale
         self.figure = figure(title=title, height=height, sizing_mode="stretch_width", x_range=Range1d(0, 1),
                              y_range=Range1d(-0.5, 0.5), tools="xpan,xwheel_zoom,reset,save",
                              toolbar_location="above", x_axis_label=x_label, y_axis_label=y_label)
@@ -50,9 +60,14 @@ class HeatFigure:
         self.marks = ColumnDataSource({"x0": [], "x1": [], "label": []})
         self.figure.add_glyph(self.marks, VStrip(x0="x0", x1="x1", fill_color="#00e5ff", fill_alpha=0.25,
                                                  line_color="#00e5ff", line_width=1.5))
-        self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=[(x_label, "$x{0,0}"),
-                                                                          (y_label, "$y{0}"),
-                                                                          (value_label, "@image{0.00}")]))
+        self.row_names = CustomJSHover(args={"labels": []}, code=_ROW_LABEL_JS)
+        tooltips = [(y_label, "$y{custom}"), (x_label, "$x{custom}"), (value_label, "@image{0,0.[00]}")]
+        formatters = {"$y": self.row_names, "$x": CustomJSHover(args={"source": self.source}, code=_CELL_RANGE_JS)}
+        if chance_label:
+            # the chance column rides on a second special variable: a field takes one formatter, and $x has one
+            tooltips.append((chance_label, "$sx{custom}"))
+            formatters["$sx"] = CustomJSHover(args={"source": self.source}, code=_CHANCE_JS)
+        self.figure.add_tools(HoverTool(renderers=[self.glyph], tooltips=tooltips, formatters=formatters))
         self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title=value_label), "right")
         self.figure.grid.visible = False
         self.figure.xaxis.formatter = position_format()
@@ -62,19 +77,32 @@ class HeatFigure:
         trim(self.figure)
         self.rows: tuple[int, ...] = ()
 
-    def update(self, heat: HeatMap | None, row_labels: list[str] | None = None) -> None:
-        """Show `heat` (rows x bins) in place; `row_labels` name the rows (default: heat.rows)."""
+    @staticmethod
+    def _empty_data(values: np.ndarray | None = None) -> dict:
+        return {"image": [values if values is not None else np.zeros((1, 1), np.float32)], "x": [0.0], "y": [-0.5],
+                "dw": [1.0], "dh": [1.0], "chance": [np.zeros(0, np.float32)]}
+
+    def update(self, heat: HeatMap | None, row_labels: list[str] | None = None,
+               chance: np.ndarray | None = None) -> None:
+        """Show `heat` (rows x bins) in place; `row_labels` name the rows (default: heat.rows); `chance`
+        [bins] is what uniformly random picks would give in each column (the hover shows it)."""
         if heat is None or heat.values.size == 0:
-            self.source.data = {"image": [np.full((1, 1), np.nan, np.float32)], "x": [0.0], "y": [-0.5],
-                                "dw": [1.0], "dh": [1.0]}
+            self.source.data = self._empty_data(np.full((1, 1), np.nan, np.float32))
             return
         n = len(heat.rows)
-        self.source.data = {"image": [np.ascontiguousarray(heat.values, dtype=np.float32)], "x": [heat.x0],
-                            "y": [-0.5], "dw": [heat.x1 - heat.x0], "dh": [float(n)]}
+        values = np.ascontiguousarray(heat.values, dtype=np.float32)
+        if self.log_scale:
+            shown = values[np.isfinite(values) & (values > 0)]
+            low = float(shown.min()) if shown.size else 1.0
+            self.mapper.update(low=low, high=max(float(shown.max()) if shown.size else 1.0, low * 1.0001))
+        self.source.data = {"image": [values], "x": [heat.x0], "y": [-0.5], "dw": [heat.x1 - heat.x0],
+                            "dh": [float(n)],
+                            "chance": [np.asarray(chance if chance is not None else np.zeros(0), np.float32)]}
         self.figure.x_range.update(start=heat.x0, end=heat.x1)
         if heat.rows != self.rows:
             self.rows = heat.rows
             labels = row_labels or [str(r) for r in heat.rows]
+            self.row_names.args = {"labels": labels}
             step = max(1, n // 16)  # at most ~16 labels, so 69 or 92 layers stay readable
             ticks = list(range(0, n, step))
             self.row_ticks.ticks = ticks
@@ -90,6 +118,36 @@ class HeatFigure:
         """Mark segment starts (dashed vertical lines)."""
         if list(self.bounds.data.get("x", [])) != positions:
             self.bounds.data = {"x": positions}
+
+
+# hover formatters (run in the browser). `special_vars.image_index` is the hovered cell: i its column, j its
+# row counted from the bottom, which is the order the rows are drawn in
+_ROW_LABEL_JS = """
+const at = special_vars.image_index;
+return at == null ? "" : String(labels[at.j] ?? "");
+"""
+_CELL_RANGE_JS = """
+const at = special_vars.image_index;
+const d = source.data;
+const img = d.image[0];
+const n = img.shape ? img.shape[img.shape.length - 1] : 1;
+if (at == null || !n) { return ""; }
+const w = d.dw[0] / n, a = d.x[0] + at.i * w;
+const fmt = (v) => Math.round(v).toLocaleString("en-US");
+return fmt(a) + " – " + fmt(a + w) + " (one of " + n + " columns)";
+"""
+_CHANCE_JS = """
+const at = special_vars.image_index;
+const d = source.data;
+const chance = d.chance[0];
+if (at == null || chance == null || at.i >= chance.length) { return "n/a"; }
+const img = d.image[0];
+const count = img[at.flat_index];
+const c = chance[at.i];
+const ratio = c > 0 && Number.isFinite(count) ? (count / c).toFixed(1) + "x" : "n/a";
+const shown = c >= 100 ? Math.round(c).toLocaleString("en-US") : c.toPrecision(3);
+return shown + " (observed / chance " + ratio + ")";
+"""
 
 
 def lean(renderer: GlyphRenderer) -> GlyphRenderer:

@@ -4,7 +4,9 @@ The picture is the trace's thumbnail at screen size (`reducers.image_reads`); ov
 merged patch (language-model token) coloured by how often the chosen layer (or all layers) selected
 it, for the selected token or over the whole answer. Beside it: "patches read: 12 of 256, chance 4"
 and the selections inside the image against chance, for the chosen layer and for each layer.
-Switching layer or scope redraws from data already on the server (no new trace read).
+Switching layer or scope redraws from data already on the server (no new trace read). The figure's
+colour bar is its legend; what is drawn (image, layer, queries) is a caption above it that wraps, since a
+figure title is cut at the figure's width and a tall image's figure is narrow.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper, Range1d
+from bokeh.models import ColorBar, ColumnDataSource, HoverTool, LinearColorMapper, Range1d
 from bokeh.palettes import Plasma256
 from bokeh.plotting import figure
 
@@ -44,8 +46,10 @@ class ImageReadsPanel(pn.viewable.Viewer):
         self.heat_source = ColumnDataSource({"image": [np.full((1, 1), np.nan, np.float32)], "x": [0.0], "y": [0.0],
                                              "dw": [1.0], "dh": [1.0]})
         self.mapper = LinearColorMapper(palette=Plasma256, nan_color="rgba(0,0,0,0)", low=0)
-        self.figure = figure(width=SIDE, height=SIDE, title="Image patches read", tools="hover,save",
+        self.figure = figure(width=SIDE + LEGEND_PX, height=SIDE, tools="hover,save",
                              toolbar_location=None, x_range=Range1d(0, 1), y_range=Range1d(0, 1))
+        self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8, title="selections per patch",
+                                        title_text_font_size="10px", major_label_text_font_size="10px"), "right")
         self.figure.image_rgba(image="image", x="x", y="y", dw="dw", dh="dh", source=self.picture_source)
         heat = self.figure.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.heat_source,
                                  color_mapper=self.mapper, global_alpha=0.6)
@@ -54,6 +58,8 @@ class ImageReadsPanel(pn.viewable.Viewer):
         self.figure.grid.visible = False
         trim(self.figure)
         self.summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-image-summary"])
+        self.caption = text_pane("", width=SIDE + LEGEND_PX, css_classes=["k3-image-caption"])
+        self.picture = pn.Column(self.caption, self.figure, margin=0)
         self.layers_table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-image-layers"],
                                          stylesheets=[_CSS])
         self.image_select = pn.widgets.Select.from_param(self.param.image, label="Image", width=160, visible=False)
@@ -109,7 +115,7 @@ class ImageReadsPanel(pn.viewable.Viewer):
             fig_range.update(start=0, end=max(end, 1))
         # keep the figure's aspect the image's, inside a SIDE x SIDE box
         scale = SIDE / max(rows, cols, 1)
-        self.figure.width, self.figure.height = max(int(cols * scale), 60), max(int(rows * scale), 60)
+        self.figure.width, self.figure.height = max(int(cols * scale), 60) + LEGEND_PX, max(int(rows * scale), 60)
         if data.picture is not None:
             w, h = data.covers
             self.picture_source.data = {"image": [data.picture], "x": [0.0], "y": [rows - h], "dw": [w], "dh": [h]}
@@ -137,7 +143,7 @@ class ImageReadsPanel(pn.viewable.Viewer):
                     "no top-k lists recorded for these queries")
             set_text(self.summary, f"{data.name} ({cols}x{rows} patches): {hint}{problem}")
             self.layers_table.object = ""
-            self.figure.title.text = f"{data.name}: patches read"
+            set_text(self.caption, f"{data.name}: patches read")
             return
         layer = self.chosen_layer()
         grid = reads.grid_of(layer).astype(np.float32)
@@ -147,7 +153,7 @@ class ImageReadsPanel(pn.viewable.Viewer):
                                  "dw": [float(cols)], "dh": [float(rows)]}
         summary = reads.summary(layer)
         who = "all DSA layers" if layer is None else f"DSA layer {layer}"
-        self.figure.title.text = f"{data.name}: {who}, {self.scope}"
+        set_text(self.caption, f"{data.name}: {who}, {self.scope} (uncoloured patches: not read)")
         set_text(self.summary, f"{who}, {what} ({summary['queries']} query rows):\n{format_patches(summary)}{problem}")
         self.layers_table.object = layers_html(reads)
 
@@ -165,6 +171,7 @@ def layers_html(reads: PatchReads) -> str:
 
 
 SIDE = 320
+LEGEND_PX = 80  # the colour bar beside the picture
 
 _CSS = """
 table.k3-image-layers { border-collapse: collapse; font-size: 12px; }

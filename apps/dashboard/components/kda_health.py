@@ -3,8 +3,11 @@
 - ranked bars on the position axis (shared with the session map's, so they line up with its
   segments): one bar per ranked head, from 0 to where it saturated (its norm reached 90% of its peak)
   or forgot (its largest norm drop, or the plateau when nothing fell), segments shaded behind;
-- the same positions marked on the session map itself (triangles: saturates, inverted: forgets);
-- a table of the ranked heads with the measures behind the ranking (escaped on the server);
+- the same positions marked on the session map itself (triangles: saturates, inverted: forgets), with a
+  legend beside the strip;
+- one table per kind, each head listed once, with the measures behind that kind's ranking (escaped on
+  the server): a saturating head's plateau, climb to it and lowest effective rank; a forgetting head's
+  half-life, largest fall and final / peak norm;
 - an empty state that says why when the trace has no KDA records.
 The ranking is `workbench.analysis.heads_at_risk(memory_health(kda_norms))`.
 """
@@ -56,17 +59,36 @@ def summary_text(data: KDAHealthData) -> str:
     return "\n".join(lines)
 
 
+def _nan(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
 def ranked_table(rows: tuple[dict, ...]) -> str:
-    """The ranked heads as an escaped HTML table."""
-    headers = ["kind", "#", "layer", "head", "position", "segment", "saturates at", "half-life", "largest drop",
-               "min eff. rank", "norm growth /1k"]
-    cells = [[f"<span style='color:{KIND_COLOURS[r['kind']]}'>&#9632;</span> {html.escape(r['kind'])}",
-              str(int(r["rank"])), str(int(r["layer"])), str(int(r["head"])), f"{int(r['position']):,}",
-              html.escape(str(r.get("segment_name") or "")),
-              f"{_num(r.get('saturate_fraction', float('nan')) * 100, '.0f')}% of context",
-              _num(r.get("half_life"), ",.0f"), f"{_num(r.get('forget_drop', float('nan')) * 100, '.0f')}%",
-              _num(r.get("min_eff_rank"), ".1f"), _num(r.get("norm_growth_per_1k"), ".3g")] for r in rows]
-    return html_table("k3-health", headers, cells)
+    """The ranked heads as escaped HTML: one table per kind, with that kind's own measures."""
+    head = ["#", "layer", "head"]
+    tables = []
+    sat = [r for r in rows if r["kind"] == "saturates"]
+    if sat:
+        cells = [[str(int(r["rank"])), str(int(r["layer"])), str(int(r["head"])), f"{int(r['position']):,}",
+                  f"{_num(_nan(r.get('saturate_fraction')) * 100, '.0f')}%", html.escape(str(r.get("segment_name") or "")),
+                  _num(r.get("saturate_growth_per_1k"), ".3g"), _num(r.get("min_eff_rank"), ".1f")] for r in sat]
+        tables.append(_kind_title("saturates") + html_table("k3-health", head + [
+            "plateau at", "of context", "segment", "norm gained /1k tokens to plateau", "min eff. rank"], cells))
+    fgt = [r for r in rows if r["kind"] == "forgets"]
+    if fgt:
+        cells = [[str(int(r["rank"])), str(int(r["layer"])), str(int(r["head"])), f"{int(r['position']):,}",
+                  html.escape(str(r.get("segment_name") or "")), _num(r.get("half_life"), ",.0f"),
+                  f"−{_num(_nan(r.get('forget_drop')) * 100, '.0f')}%" if _nan(r.get("forget_drop")) > 0 else "none",
+                  _num(_nan(r.get("final_norm")) / _nan(r.get("peak_norm")) if _nan(r.get("peak_norm")) > 0
+                       else float("nan"), ".2f")] for r in fgt]
+        tables.append(_kind_title("forgets") + html_table("k3-health", head + [
+            "fell at", "segment", "half-life (tokens)", "largest fall", "final / peak norm"], cells))
+    return "".join(tables)
+
+
+def _kind_title(kind: str) -> str:
+    what = {"saturates": "Saturate first", "forgets": "Forget fastest"}[kind]
+    return f"<p style='margin:6px 0 2px'><span style='color:{KIND_COLOURS[kind]}'>&#9632;</span> <b>{what}</b></p>"
 
 
 class KDAHealthView(ViewComponent):
@@ -89,7 +111,8 @@ class KDAHealthView(ViewComponent):
         self.figure.hbar(y="label", left=0, right="position", height=0.6, source=self.source, fill_color="colour",
                          fill_alpha=0.35, line_color=None)
         marks = self.figure.scatter(x="position", y="label", marker=field("marker"), size=11, source=self.source,
-                                    fill_color="colour", line_color="black")
+                                    fill_color="colour", line_color="black", legend_field="kind")
+        self.figure.legend.location = "bottom_right"
         tips = [("head", "L@layer h@head"), ("", "@kind at @position{0,0}"), ("segment", "@segment")]
         self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
         self.figure.xaxis.formatter = position_format()
@@ -98,8 +121,14 @@ class KDAHealthView(ViewComponent):
         if session_map is not None:
             # the same positions on the session map's strip
             on_map = lean(session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
-                                                fill_color="colour", line_color="black"))
+                                                fill_color="colour", line_color="black", legend_field="kind"))
             session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
+            # the strip is 90 px high: its legend (what the triangles are) sits beside it, not over the segments
+            legend = session_map.figure.legend[0]
+            session_map.figure.center = [c for c in session_map.figure.center if c is not legend]
+            legend.update(title="KDA heads", orientation="vertical", label_text_font_size="10px", glyph_height=12,
+                          spacing=0, padding=2, margin=2, title_text_font_size="10px")
+            session_map.figure.add_layout(legend, "right")
         self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
         self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
         self.redraw()

@@ -198,13 +198,34 @@ class KDANormFolder:
         return self._heads.arrays((np.zeros(0, np.int64), np.zeros((0, 0), np.float32)))
 
 
+def from_the_start(binned: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`binned` [bins] with the bins before the first measurement given its value, when the recording began at
+    the start of the context (the first measurement is nearer to position 0 than to the second one).
+
+    The state is measured at the end of each interval (every 64 tokens, or a chunk's end): the bins
+    before the first measurement are the tokens that wrote the state it shows, not "no data". A
+    recording that began later (a resumed snapshot) leaves the positions before it blank."""
+    if len(positions) == 0 or not np.isnan(binned).any():
+        return binned
+    first = int(positions.min())
+    spacing = int(np.diff(np.unique(positions))[0]) if len(np.unique(positions)) > 1 else first + 1
+    known = np.flatnonzero(~np.isnan(binned))
+    if first >= spacing or not len(known):
+        return binned
+    out = binned.copy()
+    out[:known[0]] = out[known[0]]
+    return out
+
+
 def layer_heat(folder: KDANormFolder, extent: int, bins: int, reduce: str) -> HeatMap:
-    """Head mean (or max) of the state norm per KDA layer, binned and carried forward between measurements."""
+    """Head mean (or max) of the state norm per KDA layer, binned and carried forward between measurements
+    (and back to position 0 from the first one, `from_the_start`)."""
     rows, values = [], []
     for layer in sorted(folder.layers):
         pos, mean, peak = folder.arrays(layer)
         rows.append(layer)
-        values.append(carry_forward(bin_mean(pos, peak if reduce == "max" else mean, bins, extent)))
+        values.append(from_the_start(carry_forward(bin_mean(pos, peak if reduce == "max" else mean, bins, extent)),
+                                     pos))
     matrix = np.stack(values) if values else np.zeros((0, bins), np.float32)
     return HeatMap(tuple(rows), matrix, 0.0, float(extent))
 
