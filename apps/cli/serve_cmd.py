@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "only (default: none; data: URLs always work)")
     p.add_argument("--cache-mib", type=int, default=4096, help="memory budget of the model states kept for prefix "
                    "reuse across turns (least recently used out)")
+    p.add_argument("--max-conversations", type=int, default=64, help="conversations kept open for reuse (each "
+                   "holds its state and its open trace); the least recently used is closed first")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more get 429")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
     p.add_argument("--max-body-mib", type=int, default=64, help="largest request body (images included)")
@@ -78,11 +80,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apps.dashboard.host_guard import HostPolicy
     from apps.dashboard.security import is_local
 
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise InputError("workbench serve runs in one process for now (under torchrun every rank would have to "
+                         "follow rank 0's requests step by step); start it without torchrun")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
-    for flag in ("cache_mib", "max_queue", "max_tokens", "max_body_mib", "prefill_chunk"):
-        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
-            raise InputError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("cache_mib", "max_conversations", "max_queue", "max_tokens", "max_body_mib", "prefill_chunk"):
+        lowest = 0 if flag in ("cache_mib", "max_queue") else 1  # 0: no prefix reuse / no request waits
+        if getattr(args, flag) < lowest:
+            raise InputError(f"--{flag.replace('_', '-')} must be at least {lowest}")
     key = read_api_key(args.api_key_file)
     if key is None and not is_local(args.host):
         raise InputError(f"--host {args.host} is reachable from other machines: set an API key (${KEY_ENV} or "
@@ -108,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     options = ServeOptions(model_name=str(args.model), trace_root=trace_root, policy=args.policy,
                            families=families, cache_bytes=args.cache_mib << 20, prefill_chunk=args.prefill_chunk,
-                           max_queue=args.max_queue)
+                           max_queue=args.max_queue, max_conversations=args.max_conversations)
     config = AppConfig(model_id=str(args.model), hosts=hosts, api_key=key, max_body_bytes=args.max_body_mib << 20,
                        max_tokens=args.max_tokens, image_root=args.image_root)
     model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed)

@@ -69,10 +69,12 @@ class Conversation:
 
 
 class PrefixCache:
-    """Conversations by recency; `budget_bytes` bounds the states they hold together."""
+    """Conversations by recency; `budget_bytes` bounds the states they hold together and `max_items`
+    their number (each open conversation also holds an open trace: files and a writer thread)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, max_items: int = 64) -> None:
         self.budget_bytes = budget_bytes
+        self.max_items = max_items
         self._items: OrderedDict[str, Conversation] = OrderedDict()
 
     def __len__(self) -> int:
@@ -97,7 +99,7 @@ class PrefixCache:
         self._items[conv.id] = conv
         self._items.move_to_end(conv.id)
         evicted = []
-        while self._items and self.nbytes > self.budget_bytes:
+        while self._items and (self.nbytes > self.budget_bytes or len(self._items) > self.max_items):
             _, old = self._items.popitem(last=False)
             evicted.append(old)
         return evicted

@@ -52,6 +52,7 @@ class ServeOptions:
     policy: Any = "default"
     families: Collection[str] = ("dsa", "kda", "moe")
     cache_bytes: int = 4 << 30
+    max_conversations: int = 64
     prefill_chunk: int = 2048
     max_queue: int = 16
 
@@ -61,7 +62,7 @@ class EngineWorker:
 
     def __init__(self, model: Any, tokenizer: Any, options: ServeOptions) -> None:
         self.model, self.tokenizer, self.options = model, tokenizer, options
-        self.cache = PrefixCache(options.cache_bytes)
+        self.cache = PrefixCache(options.cache_bytes, options.max_conversations)
         self.replies = ReplyMemory()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._outstanding = 0  # queued + running

@@ -94,6 +94,21 @@ def test_an_image_message(server, client) -> None:
     assert reply.usage.prompt_tokens > image["image"]["token_end"] - image["image"]["token_start"]
 
 
+def test_a_different_picture_of_the_same_size_is_never_reused(client) -> None:
+    def picture(colour) -> dict:
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(colour)}},
+                                            {"type": "text", "text": "Colour?"}]}
+
+    first = client.chat.completions.create(model=MODEL, messages=[picture((255, 0, 0))], max_tokens=3, temperature=0)
+    follow_up = [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Sure?"}]
+    # identical token ids (the media ids depend on the size only), another picture: a cold prefill
+    swapped = client.chat.completions.create(model=MODEL, messages=[picture((0, 0, 255))] + follow_up, max_tokens=1)
+    assert swapped.usage.prompt_tokens_details.cached_tokens == 0
+    same = client.chat.completions.create(model=MODEL, messages=[picture((255, 0, 0))] + follow_up, max_tokens=1)
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_three_turns_reuse_the_prefix_and_match_a_cold_prefill(server, client, tiny) -> None:
     model, tokenizer = tiny
     messages = [{"role": "user", "content": "Turn one: remember the number 4719."}]
