@@ -185,6 +185,8 @@ def answer_style_of(model: str | Path) -> str:
     directory, or `preset:...` (random weights: "key"). A training.json that is not a JSON object or
     names an unknown style is an error that names the file."""
     from engine.builtin import model_dir
+    from engine.errors import CheckpointError
+    from engine.fileio import read_limited
 
     if str(model).startswith("preset:"):
         return "key"
@@ -192,8 +194,11 @@ def answer_style_of(model: str | Path) -> str:
     if not info.is_file():
         return "key"
     try:
-        data = json.loads(info.read_text())
-    except ValueError as exc:
+        # a checkpoint may come from anyone: its training notes are a few hundred bytes
+        data = json.loads(read_limited(info, "a training.json", CheckpointError, 1 << 20))
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"{info}: not valid JSON ({exc})") from None
     style = data.get("answer_style", "key") if isinstance(data, dict) else None
     if style not in ANSWER_STYLES:

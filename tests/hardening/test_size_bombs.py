@@ -15,7 +15,7 @@ import pytest
 from apps.dashboard import summary_cache
 from apps.dashboard.arrow_limits import BoundsError, read_bounded
 from tests.hardening.conftest import bounded
-from workbench.trace import TraceCorruptError, TraceWriter, open_trace
+from workbench.trace import TraceCorruptError, TraceError, TraceWriter, open_trace
 from workbench.trace import part_checks
 from workbench.trace.export import export_trace
 from workbench.trace.schema import TABLES, parquet_options
@@ -300,3 +300,20 @@ def test_16_bit_grey_converts_and_hashes_as_before():
     expected = np.clip(np.rint(values.astype(np.float64) / 257.0), 0, 255).astype(np.uint8)
     assert (np.asarray(image)[..., 0] == expected).all()
     assert _pixel_digest(image) == hashlib.sha256(b"29x37:" + image.tobytes()).hexdigest()
+
+
+def test_many_parts_within_their_limits_are_not_read_together_beyond_the_read_limit(tmp_path, monkeypatch):
+    path = _trace(tmp_path)
+    spec = TABLES["dsa_sink"]
+    (path / "dsa_sink").mkdir(exist_ok=True)
+    for seq in range(4):  # four parts of 8 rows, each at other positions
+        rows = pa.table({"layer": np.full(8, 3, np.int16), "step": np.zeros(8, np.int32),
+                         "rank": np.zeros(8, np.int16), "position": np.arange(8, dtype=np.int32) + 8 * seq,
+                         "queries": np.ones(8, np.int32), "sink_hits": np.ones(8, np.int32)}, schema=spec.arrow_schema)
+        pq.write_table(rows, path / "dsa_sink" / f"part-{seq:06d}.parquet", **parquet_options(spec))
+    t = open_trace(path)
+    one = max(p.decoded for p in t._parts["dsa_sink"])
+    monkeypatch.setattr(part_checks, "MAX_READ_BYTES", 2 * one)
+    with pytest.raises(TraceError, match=r"table dsa_sink would decode to about .* bytes in 4 part\(s\), more than"):
+        t.table("dsa_sink")
+    assert t.table("dsa_sink", positions=(8, 9)).num_rows == 2  # the footers narrow the read to one part

@@ -36,6 +36,7 @@ from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, S
 # max_buffer_bytes buffered; tokens.parquet one row per position) and far below what exhausts memory
 MAX_PART_ROWS = 1 << 25
 MAX_PART_BYTES = 1 << 30  # decoded size of one part, estimated from its footer
+MAX_READ_BYTES = 3 << 30  # decoded size of the parts one `Trace.table` call reads together (all columns)
 MAX_SESSION_BYTES = 64 << 20  # session.json: a few KB, plus ~100 bytes per segment
 # decoded bytes of one value by Parquet physical type (strings and half floats: see `_decoded_bytes`)
 _VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
@@ -49,6 +50,7 @@ class Part:
     path: Path
     rows: int
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # column -> (min, max) from statistics
+    decoded: int = 0  # bytes its columns decode to at least, by its footer (`_decoded_bytes`)
 
 
 def read_session(path: Path) -> dict:
@@ -87,8 +89,9 @@ def read_session(path: Path) -> dict:
     return session
 
 
-def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]]]:
-    """Rows and integer column ranges of a part; raises ValueError/ArrowException when it is unusable."""
+def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]], int]:
+    """Rows, integer column ranges and decoded bytes (at least) of a part; raises ValueError/ArrowException
+    when it is unusable."""
     meta = pq.read_metadata(path)
     if meta.num_rows > MAX_PART_ROWS:
         raise ValueError(f"its footer claims {meta.num_rows:,} rows, more than the {MAX_PART_ROWS:,} a part may hold")
@@ -119,7 +122,7 @@ def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, 
             hi = stats.max if hi is None else max(hi, stats.max)
         if lo is not None:
             ranges[name] = (int(lo), int(hi))
-    return meta.num_rows, ranges
+    return meta.num_rows, ranges, decoded
 
 
 def _decoded_bytes(meta: pq.FileMetaData) -> int:

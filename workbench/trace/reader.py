@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from engine.fileio import process_alive
 from workbench.analysis.dsa import rebin_counts
 from workbench.analysis.recorded import SETTINGS_KEY, settings_of_session, with_settings
+from workbench.trace import part_checks
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
@@ -146,7 +147,7 @@ class Trace:
                 odd = not_regular(path)
                 if odd:
                     raise ValueError(f"it is {odd}, not a regular file")
-                rows, ranges = read_footer(path, spec)
+                rows, ranges, decoded = read_footer(path, spec)
                 beyond = out_of_bounds(ranges, self._bounds)
                 if beyond:
                     raise ValueError(beyond)
@@ -156,7 +157,7 @@ class Trace:
                 self._bad.add(path)
                 self._problem(f"corrupt Parquet part {path}: {exc}; skipped")
                 continue
-            self._parts[name].append(Part(seq, path, rows, ranges))
+            self._parts[name].append(Part(seq, path, rows, ranges, decoded))
             added = True
         self._parts[name].sort(key=lambda p: p.seq)
         if not (name == "tokens" and self._tokens_compact):
@@ -257,6 +258,7 @@ class Trace:
             table = self._tokens_table(needed)
         else:
             parts = [p for p in self._parts[name] if p.path not in self._bad and _overlaps(p, filters)]
+            self._check_read_size(name, [p for p in parts if not (spec.cache and p.path in self._cache)])
             if len(parts) > 1 and (not spec.cache or any(p.path not in self._cache for p in parts)):
                 # decoding releases the GIL: read parts on several threads (the first load of a big table)
                 with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -280,8 +282,19 @@ class Trace:
         # the recording's top-k, bin width, sink size and layer ids travel with the rows (statistics read them)
         return with_settings(table.select(wanted), self.settings)
 
+    def _check_read_size(self, name: str, parts: list[Part]) -> None:
+        """Refuse a read whose parts decode to more than MAX_READ_BYTES together, by their footers (each part
+        is within its own limit, but a few megabytes of parts can still claim billions of rows)."""
+        total = sum(p.decoded for p in parts)
+        if total > part_checks.MAX_READ_BYTES:
+            raise TraceError(f"{self.path}: table {name} would decode to about {total:,} bytes in "
+                             f"{len(parts)} part(s), more than the {part_checks.MAX_READ_BYTES:,} one read may hold; "
+                             "read it part by part (`table_part`) or narrow it by layer, step or position")
+
     def _tokens_table(self, columns: Sequence[str] | None) -> pa.Table:
         spec = TABLES["tokens"]
+        self._check_read_size("tokens", [p for p in self._parts["tokens"]
+                                         if p.path not in self._bad and p.path not in self._cache])
         for _ in range(3):
             try:
                 pieces = [t for p in self._parts["tokens"] if p.path not in self._bad
