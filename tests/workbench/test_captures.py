@@ -147,7 +147,9 @@ def test_cli_import_and_overwrite(recorded, tmp_path, capsys) -> None:
     assert "imported 2 vllm response(s)" in printed and "absent: dsa" in printed
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    (out / "notes.txt").write_text("mine")  # what the user put into the trace survives its replacement
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
     # the dashboard says what the capture lacks instead of showing empty KDA and DSA views unexplained
     follower = TraceFollower(out)
     frame = follower.compute()
@@ -229,3 +231,18 @@ def test_failed_overwrite_keeps_the_previous_trace(recorded, tmp_path) -> None:
         import_capture(engine, _save(records, tmp_path / "bad.jsonl"), model, out, overwrite=True)
     after = workbench.open_trace(out)
     assert after.status == "complete" and after.df("moe_counts").equals(before)
+
+
+def test_prompt_ids_from_the_request_or_the_logprobs(recorded, tmp_path) -> None:
+    """SGLang's /generate response does not repeat the prompt's ids: they come from the saved request or
+    from `meta_info.input_token_logprobs` (with logprob_start_len 0); both give the same trace."""
+    root, config = recorded
+    exported = export_responses(root / "all", config, "sglang")
+    wrapped = [{"request": {"input_ids": r.pop("input_ids")}, "response": r} for r in exported]
+    ids = wrapped[1].pop("request")["input_ids"]
+    wrapped[1] = wrapped[1]["response"]  # the second record: bare response, ids only in the logprobs
+    wrapped[1]["meta_info"]["input_token_logprobs"] = [[None if n == 0 else -1.0, i, None] for n, i in enumerate(ids)]
+    import_capture("sglang", _save(wrapped, tmp_path / "r.jsonl"), MODEL, tmp_path / "t", policy="all")
+    imported, original = workbench.open_trace(tmp_path / "t"), workbench.open_trace(root / "all")
+    assert list(imported.tokens()["token_id"]) == list(original.tokens()["token_id"])
+    assert _sums(imported, "dsa_key_counts").equals(_sums(original, "dsa_key_counts"))
