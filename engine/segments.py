@@ -14,7 +14,7 @@ from engine.vision.thumbnail import decode_thumbnail
 THUMBNAIL_TENSOR = "thumbnails."  # + segment id: a snapshot's PNG bytes of that image's thumbnail
 # segments one session may hold (snapshots and traces refuse more): each is one append or generate
 # call, and every view of a session lists them, so a file claiming millions would stall each page load
-MAX_SEGMENTS = 1 << 16
+MAX_SEGMENTS = 1 << 14
 
 
 @dataclass
