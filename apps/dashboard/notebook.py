@@ -12,9 +12,11 @@ so the notebook dashboard pushes its layout after every frame it applies.
 
 from __future__ import annotations
 
+import re
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import panel as pn
 
@@ -25,21 +27,99 @@ VIEWS = {"session": "session_map", "dsa": "dsa", "kda": "kda", "experts": "exper
 
 
 def _load_extension() -> None:
-    """Send Bokeh's and Panel's JS to the page, inline (once per kernel, or again if loaded from a CDN).
+    """Make the page load BokehJS and Panel from the Jupyter server itself, in every cell that shows a view.
 
-    `pn.extension()` alone makes the page fetch BokehJS and Panel from cdn.bokeh.org / cdn.holoviz.org:
-    on a machine without internet (CI, an air-gapped cluster) those loads fail, Panel logs "Bokeh or
-    Panel library is missing" and every view stays an empty div. Inline, the bundle travels in the
-    cell's output over the kernel connection, and the views' stylesheets are inlined too, so the page
-    fetches nothing from outside the Jupyter server. A user who ran `pn.extension()` (CDN) before is
-    loaded again inline: harmless online, the fix offline. Outside a kernel there is no page to load
-    into, and Panel's global `inline` setting is left alone (a dashboard served from the same process
-    keeps serving its resources as files).
+    Where the page gets them from decides whether a view renders, now and after the tab is reloaded:
+    - `pn.extension()` alone makes it fetch them from cdn.bokeh.org / cdn.holoviz.org: offline (CI, an
+      air-gapped cluster) that fails, Panel logs "Bokeh or Panel library is missing", and the view
+      stays an empty div;
+    - inline, the 3 MB bundle is the cell's output, twice (two mimetypes): a saved notebook weighs
+      6-7 MB, and only the one cell that first loaded Panel holds it; a reloaded tab whose views sit
+      in other cells (or after that cell ran again) renders them without BokehJS: empty again.
+    So each cell that shows a view starts with a small loader (`publish_loader`) that fetches the
+    files from the Jupyter server (Panel's server extension serves them under `panel-preview/static/`)
+    when the page does not have them yet: a reloaded tab loads them again from the first such cell.
+    The views' stylesheets stay inline (`pn.config.inline`), so nothing is fetched from outside the
+    Jupyter server. Outside a kernel there is no page to load into, and Panel's global settings are
+    left alone (a dashboard served from the same process keeps serving its resources as files).
     """
     if not _in_kernel():
         return
     if not getattr(pn.extension, "_loaded", False) or not pn.config.inline:
-        pn.extension(inline=True)
+        with _loader_instead_of_bundle():
+            pn.extension(inline=True)
+    else:
+        publish_loader()
+
+
+@contextmanager
+def _loader_instead_of_bundle() -> Iterator[None]:
+    """While `pn.extension()` sets up the kernel side (comm manager, config), its page loader is ours."""
+    import panel.io.notebook as panel_notebook
+
+    original = panel_notebook.load_notebook
+    panel_notebook.load_notebook = lambda *args, **kwargs: publish_loader()
+    try:
+        yield
+    finally:
+        panel_notebook.load_notebook = original
+
+
+# where a Jupyter server with Panel's server extension serves Bokeh's and Panel's static files, below its base URL
+SERVED_AT = "panel-preview/"
+_URL_LISTS = re.compile(r"const (js_urls|js_modules|css_urls) = (\[.*?\]);")
+
+
+def loader_js() -> str:
+    """Panel's page loader, fetching BokehJS and Panel from the Jupyter server (see `_load_extension`).
+
+    Panel builds it with relative URLs (`static/js/bokeh.min.js`); in the page they are made absolute on
+    the server's base URL (JupyterLab's page config, `/` without one), and nothing is loaded when the page
+    already has this Bokeh with Panel (another cell's loader ran).
+    """
+    import bokeh
+    from bokeh.resources import Resources as BokehResources
+    from panel.io.notebook import _autoload_js, require_components
+    from panel.io.resources import Resources, bundle_resources, set_resource_mode
+
+    with set_resource_mode("server"):
+        resources = Resources.from_bokeh(BokehResources(mode="server"), notebook=True)
+        bundle = bundle_resources(None, resources, notebook=True, reloading=False, enable_mathjax=False)
+        configs, requirements, exports, skip_imports = require_components()
+        js = _autoload_js(bundle=bundle, configs=configs, requirements=requirements, exports=exports,
+                          skip_imports=skip_imports, ipywidget=False, reloading=False)
+    js, found = _URL_LISTS.subn(r"const \1 = \2.map(k3wbServed);", js)
+    if found != 3:
+        raise RuntimeError("Panel's page loader changed: its js_urls / js_modules / css_urls lists were not found")
+    version = bokeh.__version__.replace("rc", "-rc.").replace(".dev", "-dev.")
+    served = f"""const k3wbServed = (url) => {{
+  if (/^([a-z]+:)?\\/\\//i.test(url) || url.startsWith("/")) {{ return url; }}
+  const config = document.getElementById("jupyter-config-data");
+  let base = "/";
+  try {{ base = (config && JSON.parse(config.textContent).baseUrl) || document.body.dataset.baseUrl || "/"; }}
+  catch (e) {{ base = "/"; }}
+  return base.replace(/\\/?$/, "/") + "{SERVED_AT}" + url;
+}};
+"""
+    return (f"(function() {{ const have = window.Bokeh;\n"
+            f"if (have && have.version === {version!r} && have.Panel) {{ return; }}\n{served}{js}\n}})();")
+
+
+def publish_loader() -> None:
+    """Display the page setup a view needs: Panel's notebook CSS, `loader_js`, and Panel's comm manager (what
+    `pn.extension` displays, with the loader in place of the inline bundle)."""
+    import bokeh.io.notebook
+    from IPython.display import publish_display_data
+    from panel.io.notebook import LOAD_MIME, PANEL_DIR, PYVIZ_PROXY, _JupyterCommManager, nb_mime_js
+
+    css = (PANEL_DIR / "_templates" / "jupyter.css").read_text(encoding="utf-8")
+    shim = '<script type="esms-options">{"shimMode": true}</script>'
+    publish_display_data(data={"text/html": f"{shim}<style>{css}</style>"})
+    js = loader_js()
+    publish_display_data({"application/javascript": js, LOAD_MIME: js})
+    bokeh.io.notebook.curstate().output_notebook()
+    comms = "\n".join([PYVIZ_PROXY, _JupyterCommManager.js_manager, nb_mime_js])
+    publish_display_data(data={LOAD_MIME: comms, "application/javascript": comms})
 
 
 def _in_kernel() -> bool:

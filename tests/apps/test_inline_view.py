@@ -90,3 +90,25 @@ def test_the_page_gets_panel_inline_only_in_a_kernel(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(notebook, "_in_kernel", lambda: True)
     notebook._load_extension()
     assert calls == [{"inline": True}]
+
+
+def test_each_view_cell_loads_bokeh_from_the_jupyter_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once Panel is set up in a kernel, every later show() still displays a small loader of its own (so a
+    reloaded tab finds one in any view's cell), fetching BokehJS and Panel from the Jupyter server: no CDN,
+    no 3 MB inline bundle in the saved notebook (the JupyterLab page: test_jupyterlab.py)."""
+    import IPython.display
+
+    from apps.dashboard import notebook
+
+    shown: list[dict] = []
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data, *a, **k: shown.append(data))
+    monkeypatch.setattr(notebook, "_in_kernel", lambda: True)
+    monkeypatch.setattr(notebook.pn.extension, "_loaded", True, raising=False)
+    monkeypatch.setattr(notebook.pn.config, "inline", True)
+    notebook._load_extension()
+    sizes = [len(v) for data in shown for v in data.values()]
+    assert shown and max(sizes) < 30_000, sizes
+    loader = next(data["application/javascript"] for data in shown if "k3wbServed" in data.get(
+        "application/javascript", ""))
+    assert '"static/js/bokeh.min.js"' in loader and "panel.min.js" in loader and "].map(k3wbServed)" in loader
+    assert "jupyter-config-data" in loader and notebook.SERVED_AT in loader

@@ -10,7 +10,10 @@ session in a thread of the kernel, gated by events so the page can be checked at
    tokens in its status line, and both views' drawings differ) while the session is still recording;
 3. the last cell lets the session generate and finish: the view reads "complete".
 
-No console errors; nothing fetched from outside 127.0.0.1. A screenshot is left in $K3WB_ARTIFACTS.
+No console errors; nothing fetched from outside 127.0.0.1. Then the notebook is saved with its outputs
+(it must stay small: BokehJS is not in it) and the tab reloaded: the saved views render again, their
+libraries fetched from the Jupyter server by the loader each view's cell holds. A screenshot is left in
+$K3WB_ARTIFACTS.
 When the view does not render, the failure prints the page's console errors, the cells' outputs and
 the server's log: that is how the empty view of issue 10 was traced to BokehJS being fetched from
 cdn.bokeh.org (unreachable offline; `workbench.show` now sends it inline).
@@ -205,6 +208,35 @@ def _receiver_error(error: str) -> bool:
     return any(mark in error for mark in RECEIVER_ERRORS)
 
 
+def _saved_and_reloaded(browser: Browser, notebook: Path, artifacts: Path) -> None:
+    """Save the notebook (outputs included), check its size, reload the tab: the saved views render again."""
+    before = notebook.stat().st_mtime_ns
+    browser.page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+    deadline = time.monotonic() + 30 * SCALE
+    while notebook.stat().st_mtime_ns == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    saved = nbformat.read(notebook, as_version=4)
+    assert any(o.get("output_type") == "execute_result" for o in saved.cells[1].outputs), "saved without the view"
+    size = notebook.stat().st_size
+    # the inline bundle made it 6.4-6.8 MB; the views' own documents and a loader per cell remain
+    assert size < 1_500_000, f"the saved notebook is {size:,} bytes"
+    warnings_seen: list[str] = []
+    browser.page.on("console", lambda msg: warnings_seen.append(msg.text) if msg.type in ("warning", "error") else None)
+    browser.counters.errors.clear()
+    browser.page.reload(wait_until="commit")
+    browser.page.locator(".jp-Notebook").first.wait_for(state="visible", timeout=60_000 * SCALE)
+    for view in ("session", "dsa"):
+        try:
+            browser.page.locator(f".k3-inline .k3-view-{view} canvas").first.wait_for(state="visible",
+                                                                                      timeout=60_000 * SCALE)
+        except Exception as exc:
+            raise AssertionError(f"after a reload the saved {view} view did not render: {warnings_seen}") from exc
+    browser.page.screenshot(path=str(artifacts / "jupyterlab_reloaded.png"), full_page=True)
+    assert not [w for w in warnings_seen if "library is missing" in w], warnings_seen
+    assert browser.counters.external == [], browser.counters.external
+    (artifacts / "jupyterlab_reloaded.json").write_text(json.dumps({"saved_bytes": size, "console": warnings_seen}))
+
+
 def test_inline_view_in_jupyterlab_follows_a_live_session(tmp_path: Path, artifacts: Path) -> None:
     first = _live_view_in_lab(tmp_path / "run1", artifacts)
     errors = first["errors"]
@@ -264,7 +296,9 @@ def _live_view_in_lab(tmp_path: Path, artifacts: Path) -> dict:
             stages["done"] = len(browser.counters.errors)
             if browser.counters.errors and not all(_receiver_error(e) for e in browser.counters.errors):
                 raise AssertionError(_diagnosis(browser, tmp_path))
-            return {"errors": list(browser.counters.errors), "stages": stages}
+            errors = list(browser.counters.errors)
+            _saved_and_reloaded(browser, tmp_path / "live.ipynb", artifacts)
+            return {"errors": errors, "stages": stages}
     finally:
         lab.terminate()
         try:

@@ -46,7 +46,9 @@ class HeatFigure:
         colours = Inferno256 if palette == "inferno" else Viridis256
         if log_scale:
             # the darkest eighth is kept for empty cells, so a cell read once never looks unread
-            self.mapper = LogColorMapper(palette=colours[32:], low_color=colours[0], nan_color="rgba(0,0,0,0)")
+            # low/high are set from each update's counts (a log scale cannot start at a bin that was never read)
+            self.mapper = LogColorMapper(palette=colours[32:], low_color=colours[0], nan_color="rgba(0,0,0,0)",
+                                         low=1.0, high=10.0)
         else:
             self.mapper = LinearColorMapper(palette=colours, nan_color="rgba(0,0,0,0)")
         self.log_scale = log_scale
