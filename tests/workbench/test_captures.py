@@ -17,7 +17,7 @@ from apps.cli import main
 from apps.dashboard.reducers import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
 from apps.dashboard.state import TraceFollower
 from engine.errors import InputError
-from workbench.captures import export_responses, import_capture
+from workbench.captures import export_responses, import_capture, importer
 from workbench.captures.arrays import encode_flat, encode_npy
 from workbench.recorders.policy import ALL
 
@@ -88,8 +88,10 @@ def _same(a, b, where: str = "", names: dict | None = None) -> None:
 
 @pytest.mark.parametrize("engine, layer_axis, dtype", [("vllm", "hidden", "int32"), ("sglang", "hidden", "int32"),
                                                        ("vllm", "family", "uint8"), ("sglang", "family", "uint16")])
-def test_round_trip_gives_the_recorded_reductions(recorded, tmp_path, engine, layer_axis, dtype) -> None:
+def test_round_trip_gives_the_recorded_reductions(recorded, tmp_path, monkeypatch, engine, layer_axis, dtype) -> None:
     root, config = recorded
+    if layer_axis == "family":  # rows decoded a few at a time: chunks that split base64 quanta give the same trace
+        monkeypatch.setattr(importer, "CHUNK_BYTES", 100)
     responses = _save(export_responses(root / "all", config, engine, dtype=dtype, layer_axis=layer_axis),
                       tmp_path / "responses.jsonl")
     capture = import_capture(engine, responses, MODEL, tmp_path / "imported", policy="all")

@@ -8,7 +8,7 @@ Two encodings reach us (docs/captures.md has the sources):
 
 Nothing sized from the payload is allocated before its size is checked: the decoded length follows from
 the text length, the `.npy` header is decoded alone (a few hundred bytes), and rows are decoded in
-chunks of `CHUNK_ROWS` by the importer (`RowArray.read`), so a capture of a million tokens never sits
+chunks of `CHUNK_BYTES` by the importer (`RowArray.read`), so a capture of a million tokens never sits
 decoded in memory at once.
 """
 
@@ -48,12 +48,12 @@ class RowArray:
         return self.layers * self.width * self.dtype.itemsize
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) as int64 [n, layers, width]."""
+        """Rows [start, stop) as [n, layers, width] in the payload's dtype (a view of the decoded bytes)."""
         first, last = self.offset + start * self.row_bytes, self.offset + stop * self.row_bytes
         lo, hi = first // 3, -(-last // 3)  # whole base64 quanta (3 bytes = 4 characters) around the range
         raw = base64.b64decode(self.text[4 * lo: 4 * hi])
         chunk = raw[first - 3 * lo: last - 3 * lo]
-        return np.frombuffer(chunk, self.dtype).reshape(stop - start, self.layers, self.width).astype(np.int64)
+        return np.frombuffer(chunk, self.dtype).reshape(stop - start, self.layers, self.width)
 
 
 def decoded_length(text: object, where: str) -> int:

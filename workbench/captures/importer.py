@@ -43,7 +43,7 @@ from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
 from workbench.trace.schema import IMAGES_DIR, MODALITIES, SESSION_FILE, TABLES, TOKENS_FILE
 
-CHUNK_ROWS = 4096  # rows decoded and reduced at a time: memory stays bounded at any capture length
+CHUNK_BYTES = 128 << 20  # decoded bytes reduced at a time: memory stays bounded at any capture length
 SUMMARIES_DIR = "summaries"  # the dashboard's summaries of a finished trace: stale once the trace is replaced
 EP_WORLD = 1  # a capture does not say how the server spread experts over ranks: all load is rank 0's
 ABSENT = {
@@ -151,16 +151,17 @@ class _Import:
         return np.union1d(prefill_rows, decode_rows)
 
     # ---- arrays -------------------------------------------------------------------------------------------------
-    def chunks(self, family: str, array: RowArray, offset: int, end: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(positions, rows [n, layers, width]) of the array's positions not yet covered, CHUNK_ROWS at a time."""
+    def chunks(self, family: str, array: RowArray, end: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(positions, rows [n, layers, width]) of the array's positions not yet covered, CHUNK_BYTES at a time."""
         start = end - array.rows
         if start < 0:
             raise InputError(f"{array.where}: {array.rows:,} rows but only {end:,} forwarded tokens")
         first = max(start, self.covered[family])
         self.missing[family] += max(start - self.covered[family], 0)
-        for lo in range(first, end, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, end)
-            yield np.arange(lo, hi) + offset, array.read(lo - start, hi - start)
+        step = max(1, CHUNK_BYTES // max(array.row_bytes, 1))
+        for lo in range(first, end, step):
+            hi = min(lo + step, end)
+            yield np.arange(lo, hi), array.read(lo - start, hi - start)
         self.covered[family] = max(self.covered[family], end)
 
     def layers(self, family: str, array: RowArray) -> LayerMap:
@@ -174,24 +175,24 @@ class _Import:
     def moe(self, writer: TraceWriter, array: RowArray, end: int) -> None:
         lmap, p = self.layers("moe", array), self.policy
         n_seg = len(self.segments)
-        for pos, rows in self.chunks("moe", array, 0, end):
+        for pos, rows in self.chunks("moe", array, end):
             self.step += 1
+            seg = self.segment_of[torch.from_numpy(pos)]
+            modality = torch.zeros_like(seg)  # captures carry token ids only: every position is text
+            keep = self.keep(pos, 0, p.moe_decode_routes, (p.moe_window_every, p.moe_window_tokens))
             for entry, layer in zip(lmap.entries, lmap.layers):
-                experts = rows[:, entry, :]
+                experts = rows[:, entry, :].astype(np.int64)
                 bad = np.argwhere((experts < 0) | (experts >= self.config.num_experts))
                 if len(bad):
                     r, c = bad[0]
                     raise InputError(f"{array.where}: expert id {experts[r, c]} at position {pos[r]} (layer {layer}) "
                                      f"is outside [0, {self.config.num_experts}) of the model config")
                 t = torch.from_numpy(experts)
-                seg = self.segment_of[torch.from_numpy(pos)]
-                modality = torch.zeros_like(seg)  # captures carry token ids only: every position is text
                 counts = reduce.moe_counts(t, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))
                 self._append(writer, "moe_counts", layer, counts, "count",
                              modality=lambda m: np.asarray(MODALITIES, dtype=object)[m])
                 self._append(writer, "moe_rank_load", layer,
                              reduce.moe_rank_load(t, self.config.num_experts, EP_WORLD), "tokens")
-                keep = self.keep(pos, 0, p.moe_decode_routes, (p.moe_window_every, p.moe_window_tokens))
                 if len(keep):
                     k = experts.shape[1]
                     writer.append("moe_routes", layer=layer, step=self.step, rank=0, position=pos[keep],
@@ -201,12 +202,13 @@ class _Import:
     def dsa(self, writer: TraceWriter, array: RowArray, end: int) -> None:
         lmap, p = self.layers("dsa", array), self.policy
         n_seg = len(self.segments)
-        for pos, rows in self.chunks("dsa", array, 0, end):
+        for pos, rows in self.chunks("dsa", array, end):
             self.step += 1
             pos_t = torch.from_numpy(pos)
             last = int(pos[-1])
+            keep = self.keep(pos, p.dsa_prefill_stride, p.dsa_decode_lists)
             for entry, layer in zip(lmap.entries, lmap.layers):
-                idx = rows[:, entry, :]
+                idx = rows[:, entry, :].astype(np.int64)
                 bad = np.argwhere((idx < -1) | (idx > pos[:, None]))
                 if len(bad):
                     r, c = bad[0]
@@ -220,7 +222,6 @@ class _Import:
                 self._append(writer, "dsa_segment_totals", layer, reduce.dsa_segment_totals(t, self.segment_of, n_seg),
                              "count")
                 self._append(writer, "dsa_sink", layer, reduce.dsa_sink(last, t, p.sink_tokens), None)
-                keep = self.keep(pos, p.dsa_prefill_stride, p.dsa_decode_lists)
                 if len(keep):
                     writer.append("dsa_topk", layer=layer, step=self.step, rank=0, position=pos[keep],
                                   selected=idx[keep])
