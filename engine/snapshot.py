@@ -7,7 +7,8 @@ tensor) goes to `state.safetensors`, every other entry (JSON values) to `snapsho
 `format` and `version`. Writing is atomic (a temporary directory renamed into place, the old one
 set aside first and deleted last, `engine.atomic_dir`), so a crash at any point leaves the last
 good snapshot loadable; the next save or load recovers it and removes stale temporaries.
-`overwrite` replaces only a snapshot (recognised by `snapshot.json`'s `format`), never anything else.
+`overwrite` replaces only a snapshot (recognised by `snapshot.json`'s `format`), never anything else,
+and files the user added to a snapshot directory are carried into the new one.
 
 Layout of `state.safetensors` (version 1): `tokens` int64 [n]; `generator` uint8 (sampler RNG
 state); `last_logits` fp32 [V]; per layer `layers.{i}.recurrent` / `.conv` (KDA) or `.latent` /
@@ -21,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,6 +58,12 @@ def check_target(path: Path, *, overwrite: bool = False) -> None:
     path = Path(path)
     atomic_dir.recover(path, is_snapshot)
     atomic_dir.require_ours(path, overwrite, is_snapshot, "a snapshot", InputError)
+    if path.is_dir() and any(path.iterdir()):
+        atomic_dir.require_replaceable(path, _written_here, InputError)
+
+
+def _written_here(name: str) -> bool:
+    return name in (META_FILE, STATE_FILE)
 
 
 def write_snapshot(path: Path, state: dict[str, Any], *, overwrite: bool = False) -> Path:
@@ -70,21 +76,19 @@ def write_snapshot(path: Path, state: dict[str, Any], *, overwrite: bool = False
     check_target(path, overwrite=overwrite)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state["tensors"].items()}
     meta = {"format": FORMAT, "version": VERSION, **{k: v for k, v in state.items() if k != "tensors"}}
-    tmp = atomic_dir.temp_path(path)
+    tmp = None
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp = atomic_dir.make_temp(path)
         save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:  # the marker: written last
             f.write(json.dumps(meta, indent=1))
             f.flush()
             os.fsync(f.fileno())
-        if path.exists() and not any(path.iterdir()):
-            path.rmdir()
+        atomic_dir.carry_over(path, tmp, _written_here)
         atomic_dir.replace(tmp, path)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None and tmp.is_dir():  # made by this call (a name already taken raises before it is set)
+            atomic_dir.remove_ours(tmp)
         kept = "the previous snapshot there is kept" if is_snapshot(path) else "nothing was saved"
         raise InputError(f"cannot save snapshot to {path}: {exc.strerror or exc}; {kept}") from None
     return path

@@ -16,7 +16,6 @@ The comparison directory holds `layers.parquet` (layer, position, rel_diff), `kl
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
@@ -27,12 +26,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from engine import atomic_dir
 from engine.errors import InputError
 from engine.session import Session
 from workbench.analysis.compare import next_token_kl, read_changes, relative_difference, summarize_reads
 from workbench.recorders import record
 from workbench.recorders.policy import RecordPolicy, load_policy
-from workbench.trace import open_trace
+from workbench.trace import check_trace_target, open_trace
 
 HOST_BYTES_LIMIT = 8 << 30  # run A's layer outputs and logits kept for the comparison
 
@@ -84,22 +84,67 @@ class Comparison:
         return "\n".join(lines)
 
     def write(self, out: str | Path, overwrite: bool = False) -> Path:
-        """Write the Parquet tables and summary.json into `out` (each file replaced atomically)."""
+        """Write the Parquet tables and summary.json into the directory `out`, replaced as a whole.
+
+        An existing comparison is replaced only with `overwrite` (files the user added beside it are
+        kept); a directory that holds anything else is refused (`check_comparison_target`).
+        """
         out = Path(out)
-        if out.exists() and not overwrite and any((out / n).exists() for n in _FILES):
-            raise InputError(f"{out} already holds a comparison; pass --overwrite to replace it")
-        out.mkdir(parents=True, exist_ok=True)
-        for name, frame in (("layers.parquet", self.layers), ("kl.parquet", self.kl), ("reads.parquet", self.reads)):
-            tmp = out / f".{name}.tmp"
-            pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
-            os.replace(tmp, out / name)
-        tmp = out / ".summary.json.tmp"
-        tmp.write_text(json.dumps(self.to_json(), indent=1), encoding="utf-8")
-        os.replace(tmp, out / "summary.json")
+        check_comparison_target(out, overwrite=overwrite)
+        tmp = None
+        try:
+            tmp = atomic_dir.make_temp(out)
+            for name, frame in (("layers.parquet", self.layers), ("kl.parquet", self.kl),
+                                ("reads.parquet", self.reads)):
+                pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp / name)
+            # the marker, written last: names the format, so a user's own summary.json is never taken for ours
+            (tmp / SUMMARY_FILE).write_text(json.dumps({"format": FORMAT, **self.to_json()}, indent=1),
+                                            encoding="utf-8")
+            atomic_dir.carry_over(out, tmp, _FILES.__contains__)
+            atomic_dir.replace(tmp, out)
+        except OSError as exc:
+            kept = "the previous comparison there is kept" if is_comparison(out) else "nothing was written"
+            raise InputError(f"cannot write the comparison to {out}: {exc.strerror or exc}; {kept}") from None
+        finally:
+            if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
+                atomic_dir.remove_ours(tmp)
         return out
 
 
-_FILES = ("layers.parquet", "kl.parquet", "reads.parquet", "summary.json")
+FORMAT, SUMMARY_FILE = "k3-workbench-comparison", "summary.json"
+_FILES = ("layers.parquet", "kl.parquet", "reads.parquet", SUMMARY_FILE)
+
+
+def is_comparison(path: Path) -> bool:
+    """Whether `path` is a directory `Comparison.write` wrote (its summary.json names our format)."""
+    try:
+        with open(Path(path) / SUMMARY_FILE, "rb") as f:
+            summary = json.loads(f.read(64 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(summary, dict):
+        return False
+    if summary.get("format") == FORMAT:
+        return True
+    # written before the format was named: all four files and the summary's own keys
+    return ("format" not in summary and {"dense_layers", "dsa_layers", "kl_mean", "layers", "reads"} <= set(summary)
+            and all((Path(path) / name).is_file() for name in _FILES))
+
+
+def check_comparison_target(out: str | Path, *, overwrite: bool = False,
+                            traces: Collection[str | Path] = ()) -> None:
+    """Refuse, before any run, an `out` a comparison cannot be written to (InputError, one line): one of
+    the `traces`, inside or around one, a file, a foreign directory, or a comparison without `overwrite`."""
+    out = Path(out)
+    dst = out.resolve()
+    for trace in traces:
+        src = Path(trace).resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            raise InputError(f"comparison directory {out} overlaps the trace {trace}; choose another directory")
+    atomic_dir.recover(out, is_comparison)
+    atomic_dir.require_ours(out, overwrite, is_comparison, "a comparison written by `workbench compare`", InputError)
+    if out.is_dir() and any(out.iterdir()):
+        atomic_dir.require_replaceable(out, _FILES.__contains__, InputError)
 
 
 def parse_layers(spec: str, dsa_layers: Collection[int]) -> frozenset[int]:
@@ -167,6 +212,11 @@ def compare_runs(model: Any, tokenizer: Any, text: str | None, *, dense_layers: 
     dense = frozenset(int(l) for l in dense_layers)
     if not dense or not dense <= set(dsa_layers):
         raise InputError(f"dense layers {sorted(dense)} must be DSA layers ({list(dsa_layers)})")
+    # every output is checked before anything runs: a refusal after two recordings wastes both
+    for trace in (trace_a, trace_b):
+        check_trace_target(trace, overwrite=overwrite)
+    if out is not None:
+        check_comparison_target(out, overwrite=overwrite, traces=(trace_a, trace_b))
     pol = load_policy(policy) if policy is not None else RecordPolicy(name="compare", dsa_prefill_stride=16)
     probe = Session(model, tokenizer, prefill_chunk=prefill_chunk)
     seg = probe.append(text, name="prompt") if ids is None else probe.append(ids=ids, name="prompt")

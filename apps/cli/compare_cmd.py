@@ -10,8 +10,9 @@ from pathlib import Path
 from apps.cli.model_cmds import DTYPES
 from apps.cli.run_cmd import read_prompt
 from engine.errors import InputError
-from workbench.compare import compare_runs, parse_layers
+from workbench.compare import check_comparison_target, compare_runs, parse_layers
 from workbench.sessions import load_with_tokenizer
+from workbench.trace import check_trace_target
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--weights-seed", type=int, default=0, help="weights seed for preset: models")
-    p.add_argument("--overwrite", action="store_true", help="replace existing traces / comparison written by compare")
+    p.add_argument("--overwrite", action="store_true", help="replace traces / a comparison written before (files you "
+                   "added there are kept; nothing else is ever replaced)")
     p.set_defaults(func=cmd_compare)
 
 
@@ -40,10 +42,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise InputError("--prefill-chunk must be >= 1")
     if args.trace_a.resolve() == args.trace_b.resolve():
         raise InputError("--trace-a and --trace-b must be different directories")
+    out = args.out or args.trace_b.parent / f"{args.trace_a.name}_vs_{args.trace_b.name}"
+    for trace in (args.trace_a, args.trace_b):  # every output checked before the model is loaded
+        check_trace_target(trace, overwrite=args.overwrite)
+    check_comparison_target(out, overwrite=args.overwrite, traces=(args.trace_a, args.trace_b))
     model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed)
     cfg = model.config
     dense = parse_layers(args.dense_layers, [i for i in range(cfg.num_hidden_layers) if cfg.is_dsa_layer(i)])
-    out = args.out or args.trace_b.parent / f"{args.trace_a.name}_vs_{args.trace_b.name}"
     result = compare_runs(model, tokenizer, prompt, dense_layers=dense, trace_a=args.trace_a, trace_b=args.trace_b,
                           out=out, policy=args.policy, prefill_chunk=args.prefill_chunk, overwrite=args.overwrite)
     print(result.summary())

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from engine.errors import InputError
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
 from workbench.retrieval_text import HELD_OUT, TRAIN, World, answer_prefix, answer_style_of, filler, response_value
+from workbench.trace import check_trace_target
 
 DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
@@ -322,11 +322,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.headless:
         _check_port_free(args.port)  # before the session, so a busy port costs no recording
     trace = args.trace
-    if trace.exists():
-        if not (trace / "session.json").is_file():
-            raise InputError(f"{trace} exists and is not a trace; choose another --trace")
-        # start from an empty directory so a follower never mixes the old run's parts with the new ones
-        shutil.rmtree(trace)
+    # the demo replaces only its own trace there (never another directory, nor a trace being recorded);
+    # the new recording starts by deleting the old one's parts, so a follower never mixes the two
+    check_trace_target(trace, overwrite=True)
     checkpoint = demo_model(args.model, args.checkpoint)
     words = wording(args.wording)
     if args.headless:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from apps.cli import logits_file
 from engine import get_preset, load_config, load_model
 from engine import inputs as engine_inputs
 from engine.builtin import model_dir
@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "(one <|media_pad|> per image; paths relative to the JSON file; logits cover the "
                          "expanded sequence)")
     lg.add_argument("--out", required=True, type=Path, help="output .safetensors (logits.0, logits.1, ...)")
+    lg.add_argument("--overwrite", action="store_true", help="replace logits this command wrote before at --out")
     lg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     lg.add_argument("--seed", type=int, default=0, help="weights seed for preset: models")
     lg.add_argument("--dsa-dense", action="store_true", help="read every past key on DSA layers (K3-style)")
@@ -179,11 +180,7 @@ def sequence_inputs(model, seq: engine_inputs.InputSequence, index: int,
 def cmd_logits(args: argparse.Namespace) -> int:
     sequences = engine_inputs.read_sequences(args.input_ids)
     interventions = parse_interventions(load_intervention_spec(args.intervene)) if args.intervene is not None else ()
-    if args.out.is_dir():  # checked before the model is loaded, not after the forward
-        raise InputError(f"--out {args.out} is a directory; give a .safetensors file path")
-    parent = next((p for p in args.out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise InputError(f"--out {args.out}: {parent} is not a directory")
+    logits_file.check_target(args.out, overwrite=args.overwrite)  # before the model is loaded, not after the forward
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
         model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed, parallel=ctx, device=ctx.device)
         model.runtime.dsa_force_dense = args.dsa_dense
@@ -198,8 +195,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
                                      f"{model.config.max_position_embeddings}")
                 out[f"logits.{i}"] = model(ids, image_embeds=image_embeds)[0].float().cpu().contiguous()
         if ctx.is_leader:  # every rank holds the full logits; one writes them
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            save_file(out, str(args.out), metadata={"model": str(args.model),
-                                                    "config_hash": model.config.fingerprint()})
+            logits_file.write(args.out, out, {"model": str(args.model), "config_hash": model.config.fingerprint()},
+                              overwrite=args.overwrite)
             print(f"wrote {len(out)} logits tensors to {args.out}")
     return 0

@@ -47,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill step (bounds memory)")
     p.add_argument("--save", type=Path, help="save a snapshot of the session here afterwards")
     p.add_argument("--load", type=Path, help="continue a saved snapshot (the prompt, if any, is appended)")
-    p.add_argument("--overwrite", action="store_true", help="allow --save to replace an existing snapshot")
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow --save and --trace to replace a snapshot / trace written before (files you added "
+                        "there are kept; nothing else is ever replaced)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
@@ -57,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="record the session into this trace directory")
     p.add_argument("--record", default="dsa,kda,moe", help="signal families to record (comma list of dsa, kda, moe)")
     p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
-    p.add_argument("--overwrite-trace", action="store_true", help="replace an existing trace at --trace")
+    p.add_argument("--overwrite-trace", action="store_true",
+                   help="deprecated: the same as --overwrite for --trace")
     add_parallel_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -78,6 +81,8 @@ def record_families(spec: str) -> tuple[str, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.overwrite_trace:
+        print("note: --overwrite-trace is deprecated; use --overwrite", file=sys.stderr)
     prompt = read_prompt(args)
     # read and parsed before the model loads; layers, heads and experts are checked once it has
     args.interventions = [load_intervention_spec(args.intervene)] if args.intervene is not None else []
@@ -99,7 +104,12 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.save is not None:
         check_snapshot_target(args.save, overwrite=args.overwrite)
     if args.trace is not None:
-        check_trace_target(args.trace, overwrite=args.overwrite_trace)
+        check_trace_target(args.trace, overwrite=overwrite_trace(args))
+
+
+def overwrite_trace(args: argparse.Namespace) -> bool:
+    """`--overwrite` (one flag for every output), or its older trace-only spelling."""
+    return args.overwrite or args.overwrite_trace
 
 
 def write_dashboard_summaries(trace: Path) -> None:
@@ -124,7 +134,7 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         check_outputs(args)
     with recorded_session(args.model, args.trace, snapshot=args.load, prefill_chunk=args.prefill_chunk,
                           progress=args.progress if ctx.is_leader else False, policy=args.policy, families=families,
-                          overwrite=args.overwrite_trace, dtype=DTYPES[args.dtype], seed=args.weights_seed,
+                          overwrite=overwrite_trace(args), dtype=DTYPES[args.dtype], seed=args.weights_seed,
                           parallel=ctx, device=ctx.device) as run:
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]

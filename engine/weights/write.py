@@ -8,13 +8,14 @@ weight and its scale always land in the same shard (as in the real K3 files).
 from __future__ import annotations
 
 import json
-import shutil
+import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
-from engine.atomic_dir import require_ours
+from engine import atomic_dir
 from engine.config import ModelConfig
 from engine.config_io import config_to_hf
 from engine.errors import InputError
@@ -58,16 +59,32 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
         float_dtype: storage dtype of float tensors (bf16 like the real checkpoint; A_log, dt_bias,
             conv weights, o_norm and the router bias stay fp32).
         tokenizer: also write the byte-level tokenizer files (when vocab = 256 bytes + 256 specials).
-        overwrite: replace an existing non-empty directory.
+        overwrite: replace a checkpoint this function wrote (nothing else): built in a temporary beside
+            it and swapped in by `engine.atomic_dir`, so a kill at any moment keeps one whole
+            checkpoint; files the user added to the old one are carried into the new one.
         vision: write the vision tower's tensors when the config has one (False: a text-only export,
             whose config.json still carries the vision_config).
     """
     out = Path(out_dir)
     check_checkpoint_target(out, overwrite=overwrite)
-    if out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)  # a checkpoint this function wrote (its marker file says so)
-    out.mkdir(parents=True, exist_ok=True)
     source = source or RandomSource(config, seed, float_dtype)
+    tmp = None
+    try:
+        tmp = atomic_dir.make_temp(out)
+        _write_files(config, tmp, seed, shards, float_dtype, source, tokenizer, vision)
+        atomic_dir.carry_over(out, tmp, _own_files(out))
+        atomic_dir.replace(tmp, out)
+    except OSError as exc:  # disk full, permissions: one line saying what is still there
+        kept = "the previous checkpoint there is kept" if is_written_checkpoint(out) else "nothing was written"
+        raise InputError(f"cannot write the checkpoint to {out}: {exc.strerror or exc}; {kept}") from None
+    finally:
+        if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
+            atomic_dir.remove_ours(tmp)
+    return out
+
+
+def _write_files(config: ModelConfig, out: Path, seed: int, shards: int, float_dtype: torch.dtype, source,
+                 tokenizer: bool, vision: bool) -> None:
     specs = list(checkpoint_tensors(config, include_vision=vision))
     plan = _plan_shards(specs, max(1, shards), float_dtype)
     weight_map: dict[str, str] = {}
@@ -87,9 +104,10 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer and config.vocab_size == 256 + NUM_SPECIAL:  # byte-level vocabulary
         write_byte_level_tokenizer(out)
-    # written last: marks a complete checkpoint of ours, the one kind `overwrite` may replace
-    (out / MARKER_FILE).write_text(json.dumps({"format": MARKER_FORMAT, "seed": seed}) + "\n")
-    return out
+    # written last: marks a complete checkpoint of ours, the one kind `overwrite` may replace; it lists
+    # the files written, so a later overwrite drops only those and keeps what the user added
+    files = sorted(p.name for p in out.iterdir() if p.name != atomic_dir.PARTIAL_MARKER) + [MARKER_FILE]
+    (out / MARKER_FILE).write_text(json.dumps({"format": MARKER_FORMAT, "seed": seed, "files": files}) + "\n")
 
 
 MARKER_FILE, MARKER_FORMAT = "workbench-checkpoint.json", "k3-workbench-random-checkpoint"
@@ -103,7 +121,27 @@ def is_written_checkpoint(path: Path) -> bool:
         return False
 
 
+# what a checkpoint whose marker lists no files (an older writer's) holds of ours
+_OWN_NAMES = re.compile(r"^(config\.json|tiktoken\.model|tokenizer_config\.json|" + re.escape(INDEX_FILE)
+                        + r"|" + re.escape(MARKER_FILE) + r"|model-\d{5}-of-\d{5}\.safetensors)$")
+
+
+def _own_files(out: Path) -> Callable[[str], bool]:
+    """Which entries of the checkpoint at `out` `write_checkpoint` wrote: those its marker lists."""
+    try:
+        files = json.loads((out / MARKER_FILE).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if isinstance(files, list) and all(isinstance(f, str) for f in files):
+        return set(files).__contains__
+    return lambda name: bool(_OWN_NAMES.match(name))
+
+
 def check_checkpoint_target(out: Path, *, overwrite: bool = False) -> None:
     """Refuse, before any work, an output path that is a file, or a non-empty directory that is not ours."""
-    require_ours(Path(out), overwrite, is_written_checkpoint, "a checkpoint written by `workbench checkpoint random`",
-                 InputError)
+    out = Path(out)
+    atomic_dir.recover(out, is_written_checkpoint)
+    atomic_dir.require_ours(out, overwrite, is_written_checkpoint,
+                            "a checkpoint written by `workbench checkpoint random`", InputError)
+    if out.is_dir() and any(out.iterdir()):
+        atomic_dir.require_replaceable(out, _own_files(out), InputError)

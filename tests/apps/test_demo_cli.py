@@ -64,7 +64,7 @@ def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, caps
     (tmp_path / "not-a-trace" / "keep.txt").write_text("mine")
     assert main(["demo", "--headless", "--trace", str(tmp_path / "not-a-trace")]) == 2
     assert (tmp_path / "not-a-trace" / "keep.txt").exists()
-    assert "not a trace" in capsys.readouterr().err
+    assert "holds no trace" in capsys.readouterr().err
 
 
 def test_answer_queries_are_the_passcode_tokens() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -165,6 +164,9 @@ def _npz_arrays(table: pa.Table) -> dict[str, np.ndarray]:
 
 def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
     """Check the target; returns the entries there that a previous export did not write (kept)."""
+    if out.is_symlink():
+        raise TraceError(f"export target {out} is a symbolic link; refusing to write through it (give the directory "
+                         f"itself)")
     src, dst = source.resolve(), out.resolve()
     if dst == src or src in dst.parents:
         raise TraceError(f"export target {out} is inside the trace {source}; choose another directory")
@@ -184,6 +186,7 @@ def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
     if not overwrite:
         raise TraceError(f"export target {out} exists and is not empty; pass --overwrite to replace the export there")
     ours = {f for f in files if isinstance(f, str)}
+    atomic_dir.require_replaceable(dst, ours.__contains__, TraceError)
     return [p for p in dst.iterdir() if p.name not in ours]  # not the export's: carried over untouched
 
 
@@ -217,11 +220,9 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     out = Path(out)
     atomic_dir.recover(out, is_export)
     foreign = _prepare_target(out, trace.path, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = atomic_dir.temp_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = None
     try:
+        tmp = atomic_dir.make_temp(out)
         manifest = {"source": str(trace.path), "format": fmt, "schema_version": trace.session.get("schema_version"),
                     "status": trace.status,
                     "layers": None if layers is None else list(layers),
@@ -249,14 +250,15 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
         except TraceError as exc:
             kept = "the previous export there is kept" if is_export(out) else "nothing was written"
             raise type(exc)(f"{exc}; export aborted, {kept}") from None
-        manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [MANIFEST]
+        manifest["files"] = sorted(p.name for p in tmp.iterdir() if p.name != atomic_dir.PARTIAL_MARKER) + [MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _move_into_place(tmp, out, foreign)
     except OSError as exc:  # disk full, permissions: one line saying what is still there
         kept = "the previous export there is kept" if is_export(out) else "nothing was written"
         raise TraceError(f"cannot write the export to {out}: {exc.strerror or exc}; {kept}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
+            atomic_dir.remove_ours(tmp)
     return manifest
 
 
@@ -284,18 +286,7 @@ def is_export(path: Path) -> bool:
 
 
 def _move_into_place(tmp: Path, out: Path, foreign: list[Path]) -> None:
-    # the user's own files beside a previous export are linked (not moved) into the new one first, so
-    # they exist at every instant of the swap; the old export is set aside, the new one renamed in
-    for entry in foreign:
-        if entry.name in {p.name for p in tmp.iterdir()}:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, tmp / entry.name, symlinks=True)
-            continue
-        try:
-            os.link(entry, tmp / entry.name, follow_symlinks=False)
-        except OSError:
-            shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
-    if out.exists() and not any(out.iterdir()):
-        out.rmdir()
+    # the user's own files beside a previous export are carried into the new one (linked, not moved)
+    kept = {p.name for p in foreign}
+    atomic_dir.carry_over(out, tmp, lambda name: name not in kept)
     atomic_dir.replace(tmp, out)
