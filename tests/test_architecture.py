@@ -49,6 +49,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
+                           "workbench.attribution",
                            "workbench.__main__")),
     ("apps dashboard", ("apps.dashboard",)),
     # `workbench serve`: the OpenAI-compatible endpoint (it reuses the dashboard's Host/Origin policy)

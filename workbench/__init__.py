@@ -14,6 +14,8 @@ Public API:
   the layers read, remember and route (`engine.interventions`; spec objects may name a segment).
 - `effects(session, *interventions, continuation=, target=)`: the answer, a target's per-token
   log-probability and the per-step KL with and without interventions, from one shared prefix (`Effects`).
+- `attribution(session, segments, continuation=, target=)`: which memory the answer depends on: each
+  segment hidden from each DSA layer (KDA writes suppressed, answer experts banned), beside same-size controls.
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
@@ -40,6 +42,7 @@ _EXPORTS = {
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
     "intervene": "workbench.interventions", "effects": "workbench.causal_effects", "Effects": "workbench.causal_effects",
     "load_intervention_spec": "workbench.interventions",
+    "attribution": "workbench.attribution",
 }
 
 __all__ = sorted(_EXPORTS)

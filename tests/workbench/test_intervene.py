@@ -118,3 +118,26 @@ def test_a_recorded_session_keeps_its_interventions_in_the_trace(model, tmp_path
     session_json = json.loads((tmp_path / "t" / "session.json").read_text())
     assert session_json["interventions"] == [{"op": "dsa.hide", "positions": [30, 42], "layers": "all",
                                               "from": 0, "to": 72}]
+
+
+def test_attribution_rows_stand_beside_controls_and_match_effects(model):
+    target = ids_of(3, 6)
+    frame = workbench.attribution(context(model), ["needle"], continuation=QUESTION, target=target, kda="layers",
+                                  controls=1, seed=1)
+    # the needle x (2 DSA layers + all) + the needle x 4 KDA layers + 5 MoE layers
+    assert len(frame) == 3 + 4 + 5
+    assert set(frame["op"]) == {"dsa.hide", "kda.suppress_writes", "moe.ban"}
+    assert frame["effect"].is_monotonic_increasing and frame[["control_min", "control_max"]].notna().all().all()
+    again = workbench.attribution(context(model), ["needle"], continuation=QUESTION, target=target, moe=False,
+                                  controls=1, seed=1)
+    same = frame[frame["op"] == "dsa.hide"].reset_index(drop=True)
+    # the same rows and controls (seeded); the context was prefilled in other pieces: float rounding only
+    assert again[["op", "segment", "layer"]].equals(same[["op", "segment", "layer"]])
+    assert np.allclose(again[["effect", "control_mean", "plain"]], same[["effect", "control_mean", "plain"]], atol=1e-4)
+    row = frame[(frame["op"] == "dsa.hide") & (frame["layer"] == "all")].iloc[0]
+    direct = workbench.effects(context(model), HIDE_NEEDLE, continuation=QUESTION, target=target, max_new_tokens=1)
+    assert row["effect"] == pytest.approx(direct.target_logprob_change, abs=1e-4)
+    kda_row = frame[(frame["op"] == "kda.suppress_writes") & (frame["layer"] == "1")].iloc[0]
+    direct = workbench.effects(context(model), {"op": "kda.suppress_writes", "segment": "needle", "layers": [1]},
+                               continuation=QUESTION, target=target, max_new_tokens=1)
+    assert kda_row["effect"] == pytest.approx(direct.target_logprob_change, abs=1e-4)

@@ -1,0 +1,213 @@
+"""Which memory an answer depends on (issue 30): `attribution(...)`, a sweep of interventions, each
+beside a control of the same size.
+
+For a target answer (e.g. the needle's value) after a continuation (the question), every candidate
+memory is switched off in turn and the change of the target's log-probability is measured:
+
+- `dsa.hide`: each segment hidden from each DSA layer (and from all of them at once); control: a
+  random span of the same length hidden from the same layers;
+- `kda.suppress_writes`: each KDA layer's (or head's) writes over each segment suppressed; control: the
+  same heads' writes over a random span of the same length after the segment's start (so every KDA row
+  of a segment re-runs the context from one fork; with no room there, anywhere);
+- `moe.ban`: on each MoE layer, the experts the target's tokens were routed to, banned for the
+  continuation; control: as many other experts, drawn at random.
+
+Each effect is shown beside its controls (their mean and range over `controls` draws), so an effect is
+told from what any intervention of that size does (house rule: a statistic chance could produce is
+shown beside its chance value). Cost: the context is prefilled once; DSA and MoE rows are
+continuations only (question + target tokens). KDA rows change writes inside the context, so each
+re-runs the context from the first suppressed position (a partial prefill per row): off by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.errors import InputError
+from engine.probes import probe_points
+from workbench.causal_effects import Continuation, _continue, _forced_logprobs, _ids
+from workbench.interventions import _segment_span
+
+
+@dataclass
+class _Run:
+    """One intervention to score: its spec, the position its branch forks at, and what it is a row of."""
+
+    spec: list[dict]
+    fork_at: int
+    row: dict
+    control: bool
+
+
+def _score(base: Any, spec: list[dict], continuation: Any, target: list[int], role: str) -> np.ndarray:
+    """Per-token log-probabilities of `target` after the continuation, on a fork of `base` with `spec`."""
+    branch = base.fork()
+    if spec:
+        branch.set_interventions(spec)
+    _continue(branch, continuation, role)
+    branch.prefill()
+    scores = _forced_logprobs(branch, target)
+    return scores[np.arange(len(target)), target].cpu().numpy()
+
+
+def _random_span(rng: np.random.Generator, length: int, limit: int, avoid: tuple[int, int],
+                 lowest: int = 0) -> tuple[int, int]:
+    """A span of `length` positions inside [lowest, limit) that does not overlap `avoid`; when there is no
+    room for one, anywhere in [0, limit) outside `avoid`, then anywhere."""
+    for low in (lowest, 0):
+        starts = np.arange(low, max(low + 1, limit - length + 1))
+        free = starts[(starts + length <= avoid[0]) | (starts >= avoid[1])]
+        if len(free):
+            start = int(rng.choice(free))
+            return start, start + length
+    start = int(rng.integers(0, max(1, limit - length + 1)))
+    return start, start + length
+
+
+def _answer_experts(base: Any, continuation: Any, target: list[int], role: str, top: int) -> dict[int, list[int]]:
+    """Per MoE layer, the `top` experts routed most often for the tokens that predict the target (a
+    listener beside any other on the route probes)."""
+    counts: dict[int, np.ndarray] = {}
+    first: list[int] = []
+
+    def sink(emission) -> None:
+        experts = emission.data["experts"][0].cpu().numpy()  # [n, k]
+        positions = emission.data["positions"].cpu().numpy()
+        keep = positions >= first[0]
+        layer = counts.setdefault(emission.point.layer, np.zeros(base.config.num_experts, np.int64))
+        np.add.at(layer, experts[keep].reshape(-1), 1)
+
+    branch = base.fork()
+    _continue(branch, continuation, role)
+    first.append(len(branch.tokens) - 1)  # the last continuation token predicts the target's first
+    points = [p for p in probe_points(base.model) if p.name == "moe.route"]
+    for p in points:
+        p.attach(sink)
+    try:
+        branch.prefill()
+        _forced_logprobs(branch, target)
+        for p in points:
+            p.deliver()
+    finally:
+        for p in points:
+            p.detach(sink)
+    return {layer: [int(e) for e in np.argsort(-c, kind="stable")[:top] if c[e] > 0] for layer, c in counts.items()}
+
+
+def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *, continuation: Continuation | str | Sequence[int] | None,
+                target: str | Sequence[int], dsa: bool = True, kda: str | None = None, moe: bool = True,
+                controls: int = 3, seed: int = 0, role: str = "user", experts: int | None = None) -> Any:
+    """Rank the memories the target answer depends on; see the module doc.
+
+    Args:
+        session: holds the context (appended; prefilled or not, but not past a segment when `kda` is set).
+        segments: names of the segments to switch off (documents, an image, a turn), or (label, start, end)
+            spans of positions (a needle inside its document).
+        continuation, target, role: as `workbench.effects`.
+        dsa, moe: sweep DSA layers / MoE experts. kda: None, "layers" (each KDA layer's heads together)
+            or "heads" (each head alone): these rows re-run the context from the segment.
+        controls: random same-size controls per row (seeded by `seed`: deterministic).
+        experts: experts banned per MoE layer (default: the model's experts per token).
+
+    Returns:
+        a pandas DataFrame, one row per intervention, largest drop first: `op`, `segment`, `layer`
+        ("all" or an id), `heads`, `experts`, `size` (positions or experts switched off), `effect` (change of
+        the target's total log-probability, nats), `control_mean`, `control_min`, `control_max`, and
+        `plain` (the target's log-probability without intervention).
+    """
+    import pandas as pd
+
+    config = session.config
+    target_ids = _ids(session, target)
+    assert target_ids is not None
+    if kda not in (None, "layers", "heads"):
+        raise InputError(f"kda must be None, 'layers' or 'heads', got {kda!r}")
+    if controls < 1:
+        raise InputError(f"controls must be >= 1, got {controls}")
+    spans = {}
+    for item in segments:
+        if isinstance(item, str):
+            spans[item] = _segment_span(session, item, f"segment {item!r}")
+        else:  # (label, start, end): a span inside a segment (a needle inside its document)
+            label, start, stop = item
+            if not 0 <= start < stop <= len(session.tokens):
+                raise InputError(f"span {label!r}: [{start}, {stop}) is not inside the context's {len(session.tokens)} tokens")
+            spans[str(label)] = (int(start), int(stop))
+    end = len(session.tokens)
+    rng = np.random.default_rng(seed)
+    layers = range(config.num_hidden_layers)
+    runs: list[_Run] = []
+
+    def add(op: str, spec_for, size: int, row: dict, fork_for, avoid: tuple[int, int], lowest: int = 0) -> None:
+        runs.append(_Run(spec_for(spans[row["segment"]]) if row["segment"] else spec_for(None), fork_for(avoid),
+                         {"op": op, "size": size, **row}, False))
+        for _ in range(controls):
+            if row["segment"]:
+                span = _random_span(rng, avoid[1] - avoid[0], end, avoid, lowest)
+                runs.append(_Run(spec_for(span), fork_for(span), {"op": op, "size": size, **row}, True))
+            else:
+                runs.append(_Run(spec_for(None, control=True), end, {"op": op, "size": size, **row}, True))
+
+    if dsa:
+        dsa_layers = [i for i in layers if config.is_dsa_layer(i)]
+        for name, span in spans.items():
+            for layer in [*dsa_layers, "all"]:
+                ids = "all" if layer == "all" else [layer]
+                add("dsa.hide", lambda s, ids=ids: [{"op": "dsa.hide", "positions": list(s), "layers": ids}],
+                    span[1] - span[0], {"segment": name, "layer": layer, "heads": None, "experts": None},
+                    lambda s: end, span)
+    if kda is not None:
+        kda_layers = [i for i in layers if config.is_kda_layer(i)]
+        groups = ([(i, "all") for i in kda_layers] if kda == "layers"
+                  else [(i, [h]) for i in kda_layers for h in range(config.kda_num_heads)])
+        for name, span in spans.items():
+            for layer, heads in groups:
+                add("kda.suppress_writes",
+                    lambda s, layer=layer, heads=heads: [{"op": "kda.suppress_writes", "positions": list(s),
+                                                          "layers": [layer], "heads": heads}],
+                    span[1] - span[0], {"segment": name, "layer": layer, "heads": heads, "experts": None},
+                    lambda s, first=span[0]: min(first, s[0]), span, lowest=span[0])
+    # forks at ascending positions: the context is prefilled once, each branch point kept as a fork
+    first = min([r.fork_at for r in runs], default=end)
+    if session.length > first:
+        raise InputError(f"the session has consumed {session.length} tokens, past the first position a row must "
+                         f"fork at ({first}): start from a session prefilled less far")
+    bases: dict[int, Any] = {}
+    for at in sorted({r.fork_at for r in runs} | {end}):
+        session.prefill(until=at)
+        bases[at] = session.fork()
+    if moe:
+        top = experts or config.num_experts_per_token
+        chosen = _answer_experts(bases[end], continuation, target_ids, role, top)
+        for layer in sorted(chosen):
+            banned = chosen[layer]
+            others = [e for e in range(config.num_experts) if e not in banned]
+
+            def spec_for(_, control: bool = False, layer=layer, banned=banned, others=others):
+                picked = sorted(rng.choice(others, size=min(len(banned), len(others)), replace=False).tolist()
+                                ) if control else banned
+                return [{"op": "moe.ban", "experts": picked, "layers": [layer], "positions": [end, 1 << 40]}]
+
+            add("moe.ban", spec_for, len(banned), {"segment": None, "layer": layer, "heads": None,
+                                                   "experts": banned}, lambda s: end, (end, end))
+    plain = _score(bases[end], [], continuation, target_ids, role).sum()
+    results: dict[tuple, dict] = {}
+    for run in runs:
+        logprob = float(_score(bases[run.fork_at], run.spec, continuation, target_ids, role).sum())
+        key = (run.row["op"], run.row["segment"], str(run.row["layer"]), str(run.row["heads"]))
+        entry = results.setdefault(key, {**run.row, "effect": np.nan, "controls": []})
+        if run.control:
+            entry["controls"].append(logprob - plain)
+        else:
+            entry["effect"] = logprob - plain
+    rows = []
+    for entry in results.values():
+        c = np.array(entry.pop("controls"))
+        rows.append({**entry, "layer": str(entry["layer"]), "control_mean": float(c.mean()),
+                     "control_min": float(c.min()), "control_max": float(c.max()), "plain": float(plain)})
+    frame = pd.DataFrame(rows, columns=["op", "segment", "layer", "heads", "experts", "size", "effect",
+                                        "control_mean", "control_min", "control_max", "plain"])
+    return frame.sort_values("effect", kind="stable").reset_index(drop=True)
