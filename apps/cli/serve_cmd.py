@@ -80,9 +80,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apps.dashboard.host_guard import HostPolicy
     from apps.dashboard.security import is_local
 
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise InputError("workbench serve runs in one process for now (under torchrun every rank would have to "
-                         "follow rank 0's requests step by step); start it without torchrun")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
     for flag in ("cache_mib", "max_conversations", "max_queue", "max_tokens", "max_body_mib", "prefill_chunk"):
@@ -106,8 +103,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from apps.serve.app import AppConfig
+    from apps.serve.protocol import parse_chat_request
+    from apps.serve.ranks import RankChannel, follow
     from apps.serve.server import Server
-    from apps.serve.worker import ServeOptions
+    from apps.serve.worker import EngineWorker, ServeOptions
+    from engine.parallel import distributed
     from workbench.sessions import load_with_tokenizer
 
     if args.threads > 0:
@@ -117,12 +117,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_queue=args.max_queue, max_conversations=args.max_conversations)
     config = AppConfig(model_id=str(args.model), hosts=hosts, api_key=key, max_body_bytes=args.max_body_mib << 20,
                        max_tokens=args.max_tokens, image_root=args.image_root)
-    model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed)
-    model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
-    server = Server(model, tokenizer, options, config, host=args.host, port=args.port)
-    print(f"K3 Workbench OpenAI-compatible endpoint: {server.url}  (model {args.model!s})", flush=True)
-    if trace_root is not None:
-        print(f"conversations are recorded under {trace_root}/ (workbench dashboard --trace {trace_root}/CONV)",
-              flush=True)
-    server.run()
+    with distributed() as ctx:  # world 1 unless launched by torchrun: then rank 0 serves, every rank runs
+        model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed,
+                                               parallel=ctx, device=ctx.device)
+        model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
+        channel = RankChannel(ctx)
+        if not ctx.is_leader:
+            worker = EngineWorker(model, tokenizer, options, channel)
+            follow(channel, lambda body, request_id: worker.run_job(parse_chat_request(
+                body, max_tokens_limit=config.max_tokens, image_root=config.image_root), request_id))
+            return 0
+        server = Server(model, tokenizer, options, config, host=args.host, port=args.port, channel=channel)
+        world = f", {ctx.world} ranks" if ctx.world > 1 else ""
+        print(f"K3 Workbench OpenAI-compatible endpoint: {server.url}  (model {args.model!s}{world})", flush=True)
+        if trace_root is not None:
+            print(f"conversations are recorded under {trace_root}/ (workbench dashboard --trace {trace_root}/CONV)",
+                  flush=True)
+        server.run()
     return 0

@@ -124,7 +124,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
-        job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), body=body)
         if not worker.submit(job):
             busy = RequestError(f"the server's queue is full ({worker.options.max_queue} requests wait for the "
                                 "model); retry later", status=429, kind="rate_limit_error", code="rate_limit_exceeded")

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from apps.serve.app import AppConfig, create_app
+from apps.serve.ranks import RankChannel
 from apps.serve.worker import EngineWorker, ServeOptions
 from engine.errors import InputError
 
@@ -26,8 +27,8 @@ class Server:
     """One model served over HTTP (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, options: ServeOptions, config: AppConfig, *,
-                 host: str = "127.0.0.1", port: int = 8000) -> None:
-        self.worker = EngineWorker(model, tokenizer, options)
+                 host: str = "127.0.0.1", port: int = 8000, channel: RankChannel | None = None) -> None:
+        self.worker = EngineWorker(model, tokenizer, options, channel)
         self.app = create_app(self.worker, config)
         self.host = host
         self.socket = _bind(host, port)

@@ -13,6 +13,7 @@ drops its conversation, whose state is then unknown), never the thread.
 from __future__ import annotations
 
 import codecs
+import os
 import queue
 import secrets
 import sys
@@ -25,6 +26,7 @@ from typing import Any, Callable, Collection
 
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest, StopMatcher
+from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
 from engine.sampling import SamplingParams
 from engine.session import Session
@@ -41,6 +43,7 @@ class Job:
     request_id: str
     emit: Callable[[Event], None]  # thread-safe: hands an event to the HTTP side
     cancelled: threading.Event = field(default_factory=threading.Event)
+    body: Any = None  # the decoded request body (what rank 0 hands the other ranks under torchrun)
 
 
 @dataclass
@@ -60,8 +63,10 @@ class ServeOptions:
 class EngineWorker:
     """Runs jobs on one model, one at a time (see the module docstring)."""
 
-    def __init__(self, model: Any, tokenizer: Any, options: ServeOptions) -> None:
+    def __init__(self, model: Any, tokenizer: Any, options: ServeOptions, channel: RankChannel | None = None) -> None:
         self.model, self.tokenizer, self.options = model, tokenizer, options
+        # under torchrun: rank 0's worker announces each job, every rank runs it (`apps.serve.ranks`)
+        self.channel = channel if channel is not None and channel.active else None
         self.cache = PrefixCache(options.cache_bytes, options.max_conversations)
         self.replies = ReplyMemory()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -96,19 +101,37 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=IDLE_SECONDS if self.channel is not None else None)
+            except queue.Empty:  # keeps the other ranks' waiting broadcast within the group's timeout
+                self.channel.announce("idle")  # type: ignore[union-attr]
+                continue
             if job is None:
+                if self.channel is not None:
+                    self.channel.announce("stop")
                 return
             try:
                 if not job.cancelled.is_set():
+                    if self.channel is not None:
+                        self.channel.announce("job", body=job.body, request_id=job.request_id)
                     self._run(job)
             except Exception as exc:  # noqa: BLE001 - one failed request must never stop the server
                 traceback.print_exc(file=sys.stderr)
                 job.emit(("error", 500, f"the engine failed on this request ({type(exc).__name__}); the server "
                           "keeps running", None))
+                if self.channel is not None:
+                    _end_job(self.channel, exc)
             finally:
                 with self._lock:
                     self._outstanding -= 1
+
+    def run_job(self, request: ChatRequest, request_id: str) -> None:
+        """Another rank: run the job rank 0 announced, as rank 0 runs it (its events go nowhere)."""
+        try:
+            self._run(Job(request, request_id, lambda event: None))
+        except Exception as exc:  # ranks that diverge would wait in collectives: end the whole job
+            traceback.print_exc(file=sys.stderr)
+            _end_job(self.channel, exc)
 
     # ---- one request -----------------------------------------------------------------------------
     def _render(self, job: Job) -> RenderedChat | None:
@@ -188,7 +211,10 @@ class EngineWorker:
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 ids.append(tok.id)
-                if job.cancelled.is_set():
+                go_on = not job.cancelled.is_set()
+                if self.channel is not None:  # only rank 0 knows whether its client is still there
+                    go_on = self.channel.keep_going(go_on)
+                if not go_on:
                     finish = "cancelled"
                     break
                 if tok.id in self._stop_ids:
@@ -209,6 +235,16 @@ class EngineWorker:
             turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=len(ids),
                         finish_reason=finish, ttft_s=ttft)
         return {"content": "".join(pieces), "ids": ids, "finish_reason": finish, "ttft_s": ttft}
+
+
+def _end_job(channel: RankChannel | None, exc: BaseException) -> None:
+    """Under torchrun a rank whose request failed cannot rejoin the others' collectives: it reports the
+    failure (every rank's watchdog then exits naming it) and exits."""
+    watchdog = getattr(channel.ctx, "watchdog", None) if channel is not None else None
+    if watchdog is not None:
+        watchdog.report(exc)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class _NoTurn:

@@ -9,6 +9,8 @@ under a tag naming the call site (`attn.o_proj`, `moe.routed`, ...).
 - `all_gather(x, ctx, dim, tag)`: concatenate shards (vocabulary-parallel logits).
 - `assert_same(x, ctx, what)`: debug invariant: every rank holds rank 0's value of `x`.
 - `gather_strings(text, ctx)`: one short string per rank (config fingerprints at start).
+- `broadcast_bytes(data, ctx, limit)`: rank 0's bytes on every rank (the requests a server's rank 0
+  receives, which every rank then runs); `broadcast_flag(flag, ctx)`: rank 0's yes/no.
 """
 
 from __future__ import annotations
@@ -65,3 +67,34 @@ def gather_strings(text: str, ctx: ParallelContext, width: int = 64) -> list[str
     parts = [torch.empty_like(local) for _ in range(ctx.world)]
     dist.all_gather(parts, local, group=ctx.group)
     return [bytes(p.tolist()).rstrip(b"\0").decode("ascii") for p in parts]
+
+
+def broadcast_bytes(data: bytes | None, ctx: ParallelContext, limit: int) -> bytes:
+    """Rank 0's `data` on every rank (other ranks pass None); the length is checked against `limit`
+    before any rank allocates for it."""
+    if not ctx.communicates:
+        if data is None:
+            raise ValueError("broadcast_bytes needs the data on rank 0")
+        return data
+    size = torch.tensor([len(data) if ctx.rank == 0 and data is not None else 0], dtype=torch.int64, device=ctx.device)
+    dist.broadcast(size, src=0, group=ctx.group)
+    n = int(size.item())
+    if not 0 <= n <= limit:
+        raise RuntimeError(f"rank 0 broadcast {n} bytes, more than the {limit} allowed")
+    if ctx.rank == 0:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(ctx.device) if n else \
+            torch.empty(0, dtype=torch.uint8, device=ctx.device)
+    else:
+        buffer = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+    if n:
+        dist.broadcast(buffer, src=0, group=ctx.group)
+    return data if ctx.rank == 0 else bytes(buffer.cpu().numpy().tobytes())
+
+
+def broadcast_flag(flag: bool, ctx: ParallelContext) -> bool:
+    """Rank 0's `flag` on every rank (a decision only rank 0 can make, such as a client that left)."""
+    if not ctx.communicates:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.broadcast(value, src=0, group=ctx.group)
+    return bool(value.item())
