@@ -341,3 +341,16 @@ def test_snapshot_and_fork_record_the_interventions(model, tmp_path):
     snapshot = json.loads((tmp_path / "snap" / "snapshot.json").read_text())
     assert snapshot["interventions"] == s.intervention_log
     assert s.fork().intervention_log == s.intervention_log
+
+
+def test_dense_reads_hide_the_range_on_every_path(model):
+    """With every DSA layer reading densely, a hidden range is masked out of the attention itself."""
+    ids = ids_of(40, 14)
+    model.runtime.dsa_force_dense = True
+    try:
+        full = full_forward(model, ids, SPECS["dsa.hide"])
+        assert rel_err(full, full_forward(model, ids, [])) > 1e-4
+        for mode in (False, "static"):
+            assert rel_err(session_logits(model, ids, SPECS["dsa.hide"], 24, mode), full) < 5e-5, mode
+    finally:
+        model.runtime.dsa_force_dense = False
