@@ -2,22 +2,35 @@
 
 Bad input (no trace, not a trace, newer schema, corrupt or missing part, non-empty target without
 --overwrite) raises a `TraceError`, which the CLI prints as one line before exiting with status 2.
+
+`--format vllm|sglang --model M` writes instead `DIR/responses.jsonl`: the trace's routes and
+selections as the responses that server would have returned, one per generated answer (what
+`workbench import` reads; the trace must hold every route, i.e. be recorded with policy "all").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 
 from workbench.trace.errors import TraceError
+from engine import atomic_dir
+from workbench.captures import ENGINES, export_responses, load_capture_model
+from workbench.trace import TraceError
 from workbench.trace.export import FORMATS, export_trace, parse_layers
 from workbench.trace.schema import TABLES
+
+RESPONSES_FILE = "responses.jsonl"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a trace's tables as Parquet, CSV, JSON Lines or NumPy files")
     p.add_argument("trace", type=Path, help="trace directory (holds session.json)")
-    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="output format")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS) + list(ENGINES),
+                   help="output format (vllm / sglang: the responses that server would return, for `workbench import`)")
+    p.add_argument("--model", help="vllm / sglang formats: the model of the trace (checkpoint, config.json or preset:NAME)")
     p.add_argument("--out", required=True, type=Path, help="output directory (must be absent or empty)")
     p.add_argument("--layers", type=_layers, help="layers to keep in signal tables, e.g. 0,3,5-7")
     p.add_argument("--tables", nargs="+", metavar="TABLE",
@@ -34,6 +47,8 @@ def _layers(text: str) -> list[int]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format in ENGINES:
+        return _export_responses(args)
     tables = None
     if args.tables:
         tables = [t for item in args.tables for t in item.split(",") if t]
@@ -42,4 +57,24 @@ def cmd_export(args: argparse.Namespace) -> int:
                             progress=lambda name, rows: print(f"  {name}: {rows} rows"))
     rows = sum(t["rows"] for t in manifest["tables"].values())
     print(f"exported {len(manifest['tables'])} tables ({rows} rows) of {args.trace} to {args.out} as {args.format}")
+    return 0
+
+
+def _export_responses(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise TraceError(f"--format {args.format} needs --model (the layer and expert counts of the trace's model)")
+    out = Path(args.out)
+    atomic_dir.require_ours(out, args.overwrite, lambda p: {e.name for e in p.iterdir()} == {RESPONSES_FILE},
+                            f"a {RESPONSES_FILE} export", TraceError)
+    config, _ = load_capture_model(args.model)
+    records = export_responses(args.trace, config, args.format)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{RESPONSES_FILE}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+        os.replace(tmp, out / RESPONSES_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"exported {len(records)} {args.format} response(s) of {args.trace} to {out / RESPONSES_FILE}")
     return 0

@@ -142,7 +142,14 @@ def test_default_policy_keeps_the_rows_the_recorder_keeps(recorded, tmp_path) ->
 
 def test_cli_import_and_overwrite(recorded, tmp_path, capsys) -> None:
     root, config = recorded
-    responses = _save(export_responses(root / "all", config, "vllm"), tmp_path / "r.jsonl")
+    assert main(["export", str(root / "all"), "--format", "vllm", "--model", MODEL, "--out", str(tmp_path / "x")]) == 0
+    responses = tmp_path / "x" / "responses.jsonl"
+    # a trace recorded with a sampling policy does not hold every route: said, nothing written
+    assert main(["export", str(root / "default"), "--format", "sglang", "--model", MODEL, "--out",
+                 str(tmp_path / "y")]) == 2
+    assert "record with policy \"all\"" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    assert [json.loads(line) for line in responses.read_text().splitlines()] == \
+        export_responses(root / "all", config, "vllm")
     out = tmp_path / "trace"
     assert main(["import", "vllm", str(responses), "--model", MODEL, "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -26,7 +26,7 @@ import numpy as np
 from engine.errors import InputError
 
 NPY_MAGIC = b"\x93NUMPY"
-MAX_NPY_HEADER = 1 << 16  # a [rows, layers, width] header is ~120 bytes; anything near this is not a capture
+MAX_NPY_HEADER = 1 << 16  # a 3-D integer array needs a short header; a longer one is not a capture
 WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}  # SGLang's names
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
