@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -98,7 +99,9 @@ class VisionConfig:
              f"head dim {self.head_dim} must be divisible by 4 (2-D RoPE rotates pairs for rows and columns)")
         need(len(self.merge_kernel) == 2 and all(isinstance(k, int) and k > 0 for k in self.merge_kernel),
              "merge_kernel_size", f"must be two positive integers, got {self.merge_kernel!r}")
-        need(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta}")
+        # frequencies are theta ** -(2i/d): a base under 1 makes them grow without bound (NaN logits)
+        need(math.isfinite(self.rope_theta) and self.rope_theta >= 1, "rope_theta",
+             f"must be a finite number >= 1, got {self.rope_theta}")
         need(self.tower_norm_eps > 0 and self.projector_norm_eps > 0, "eps", "norm eps must be positive")
 
     @property
@@ -329,6 +332,10 @@ class ModelConfig:
             need(self.q_lora_rank is not None, "q_lora_rank",
                  "the DSA indexer reads the low-rank query latent; q_lora_rank must be set")
         need(self.max_position_embeddings > 0, "max_position_embeddings", "must be positive")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
+            value = getattr(self, name)
+            need(value is None or 0 <= value < self.vocab_size, name,
+                 f"token id {value} is outside the vocabulary [0, {self.vocab_size})")
         if self.vision is not None:
             need(self.vision.text_hidden_size == self.hidden_size, "vision_config.text_hidden_size",
                  f"the projector writes {self.vision.text_hidden_size}-wide tokens but hidden_size is {self.hidden_size}")

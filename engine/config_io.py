@@ -12,17 +12,17 @@ what the checkpoint writer stores.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from engine.config import MAX_DSA_TOPK, DSAConfig, ModelConfig, VisionConfig
 from engine.errors import ConfigError
-from engine.fileio import read_limited
+from engine.fileio import parse_json, read_limited
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 _MISSING = object()
+MXFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 32}
 _MAX_CONFIG_BYTES = 16 << 20
 
 # sane upper bounds, checked before anything is sized by a value (K3.1 Pro: 93 layers, hidden 7168,
@@ -43,10 +43,7 @@ def load_config(path: str | Path) -> ModelConfig:
     if not file.exists():
         raise ConfigError(f"{file}: no config.json found")
     data = read_limited(file, "a config.json", ConfigError, _MAX_CONFIG_BYTES)
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{file}: not valid JSON ({str(exc)[:200]})") from None
+    raw = parse_json(data, str(file), ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top level")
     try:
@@ -147,8 +144,7 @@ def _parse_vision(raw: dict, text_hidden: int, text_eps: float) -> VisionConfig:
                           f"got {projector!r}")
     rope = raw.get("rope_parameters") or {}
     theta = _get(raw, "rope_theta", default=rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ConfigError(f"config field `vision_config.rope_theta`: expected a number, got {theta!r}")
+    theta = _as_float(theta, "vision_config.rope_theta")  # VisionConfig checks its range
     return VisionConfig(
         patch_size=num("patch_size", "patch_size", default=14, hi=MAX_VISION_GRID),
         hidden_size=num("vt_hidden_size", "vt_hidden_size", "hidden_size", default=1024),
@@ -181,6 +177,16 @@ def _expert_format(quant: dict | None) -> str:
         raise ConfigError(f"config field `quantization_config`: unsupported quantization "
                           f"(quant_method={method!r}, format={sorted(formats)}); "
                           f"supported: compressed-tensors {MXFP4_FORMAT!r} routed experts")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if weights is None:
+            continue
+        weights = _as_dict(weights, f"quantization_config.config_groups.{name}.weights")
+        # MXFP4 is fixed: 4-bit floats sharing one scale per 32 values; any other layout is another format
+        for key, fixed in MXFP4_WEIGHTS.items():
+            if key in weights and weights[key] != fixed:
+                raise ConfigError(f"config field `quantization_config.config_groups.{name}.weights.{key}`: "
+                                  f"MXFP4 has {key} {fixed!r}, got {weights[key]!r:.40}")
     return "mxfp4"
 
 

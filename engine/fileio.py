@@ -2,14 +2,18 @@
 
 A FIFO in place of a file blocks `open()` forever, a directory raises `IsADirectoryError`, and
 `/dev/zero` reads without end; every reader of user input goes through `file_kind` /
-`read_limited` first, so those cases become an `EngineError` naming the path.
+`read_limited` first, so those cases become an `EngineError` naming the path. `parse_json` reads
+JSON that someone else may have written: bounded nesting, one-line errors.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 from pathlib import Path
+from typing import Any
 
 from engine.errors import EngineError
 
@@ -80,3 +84,48 @@ def process_alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+# Deeper than any file we write (session.json, snapshots, configs, summaries nest a few levels);
+# anything past it is refused before code that walks the value recursively could hit Python's
+# recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def parse_json(data: bytes | str, source: str, error: type[EngineError], max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`data` parsed as JSON, nested at most `max_depth` deep; else `error`, one line naming `source`."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        raise error(f"{source}: not valid JSON (not UTF-8 text: byte {exc.start})") from None
+    if _bracket_depth(text) > max_depth:
+        raise error(f"{source}: not valid JSON for this reader (nested deeper than {max_depth} levels)")
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise error(f"{source}: not valid JSON ({str(exc)[:200]})") from None
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of `[`/`{` outside strings: checked before parsing, since the parser itself
+    recurses once per level. Runs over the brackets and quotes only, not every character."""
+    depth = deepest = 0
+    in_string = False
+    for match in _STRUCTURE.finditer(text):
+        token = match.group()
+        if token[0] == "\\":
+            continue
+        if token == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+# quotes, escaped characters (so `\"` never ends a string) and brackets
+_STRUCTURE = re.compile(r'\\.|["\[\]{}]', re.DOTALL)

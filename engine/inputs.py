@@ -11,13 +11,12 @@ forward then checks the ids against its vocabulary.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError
-from engine.fileio import read_limited
+from engine.fileio import parse_json, read_limited
 
 MAX_TOKEN_ID = 2 ** 31 - 1  # ids are int32 in traces; no vocabulary comes near
 _MAX_FILE_BYTES = 1 << 30
@@ -87,10 +86,7 @@ def read_sequences(path: str | Path) -> list[InputSequence]:
 
 def _read_json(path: Path) -> Any:
     raw = read_limited(path, "a JSON file of token-id lists", InputError, _MAX_FILE_BYTES)
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InputError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
+    return parse_json(raw, str(path), InputError)
 
 
 def read_id_lists(path: str | Path) -> list[list[int]]:

@@ -172,8 +172,12 @@ class KimiForCausalLM(nn.Module):
                                 kda_heads=self.parallel.split(self.config.kda_num_heads))
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be a tensor of token ids [batch, tokens], got {type(input_ids).__name__}")
         if input_ids.dim() != 2:
             raise InputError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:  # the layers' shapes assume at least one position
+            raise InputError(f"input_ids holds no tokens (shape {tuple(input_ids.shape)}); give at least one")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise InputError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):

@@ -63,6 +63,12 @@ def segments_from_json(raw: Any, n_tokens: int) -> list[Segment]:
         if not 0 <= seg["start"] <= seg["end"] <= n_tokens:
             raise InputError(f"snapshot segment {i}: range [{seg['start']}, {seg['end']}) is outside the "
                              f"{n_tokens} tokens")
+        # a session appends segments one after another: ids count up from 0 and ranges never overlap
+        if seg["id"] != i:
+            raise InputError(f"snapshot segment {i}: id must be {i} (segments are numbered in order), got {seg['id']}")
+        if out and seg["start"] < out[-1].end:
+            raise InputError(f"snapshot segment {i}: range [{seg['start']}, {seg['end']}) starts before segment "
+                             f"{i - 1} ends ({out[-1].end}); segments follow one another")
         out.append(Segment(**seg))
     return out
 

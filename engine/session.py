@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -65,13 +66,40 @@ class GeneratedToken:
     logprob: float
 
 
+def _check_types(**values: tuple[Any, type]) -> None:
+    """InputError naming the first argument that is neither None nor of its type (a public API
+    answers a wrong type with the engine's own error, not a TypeError from deep inside)."""
+    for name, (value, kind) in values.items():
+        if value is not None and not isinstance(value, kind):
+            raise InputError(f"{name}= must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """`ids` as a list of ints: a sequence or 1-D tensor of integers (never floats, bools or text,
+    which `int()` would silently turn into other ids)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InputError(f"ids= must be a 1-D tensor of integer token ids, got {ids.dtype} {list(ids.shape)}")
+        return ids.tolist()
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InputError(f"ids= must be a 1-D array of integer token ids, got {ids.dtype} {list(ids.shape)}")
+        return ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InputError(f"ids= must be a sequence of integer token ids, got {type(ids).__name__}")
+    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
+    if bad is not None:
+        raise InputError(f"ids= must hold integer token ids, got {bad!r:.40}")
+    return [int(i) for i in ids]
+
+
 class Session:
     """One sequence: its tokens, segments, model state, sampler and deployment record."""
 
     def __init__(self, model: KimiForCausalLM, tokenizer: Tokenizer | None = None, *, prefill_chunk: int = 2048,
                  model_name: str = "", progress: bool | None = None) -> None:
-        if prefill_chunk < 1:
-            raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r:.40}")
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -140,6 +168,7 @@ class Session:
         """
         if sum(x is not None for x in (text, ids, image)) != 1:
             raise InputError("append needs exactly one of text=, ids= or image=")
+        _check_types(text=(text, str), role=(role, str), name=(name, str), kind=(kind, str))
         if image is not None:
             return self._append_image(image, role=role, name=name, kind=kind)
         if text is not None:
@@ -152,7 +181,7 @@ class Session:
             else:
                 new = self._encode(text)
         else:
-            new = [int(i) for i in ids]  # type: ignore[union-attr]
+            new = _token_ids(ids)
             if not new:
                 raise InputError("empty token list: nothing to append")
         self.model.check_input_ids(torch.tensor([new]))
@@ -180,6 +209,7 @@ class Session:
         """
         if text is None and not images:
             raise InputError("a message needs text or at least one image")
+        _check_types(role=(role, str), text=(text, str), name=(name, str))
         if text is not None and not text:
             raise InputError("empty text: nothing to append")
         if self.tokenizer is None:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import atomic_dir
 from engine.errors import InputError
-from engine.fileio import read_limited, require_regular
+from engine.fileio import parse_json, read_limited, require_regular
 
 FORMAT = "k3-workbench-snapshot"
 VERSION = 1
@@ -47,8 +47,8 @@ def prefix_hash(tokens: Sequence[int]) -> str:
 def is_snapshot(path: Path) -> bool:
     """Whether `path` is a directory this module wrote (its snapshot.json names our format)."""
     try:
-        meta = json.loads((Path(path) / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = parse_json((Path(path) / META_FILE).read_bytes(), META_FILE, InputError)
+    except (OSError, InputError):
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT and (Path(path) / STATE_FILE).is_file()
 
@@ -104,9 +104,9 @@ def read_snapshot(path: Path) -> dict[str, Any]:
     raw = read_limited(meta_file, "snapshot metadata (JSON)", InputError, META_LIMIT)
     require_regular(state_file, "snapshot state (safetensors)", InputError)
     try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{meta_file}: corrupt snapshot metadata ({str(exc)[:120]})") from None
+        meta = parse_json(raw, str(meta_file), InputError)
+    except InputError as exc:
+        raise InputError(f"corrupt snapshot metadata: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{meta_file}: not a K3 Workbench snapshot")
     if meta.get("version") != VERSION:

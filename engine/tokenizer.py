@@ -230,7 +230,7 @@ def _read_special(config_file: Path, base: int) -> dict[str, int]:
                             "follow the base vocabulary")
         special = {}
         for k, v in decoder.items():
-            if not isinstance(v, dict) or not isinstance(v.get("content"), str) or not k.isdigit():
+            if not isinstance(v, dict) or not isinstance(v.get("content"), str) or not (k.isascii() and k.isdigit()):
                 raise TypeError(f"entry {k!r:.40} needs a decimal id and a string content")
             special[v["content"]] = int(k)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, TypeError, ValueError) as exc:

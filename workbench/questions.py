@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from engine.errors import InputError
 from workbench.analysis.chance import chance_of_hit, format_read
 from workbench.analysis.dsa import dense_mass_summary, layers_reading
 from workbench.analysis.dsa_structure import faithfulness, sink_over_time
@@ -45,6 +46,20 @@ def _answer_span(trace: Trace, after: int = 0, first: bool = False) -> tuple[int
     return int(seg.start), int(seg.end) - 1
 
 
+MAX_POSITION = 2 ** 31 - 1  # positions are int32 in traces
+
+
+def checked_span(span: object, what: str, *, inclusive: bool) -> tuple[int, int]:
+    """`span` as (start, end) token positions, 0 <= start < end <= MAX_POSITION (start <= end when
+    `inclusive`); else InputError naming `what` (a span may come from a command line or session.json)."""
+    pair = tuple(span) if isinstance(span, (tuple, list)) else ()
+    if (len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)
+            or not 0 <= pair[0] <= pair[1] <= MAX_POSITION or (pair[0] == pair[1] and not inclusive)):
+        order = "START <= END" if inclusive else "START < END"
+        raise InputError(f"{what} must be two token positions with 0 <= {order} <= {MAX_POSITION}, got {span!r:.60}")
+    return int(pair[0]), int(pair[1])
+
+
 def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
                    queries: tuple[int, int] | None = None) -> Answer:
     """Q1: when the model answered, which DSA layers read the needle [start, end), and how far back?
@@ -54,10 +69,15 @@ def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
     answers the question about the picture). Chance: P(random top-k picks hit the span) per query,
     averaged.
     """
-    needle = needle or tuple(trace.session.get("demo", {}).get("needle", ())) or None
+    demo = trace.session.get("demo")
+    needle = needle or (tuple(demo.get("needle") or ()) if isinstance(demo, dict) else ()) or None
     if not needle:
         return Answer(pd.DataFrame(), "Q1 needle: no needle given (pass needle=(start, end))")
-    queries = queries or _answer_span(trace, after=needle[1], first=True)
+    needle = checked_span(needle, "needle", inclusive=False)
+    if queries:
+        queries = checked_span(queries, "queries", inclusive=True)
+    else:
+        queries = _answer_span(trace, after=needle[1], first=True)
     topk = trace.table("dsa_topk", columns=["layer", "position", "selected"])
     df = layers_reading(topk, needle[0], needle[1], queries=queries)
     pos = topk["position"].to_numpy()

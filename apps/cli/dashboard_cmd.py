@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root", type=Path, help="the only directory tree ?trace= may point into; driven sessions are "
                    "recorded here (default: the parent of --trace, else ./traces)")
     p.add_argument("--no-drive", action="store_true", help="hide the drive-mode controls (follow only)")
-    p.add_argument("--show", action="store_true", help="open the dashboard in a browser")
+    p.add_argument("--show", action=argparse.BooleanOptionalAction, default=False,
+                   help="open the dashboard in a browser (default --no-show: print the URL only)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads for driven sessions (default 1: on a "
                    "busy or shared machine more threads can stall in OpenMP barriers)")
     p.set_defaults(func=cmd_dashboard)

@@ -6,7 +6,7 @@
    needle) and a question about it, in the trained model's own task wording
    (`workbench.retrieval_text`; `--wording held-out` uses wording it never saw).
 3. Serve the dashboard on the trace directory, print its URL (and open a browser unless
-   --no-browser), then run the session under `workbench.record(...)`: prefill progress, the memory
+   --no-show), then run the session under `workbench.record(...)`: prefill progress, the memory
    maps and the generated answer appear live.
 4. Print the answer, whether it is right, and which DSA layers read the needle for the answer
    tokens beside their chance baselines; keep serving until Ctrl-C.
@@ -76,7 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=5006)
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer dashboard requests addressed to this host name (repeatable); others are refused")
-    p.add_argument("--no-browser", action="store_true", help="print the URL but do not open a browser")
+    p.add_argument("--show", action=argparse.BooleanOptionalAction, default=True,
+                   help="open the dashboard in a browser (default; --no-show prints the URL only)")
+    p.add_argument("--no-browser", dest="show", action="store_false", help=argparse.SUPPRESS)  # older spelling
     p.add_argument("--headless", action="store_true", help="record and export only: no server (CI)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill step (live update grain)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a busy or shared "
@@ -348,7 +350,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          "choose another with --port") from None
     link = url(config)
     print(f"K3 Workbench dashboard: {link}  (Ctrl-C to stop)", flush=True)
-    if not args.no_browser:
+    if args.show:
         import webbrowser
 
         webbrowser.open(link)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.errors import InputError
-from workbench.questions import QUESTIONS, ask_all, needle_readers
+from workbench.questions import MAX_POSITION, QUESTIONS, ask_all, needle_readers
 from workbench.trace import open_trace
 
 
@@ -17,8 +17,8 @@ def _span(text: str | None) -> tuple[int, int] | None:
         start, end = (int(v) for v in text.split(":"))
     except ValueError:
         raise InputError(f"a span is START:END (token positions), got {text!r}") from None
-    if not 0 <= start < end:
-        raise InputError(f"span {text!r}: need 0 <= START < END")
+    if not 0 <= start < end <= MAX_POSITION:
+        raise InputError(f"span {text!r}: need 0 <= START < END <= {MAX_POSITION}")
     return start, end
 
 

@@ -13,12 +13,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Sequence, TextIO
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
+from engine.chat_response import ResponseReader
 from engine.errors import InputError
 from engine.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
+from engine.session import Session
 from engine.snapshot import check_target as check_snapshot_target
 from workbench import intervene, load_intervention_spec
 from workbench.sessions import FAMILIES, recorded_session
@@ -32,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
+    p.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="also end the answer where its text reaches STRING (repeatable; STRING is not printed)")
+    p.add_argument("--raw", action="store_true", help="print every generated token, chat tags and thinking "
+                   "included (default: the response text only; generation stops where the response ends either way)")
     p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
                    help="an image before the prompt (repeatable, in order; --chat: one user message, images then text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -90,6 +98,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError("give --prompt TEXT or --prompt-file FILE (or --image FILE, or --load SNAPSHOT)")
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
+    if args.system is not None and not args.system:
+        raise InputError("--system is empty")
+    if any(not s for s in args.stop):
+        raise InputError("--stop takes non-empty text")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
@@ -128,6 +140,33 @@ def write_dashboard_summaries(trace: Path) -> None:
         print(f"dashboard summaries written ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 
+def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw: bool = False,
+                  stop_strings: Sequence[str] = (), chat: bool = False) -> ResponseReader:
+    """Generate and write the answer to `out` as it comes: the response text (every token's text with
+    `raw`), ending where the chat format says the response ends or at a stop string. `chat`: when
+    nothing was printed (the model wrote only chat tags or thinking), say so on stderr."""
+    if session.tokenizer is None:
+        raise InputError("this model has no tokenizer files: its output cannot be printed as text")
+    reader = ResponseReader.after(session.tokenizer, session.tokens, stop_strings=stop_strings)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    shown = False
+    for token in session.generate(params=params):
+        text = reader.feed(token.id)
+        shown = shown or bool(text)
+        if raw:
+            text = decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id))
+        out.write(text)
+        out.flush()
+        if reader.done:
+            break
+    rest = reader.finish()
+    out.write((decoder.decode(b"", final=True) if raw else rest) + "\n")
+    if chat and not raw and not (shown or rest) and reader.hidden_tokens:
+        print(f"note: the model wrote no response text ({reader.hidden_tokens} tokens of chat tags or thinking, "
+              "not printed); --raw prints every token", file=sys.stderr)
+    return reader
+
+
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
     families = record_families(args.record) if args.trace is not None else FAMILIES
     if ctx.is_leader:
@@ -139,7 +178,10 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         # a bad image fails here, before anything ran (and the trace keeps what it has)
-        if args.chat and (args.image or prompt is not None):  # one user message: the images, then the text
+        if args.system is not None:
+            session.append(args.system, role="system", name="system")
+        chat = args.chat or args.system is not None
+        if chat and (args.image or prompt is not None):  # one user message: the images, then the text
             session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
                                    name="prompt")
         else:
@@ -147,13 +189,9 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                 session.append(image=path, name=path.name)
             if prompt is not None:
                 session.append(prompt, name="prompt")
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out = sys.stdout if ctx.is_leader else io.StringIO()
         with intervene(session, *args.interventions):  # segment names resolve to the prompt's segments
-            for token in session.generate(params=params):
-                out.write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
-                out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
+            stream_answer(session, params, out, raw=args.raw, stop_strings=args.stop, chat=chat and ctx.is_leader)
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)
         write_dashboard_summaries(args.trace)

@@ -22,9 +22,11 @@ import param
 
 from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.state import DashboardState
-from apps.dashboard.uploads import IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper, UploadError, classify_upload
+from apps.dashboard.uploads import (BROWSER_MAX_FILE_SIZE, IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper,
+                                    UploadError, classify_upload)
 
 PRESETS = ["preset:tiny", "preset:demo"]
+ANSWER_CHARS = 300  # of the answer shown in the status line (the trace holds every token)
 DEFAULT_PROMPT = "Which document mentions the vault code, and what is it?"
 
 # one loaded model per process: models are large, sessions of one dashboard run one at a time
@@ -58,6 +60,24 @@ def find_models(extra: list[str] | None = None, search: list[Path] | None = None
     return list(dict.fromkeys(found + PRESETS))
 
 
+def generate_answer(session: Any, max_new: int, temperature: float) -> tuple[int, str]:
+    """Generate until the chat format says the answer ended (`engine.chat_response`), as `workbench run`
+    does; returns (tokens generated, the answer's text)."""
+    from engine.chat_response import ResponseReader
+
+    reader = ResponseReader.after(session.tokenizer, session.tokens) if session.tokenizer is not None else None
+    generated, text = 0, []
+    for token in session.generate(max_new_tokens=max_new, temperature=temperature):
+        generated += 1
+        if reader is not None:
+            text.append(reader.feed(token.id))
+            if reader.done:
+                break
+    if reader is not None:
+        text.append(reader.finish())
+    return generated, "".join(text)
+
+
 class SessionRunner(pn.viewable.Viewer):
     """Model picker, prompt box, document upload, Generate/Stop: a recorded session in a thread."""
 
@@ -84,7 +104,7 @@ class SessionRunner(pn.viewable.Viewer):
         self._thread: threading.Thread | None = None
         self._outcome: tuple[str, str] | None = None  # (kind, text) left by the thread for poll()
         self._lock = threading.Lock()
-        self.dropper = BoundedFileDropper(max_file_size=f"{max(self.max_upload_bytes // 1024, 1)}KB",
+        self.dropper = BoundedFileDropper(max_file_size=BROWSER_MAX_FILE_SIZE,
                                           max_bytes=self.max_upload_bytes, chunk_size=1 << 20, multiple=True,
                                           accepted_filetypes=TEXT_SUFFIXES + IMAGE_SUFFIXES,
                                           sizing_mode="stretch_width", height=110)
@@ -215,8 +235,9 @@ class SessionRunner(pn.viewable.Viewer):
                         session.append(payload, name=name)
                 if prompt.strip():
                     session.append(prompt, role="user" if chat else None, name="prompt")
-                generated = sum(1 for _ in session.generate(max_new_tokens=max_new, temperature=temperature))
-            self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}")
+                generated, answer = generate_answer(session, max_new, temperature)
+            self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}"
+                                     + (f"; answer: {answer[:ANSWER_CHARS]}" if answer.strip() else ""))
         except (EngineError, workbench.TraceError, OSError, ValueError) as exc:
             self._outcome = ("error", f"error: {exc}")
         except Exception as exc:  # a bug: still tell the user, and keep the server alive

@@ -39,6 +39,8 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from engine.errors import EngineError
+from engine.fileio import parse_json
 from apps.dashboard.arrow_limits import BoundsError, read_bounded
 from workbench.trace import Trace
 from workbench.trace.bounds import MAX_DENSE_CELLS
@@ -183,8 +185,8 @@ def load_json(cache_key: Key | None, name: str) -> Any:
                 data = f.read(MAX_JSON_BYTES + 1)
             if len(data) > MAX_JSON_BYTES:
                 continue
-            return json.loads(data.decode("utf-8"))
-        except (OSError, ValueError, RecursionError):
+            return parse_json(data, str(path), EngineError)
+        except (OSError, EngineError):  # a deep or damaged summary counts as absent: it is recomputed
             continue
     return None
 

@@ -21,6 +21,10 @@ from engine.vision import open_image
 
 TEXT_SUFFIXES = [".txt", ".md", ".csv", ".json", ".py"]
 IMAGE_SUFFIXES = [".png", ".jpg", ".jpeg", ".webp"]
+# what the browser widget itself refuses: far above `max_bytes`, because a file the browser drops never
+# reaches the server and the app could not say why; one over `max_bytes` is refused by the server
+# at its first chunk, with a message (its later chunks are still sent, and ignored)
+BROWSER_MAX_FILE_SIZE = "1024MB"
 # an uploaded image decodes to at most this many pixels (about 8K x 5K; the tower downscales anyway)
 MAX_UPLOAD_PIXELS = 40_000_000
 

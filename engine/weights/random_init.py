@@ -16,9 +16,13 @@ import zlib
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import InputError
 from engine.ops.mxfp4 import reference as mxfp4
 from engine.weights.names import TensorSpec
 
+# each tensor's generator seed is seed * 1_000_003 + crc32(name), which must fit the 64 bits
+# a torch generator takes
+MAX_SEED = (2 ** 64 - 1 - 2 ** 32) // 1_000_003
 FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 
 
@@ -32,6 +36,8 @@ class RandomSource:
     """`get(spec)` returns the tensor a random checkpoint of `config` holds under `spec.name`."""
 
     def __init__(self, config: ModelConfig, seed: int = 0, float_dtype: torch.dtype = torch.bfloat16) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise InputError(f"weights seed must be an integer in [0, {MAX_SEED}], got {seed!r:.40}")
         self.config = config
         self.seed = seed
         self.float_dtype = float_dtype

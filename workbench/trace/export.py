@@ -33,6 +33,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from engine import atomic_dir
+from engine.fileio import parse_json
 from workbench.trace.bounds import MAX_LAYERS, SessionBounds
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace
@@ -41,7 +42,7 @@ from workbench.trace.thumbnail import thumbnail_path
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl", "npz": "npz"}
 MANIFEST = EXPORT_MANIFEST
-_LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+_LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$", re.ASCII)
 
 
 def parse_layers(text: str) -> list[int]:
@@ -177,9 +178,9 @@ def _prepare_target(out: Path, source: Path, overwrite: bool) -> list[Path]:
     if (dst / SESSION_FILE).is_file() and not (dst / MANIFEST).is_file():
         raise TraceError(f"export target {out} is a trace, not an export; refusing to replace it")
     try:
-        previous = json.loads((dst / MANIFEST).read_text())
+        previous = parse_json((dst / MANIFEST).read_bytes(), str(dst / MANIFEST), TraceError)
         files = previous.get("files", []) if isinstance(previous, dict) else None
-    except (OSError, ValueError):
+    except (OSError, TraceError):
         files = None
     if not isinstance(files, list):
         raise TraceError(f"export target {out} is not empty and holds no export ({MANIFEST}); refusing to replace it")

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from engine.fileio import file_kind, fsync_dir
 
-PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+PART_RE = re.compile(r"^part-(\d{6,})\.parquet$", re.ASCII)  # ASCII: int() also reads other scripts' digits
 
 
 def part_name(seq: int) -> str:

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine.fileio import read_limited
+from engine.fileio import parse_json, read_limited
 from workbench.trace.bounds import check_session
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS, TableSpec
@@ -69,9 +68,13 @@ def read_session(path: Path) -> dict:
         raise TraceError(f"{path} is not a K3 Workbench trace: it has no {SESSION_FILE}")
     try:
         # read through the size limit: a sparse file can claim gigabytes while taking no disk space
-        session = json.loads(read_limited(file, "a trace's session.json", TraceCorruptError, MAX_SESSION_BYTES))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        data = read_limited(file, "a trace's session.json", TraceCorruptError, MAX_SESSION_BYTES)
+    except OSError as exc:
         raise TraceCorruptError(f"{file} cannot be read as JSON: {exc}") from None
+    try:
+        session = parse_json(data, str(file), TraceCorruptError)
+    except TraceCorruptError as exc:
+        raise TraceCorruptError(f"{file} cannot be read as JSON: {str(exc).removeprefix(f'{file}: ')}") from None
     if not isinstance(session, dict) or session.get("schema") != SCHEMA_NAME:
         raise TraceError(f"{path} is not a K3 Workbench trace: {SESSION_FILE} lacks the schema marker "
                          f"\"schema\": \"{SCHEMA_NAME}\"")

@@ -47,6 +47,14 @@ from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_F
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
 
 
+def _kind_if_present(path: Path) -> str | None:
+    """What `path` is when something other than a regular file is there; None when nothing is."""
+    try:
+        return not_regular(path)
+    except OSError:
+        return None
+
+
 class Trace:
     """A trace directory opened for reading; create it with `open_trace`.
 
@@ -128,6 +136,11 @@ class Trace:
         listing = [] if name == "tokens" and self._tokens_compact else list_parts(self.path / name)
         # tokens.parquet is published before the writer deletes tokens/ parts, so when it is absent
         # *after* the listing, the listing was complete
+        if name == "tokens" and not self._tokens_compact and not (self.path / TOKENS_FILE).is_file():
+            odd = _kind_if_present(self.path / TOKENS_FILE)
+            if odd:  # the compacted tokens cannot be read: say so instead of showing an empty table
+                self._problem(f"{self.path / TOKENS_FILE} is {odd}, not a regular file: the tokens table is "
+                              "unreadable; skipped")
         if name == "tokens" and not self._tokens_compact and (self.path / TOKENS_FILE).is_file():
             self._tokens_compact = True
             for part in self._parts["tokens"]:
