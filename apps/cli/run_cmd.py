@@ -23,6 +23,7 @@ from engine.parallel import ParallelContext, distributed
 from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.snapshot import check_target as check_snapshot_target
+from engine.transcript import read_transcript
 from workbench import intervene, load_intervention_spec
 from workbench.sessions import FAMILIES, recorded_session
 from workbench.trace import check_trace_target
@@ -34,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    src.add_argument("--messages", type=Path, metavar="CHAT_JSON", help="replay a conversation in the OpenAI messages "
+                     "format (a JSON list, or an object with \"messages\"): one segment per message; local images "
+                     "must lie in the file's directory")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message and open an assistant turn")
     p.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
@@ -94,7 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     # read and parsed before the model loads; layers, heads and experts are checked once it has
     args.interventions = [load_intervention_spec(args.intervene)] if args.intervene is not None else []
-    if prompt is None and args.load is None and not args.image:
+    args.transcript = read_transcript(args.messages) if args.messages is not None else None  # checked before loading
+    if prompt is None and args.load is None and not args.image and args.transcript is None:
         raise InputError("give --prompt TEXT or --prompt-file FILE (or --image FILE, or --load SNAPSHOT)")
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
@@ -178,6 +183,8 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         # a bad image fails here, before anything ran (and the trace keeps what it has)
+        if args.transcript is not None:
+            session.append_messages(args.transcript)
         if args.system is not None:
             session.append(args.system, role="system", name="system")
         chat = args.chat or args.system is not None
