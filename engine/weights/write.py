@@ -19,6 +19,7 @@ from engine import atomic_dir
 from engine.config import ModelConfig
 from engine.config_io import config_to_hf
 from engine.errors import InputError
+from engine.fileio import parse_json
 from engine.tokenizer import NUM_SPECIAL, write_byte_level_tokenizer
 from engine.weights.names import TensorSpec, checkpoint_tensors
 from engine.weights.random_init import RandomSource, storage_dtype
@@ -116,8 +117,9 @@ MARKER_FILE, MARKER_FORMAT = "workbench-checkpoint.json", "k3-workbench-random-c
 def is_written_checkpoint(path: Path) -> bool:
     """Whether `path` is a checkpoint `write_checkpoint` wrote (its marker file is there)."""
     try:
-        return json.loads((Path(path) / MARKER_FILE).read_text(encoding="utf-8")).get("format") == MARKER_FORMAT
-    except (OSError, ValueError, AttributeError):
+        marker = parse_json((Path(path) / MARKER_FILE).read_bytes(), MARKER_FILE, InputError)
+        return marker.get("format") == MARKER_FORMAT
+    except (OSError, InputError, AttributeError):
         return False
 
 
@@ -129,8 +131,8 @@ _OWN_NAMES = re.compile(r"^(config\.json|tiktoken\.model|tokenizer_config\.json|
 def _own_files(out: Path) -> Callable[[str], bool]:
     """Which entries of the checkpoint at `out` `write_checkpoint` wrote: those its marker lists."""
     try:
-        files = json.loads((out / MARKER_FILE).read_text(encoding="utf-8")).get("files")
-    except (OSError, ValueError, AttributeError):
+        files = parse_json((out / MARKER_FILE).read_bytes(), MARKER_FILE, InputError).get("files")
+    except (OSError, InputError, AttributeError):
         files = None
     if isinstance(files, list) and all(isinstance(f, str) for f in files):
         return set(files).__contains__

@@ -245,3 +245,15 @@ def test_upload_over_the_limit_gets_a_message_not_a_silent_drop(tmp_path) -> Non
     runner.dropper._process_event(SimpleNamespace(event_name="upload_event", data={
         "name": "big.txt", "chunk": 1, "total_chunks": 50, "data": b"x" * (1 << 20), "type": "text/plain"}))
     assert runner.message.startswith("error: big.txt") and "upload limit" in runner.message
+
+
+def test_deep_json_in_markers_and_table_metadata_reads_as_absent(tmp_path) -> None:
+    import pyarrow as pa
+
+    from engine.weights.write import MARKER_FILE, is_written_checkpoint
+    from workbench.analysis.recorded import SETTINGS_KEY, settings_of
+
+    (tmp_path / MARKER_FILE).write_text(DEEP)
+    assert not is_written_checkpoint(tmp_path)
+    table = pa.table({"x": [1]}).replace_schema_metadata({SETTINGS_KEY.encode(): DEEP.encode()})
+    assert settings_of(table) == {}

@@ -20,6 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from engine.errors import InputError
+from engine.fileio import parse_json
 
 SETTINGS_KEY = "k3wb.recorded"
 
@@ -71,8 +72,8 @@ def settings_of(frame: Any) -> dict[str, Any]:
     if isinstance(frame, pa.Table):
         raw = (frame.schema.metadata or {}).get(SETTINGS_KEY.encode())
         try:
-            value = json.loads(raw) if raw else {}
-        except ValueError:
+            value = parse_json(raw, "the recording settings in a table's metadata", InputError) if raw else {}
+        except InputError:
             return {}
         return value if isinstance(value, dict) else {}
     if isinstance(frame, pd.DataFrame):
