@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import fcntl
 import json
 import os
-import shutil
 import socket
-import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +33,6 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine import atomic_dir
 from engine.segments import MAX_SEGMENTS
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
 from workbench.trace.errors import TraceError
@@ -44,6 +40,7 @@ from workbench.trace.files import (list_parts, part_name, remove_stale_temps, wr
                                    write_parquet_atomic)
 from workbench.trace.schema import (IMAGES_DIR, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
                                     SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, part_notes, table_spec)
+from workbench.trace.target import check_contents, check_trace_target, clear_previous_trace, take_lock
 
 # fields the writer owns; a caller may read them but update_session refuses to set them
 _MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens", "parts")
@@ -51,118 +48,6 @@ _MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens"
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
-# one writer per trace: an advisory lock on this file, held from `create` to `close`; the OS releases
-# it when the writer's process dies, so a crash never leaves a trace locked
-LOCK_FILE = ".writer.lock"
-# what the dashboard derives from a finished trace and keeps inside it (`workbench summarize`)
-_DERIVED_DIRS = ("summaries",)
-
-
-def _written_by_us(name: str) -> bool:
-    """Whether a trace directory's entry is one a trace writer (or the dashboard's summaries) wrote."""
-    return (name in (SESSION_FILE, TOKENS_FILE, IMAGES_DIR, LOCK_FILE) or name in TABLES or name in _DERIVED_DIRS
-            or name in (f".{SESSION_FILE}.tmp", f".{TOKENS_FILE}.tmp"))
-
-
-def check_trace_target(path: str | Path, *, overwrite: bool = False) -> None:
-    """Refuse, before any work, a path a new trace cannot be created at (TraceError, one line).
-
-    A non-empty directory is replaced only with `overwrite`, only when it holds a trace
-    (`session.json`) and only when no live writer records into it; what the user added to the
-    directory is kept, anything else at the path is never deleted.
-    """
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        _refuse_if_locked(path)  # first: "being recorded" says more than "not empty"
-    _check_target(path, overwrite)
-
-
-def _check_target(path: Path, overwrite: bool) -> None:
-    if path.is_symlink():
-        raise TraceError(f"{path} is a symbolic link; refusing to write a trace through it (give the directory "
-                         f"itself)")
-    if path.exists():
-        if not path.is_dir():
-            raise TraceError(f"{path} exists and is not a directory")
-        if any(p.name != LOCK_FILE for p in path.iterdir()):
-            if not (path / SESSION_FILE).is_file():
-                raise TraceError(f"{path} is not empty and holds no trace; refusing to delete it")
-            if not overwrite:
-                raise TraceError(f"{path} is not empty; pass overwrite=True (--overwrite) to replace the trace there")
-            atomic_dir.require_replaceable(path, _written_by_us, TraceError)
-    else:
-        parent = next((p for p in path.parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise TraceError(f"{path}: {parent} is not a directory")
-
-
-def _open_lock(path: Path, create: bool) -> int | None:
-    """A descriptor of the trace's lock file (None when there is none and `create` is False)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(path / LOCK_FILE, flags, 0o644)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise TraceError(f"{path / LOCK_FILE}: cannot open the trace's writer lock ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise TraceError(f"{path / LOCK_FILE} is not a regular file; refusing to record into {path}")
-    return fd
-
-
-def _locked_by_other(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    return False
-
-
-def _busy_error(path: Path) -> TraceError:
-    pid = None
-    try:
-        with open(path / SESSION_FILE, "rb") as f:
-            writer = json.loads(f.read(1 << 20)).get("writer")
-        pid = writer.get("pid") if isinstance(writer, dict) else None
-    except (OSError, ValueError, AttributeError):
-        pass
-    who = f"another process (pid {pid})" if isinstance(pid, int) else "another process"
-    return TraceError(f"{path} is being recorded by {who}; one writer per trace: wait for it to finish or choose "
-                      f"another path")
-
-
-def _refuse_if_locked(path: Path) -> None:
-    fd = _open_lock(path, create=False)
-    if fd is None:
-        return
-    try:
-        if _locked_by_other(fd):
-            raise _busy_error(path)
-    finally:
-        os.close(fd)  # also drops the probe's own lock
-
-
-def _take_lock(path: Path) -> int:
-    fd = _open_lock(path, create=True)
-    if _locked_by_other(fd):
-        os.close(fd)
-        raise _busy_error(path)
-    return fd
-
-
-def _clear_previous_trace(path: Path) -> None:
-    """Delete what a previous recording wrote (session.json last: until then it is still a trace)."""
-    for entry in path.iterdir():
-        if entry.name in (SESSION_FILE, LOCK_FILE) or not _written_by_us(entry.name):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    (path / SESSION_FILE).unlink(missing_ok=True)
 
 
 def check_segments(segments: Any) -> list[dict]:
@@ -220,7 +105,8 @@ class TraceWriter:
         path (str | Path): the trace directory; created (with parents) if absent.
         session (dict): initial session.json content: model, engine, policy, segments, timings, ...
         overwrite (bool, Optional): replace an existing trace at `path` (a non-trace directory is
-            never deleted). Default: False.
+            never deleted, files the user added to the trace directory are kept, and a trace another
+            live writer records into is refused: `workbench.trace.target`). Default: False.
         max_buffer_rows (int, Optional): rows buffered per table before it flushes by itself.
         max_buffer_bytes (int, Optional): bytes buffered over all tables before everything flushes.
         fsync (bool, Optional): fsync parts and directories (durability across power loss; a process
@@ -261,11 +147,11 @@ class TraceWriter:
         check_segments(body.setdefault("segments", []))
         check_trace_target(path, overwrite=overwrite)
         path.mkdir(parents=True, exist_ok=True)
-        lock = _take_lock(path)
+        lock = take_lock(path)
         try:
-            _check_target(path, overwrite)  # again under the lock: another writer may have finished meanwhile
+            check_contents(path, overwrite)  # again under the lock: another writer may have finished meanwhile
             if (path / SESSION_FILE).exists():
-                _clear_previous_trace(path)
+                clear_previous_trace(path)
         except BaseException:
             os.close(lock)
             raise
