@@ -52,7 +52,7 @@ MAX_BYTES = 256 << 20  # an Arrow summary file larger than this is not read
 MAX_JSON_BYTES = 16 << 20  # a JSON summary: decoded into Python objects, several times its size
 MAX_ROWS = 1 << 26  # values in one column of an Arrow summary (a list column's items too)
 MAX_SUM_GROUPS = 1 << 20  # groups of a running-sums summary (each becomes a Python dict entry)
-VERSION = 2  # bump when a summary's layout or the key changes
+VERSION = 3  # bump when a summary's layout, the key or what a view computes from it changes
 TRACE_DIR = "summaries"  # inside a trace directory
 _TAIL = 64 << 10  # bytes of a part's end hashed into the key (its footer); a smaller part is hashed whole
 

@@ -64,7 +64,7 @@ class ExpertsView(ViewComponent):
         self.load.legend.location = "bottom_right"
         self.load.xaxis.ticker = FixedTicker(ticks=[])
         trim(self.load)
-        self.load_note = text_pane("", css_classes=["k3-ep-note"])
+        self.load_note = text_pane("", width=320, css_classes=["k3-ep-note"])  # wraps beside the routes
         self.routes_note = text_pane("Select a token to see its routes.", sizing_mode="stretch_width")
         # the routes figure joins the page with the first selection (a lighter first paint)
         self.routes_box = pn.Column(self.routes_note, sizing_mode="stretch_width")

@@ -112,7 +112,9 @@ class KDAHealthView(ViewComponent):
                          fill_alpha=0.35, line_color=None)
         marks = self.figure.scatter(x="position", y="label", marker=field("marker"), size=11, source=self.source,
                                     fill_color="colour", line_color="black", legend_field="kind")
-        self.figure.legend.location = "bottom_right"
+        legend = self.figure.legend[0]  # beside the plot: inside it would hide the late heads' marks
+        self.figure.center = [c for c in self.figure.center if c is not legend]
+        self.figure.add_layout(legend, "right")
         tips = [("head", "L@layer h@head"), ("", "@kind at @position{0,0}"), ("segment", "@segment")]
         self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
         self.figure.xaxis.formatter = position_format()
