@@ -50,7 +50,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
                            "workbench.attribution",
-                           "workbench.__main__")),
+                           "workbench.__main__", "workbench.conversation_trace")),
     ("apps dashboard", ("apps.dashboard",)),
     # `workbench serve`: the OpenAI-compatible endpoint (it reuses the dashboard's Host/Origin policy)
     ("apps serve", ("apps.serve",)),

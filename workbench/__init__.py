@@ -10,6 +10,8 @@ Public API:
 - `recorded_session(model_ref, trace, ...)`: load a model and its tokenizer, open a `Session` and
   record it, in one context manager (what `workbench run`, `workbench demo` and the dashboard's
   drive mode share).
+- `ConversationTrace(session, trace, ...)`: one trace per conversation, recorded request after request
+  while other conversations use the model in between (`workbench serve`).
 - `intervene(session, *interventions)`: a context manager running its block with interventions on what
   the layers read, remember and route (`engine.interventions`; spec objects may name a segment).
 - `effects(session, *interventions, continuation=, target=)`: the answer, a target's per-token
@@ -40,6 +42,7 @@ _EXPORTS = {
     "chart_picture": "workbench.pictures", "draw_shape": "workbench.shape_pictures",
     "draw_digit": "workbench.shape_pictures",
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
+    "ConversationTrace": "workbench.conversation_trace",
     "intervene": "workbench.interventions", "effects": "workbench.causal_effects", "Effects": "workbench.causal_effects",
     "load_intervention_spec": "workbench.interventions",
     "attribution": "workbench.attribution",
