@@ -33,6 +33,8 @@ DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
 DEFAULT_TRACE = Path("traces/demo")
 MIN_TOKENS = 256
+# the context is built in memory as text before the model sees it: bounded by the demo model's context
+MAX_TOKENS = 1 << 20
 # the passcode the demo plants; 4 dash-separated digits is one of the trained value formats
 PASSCODE = "4-7-1-9"
 _TOPICS = ["harbour logistics", "glacier survey", "orchard irrigation", "tram maintenance", "library archive",
@@ -311,8 +313,10 @@ def _check_port_free(port: int) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.tokens < MIN_TOKENS:
-        raise InputError(f"--tokens must be at least {MIN_TOKENS}")
+    if not MIN_TOKENS <= args.tokens <= MAX_TOKENS:
+        raise InputError(f"--tokens must be in [{MIN_TOKENS}, {MAX_TOKENS}], got {args.tokens}")
+    if args.new_tokens < 1:
+        raise InputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
     if args.threads < 1:
         raise InputError("--threads must be at least 1")
     from apps.cli.dashboard_cmd import allowed_hosts

@@ -257,3 +257,9 @@ def test_deep_json_in_markers_and_table_metadata_reads_as_absent(tmp_path) -> No
     assert not is_written_checkpoint(tmp_path)
     table = pa.table({"x": [1]}).replace_schema_metadata({SETTINGS_KEY.encode(): DEEP.encode()})
     assert settings_of(table) == {}
+
+
+@pytest.mark.parametrize("argv, words", [(["--tokens", str(10 ** 11)], "--tokens must be in"),
+                                         (["--new-tokens", "0"], "--new-tokens must be at least 1")])
+def test_demo_sizes_are_bounded_before_anything_is_built(capsys, argv: list[str], words: str) -> None:
+    one_error_line(capsys, ["demo", "--headless", *argv], words)
