@@ -42,6 +42,7 @@ from workbench.recorders import reduce
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
 from workbench.trace.schema import IMAGES_DIR, MODALITIES, SESSION_FILE, TABLES, TOKENS_FILE
+from workbench.trace.target import LOCK_FILE
 
 CHUNK_BYTES = 128 << 20  # decoded bytes reduced at a time: memory stays bounded at any capture length
 SUMMARIES_DIR = "summaries"  # the dashboard's summaries of a finished trace: stale once the trace is replaced
@@ -70,19 +71,10 @@ def load_capture_model(spec: str) -> tuple[ModelConfig, Tokenizer | None]:
     return config, Tokenizer.for_model(path.parent if path.is_file() else path, config.vocab_size)
 
 
-def _keep_user_files(old: Path, tmp: Path) -> None:
-    """Copy into the new trace what the user added to the one it replaces (never moved: the user's files
-    exist at every instant of the swap); what a trace writer or the dashboard's summaries put there is not."""
-    if not old.is_dir():
-        return
-    written = {SESSION_FILE, TOKENS_FILE, IMAGES_DIR, SUMMARIES_DIR, *TABLES}
-    for entry in old.iterdir():
-        if entry.name in written or (tmp / entry.name).exists():
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, tmp / entry.name, symlinks=True)
-        else:
-            shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
+def _written_by_import(name: str) -> bool:
+    """Entries of a trace directory an import (its writer) or the dashboard's summaries put there; the
+    rest is the user's and is carried into a replacing trace."""
+    return name in {SESSION_FILE, TOKENS_FILE, IMAGES_DIR, SUMMARIES_DIR, LOCK_FILE, *TABLES}
 
 
 def _is_imported_trace(path: Path) -> bool:
@@ -295,7 +287,7 @@ def import_capture(engine: str, responses: str | Path, model: str, out: str | Pa
                                              for f in state.maps}
         writer.update_session(capture=capture)
         writer.close("complete")
-        _keep_user_files(out, tmp)
+        atomic_dir.carry_over(out, tmp, _written_by_import)  # copies, never moves: the user's files survive a crash
         atomic_dir.replace(tmp, out)
     except BaseException:
         try:
