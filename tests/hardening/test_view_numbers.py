@@ -16,7 +16,8 @@ import pytest
 
 import workbench
 from engine.errors import InputError
-from workbench.analysis import chance_of_hit, cross_layer_jaccard, faithfulness, locality, sink_over_time
+from workbench.analysis import (chance_of_hit, cross_layer_jaccard, faithfulness, locality, patch_reads,
+                                sink_over_time)
 from workbench.trace.schema import TABLES
 
 POLICY = {"dsa_prefill_stride": 128, "dense_mass_stride": 512, "dense_overlap": True}
@@ -72,6 +73,9 @@ def test_statistics_read_the_recorded_topk(demo_trace: Path) -> None:
     assert list(cross_layer_jaccard(rows)[["layer_a", "layer_b"]].iloc[0]) == [2, 5]
     with pytest.raises(InputError, match=r"layers \[1\] are not DSA layers"):
         cross_layer_jaccard(rows, layers=[1, 5])
+    image = int(trace.segments().query("kind == 'image'")["id"].iloc[0])
+    with pytest.raises(InputError, match=r"patch_reads: layers \[0\] are not DSA layers"):
+        patch_reads(rows, trace.tokens(), image, layers=[0])  # a row index or KDA layer counts nothing, silently
     # a frame built by hand carries nothing: the value is required, and named
     with pytest.raises(InputError, match="top-k is unknown: pass topk_k"):
         locality(rows.to_pandas())

@@ -19,9 +19,11 @@ from workbench.analysis.kda_health import (HEALTH_STATS, decay_timescales, effec
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_chance, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
+from workbench.analysis.recorded import check_dsa_layers, recorded_setting, settings_of
 
 __all__ = [
     "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_jaccard", "chance_of_hit",
+    "check_dsa_layers", "recorded_setting", "settings_of",
     "cross_layer_jaccard", "decay_timescales", "dense_mass_summary", "distance_summary", "effective_rank",
     "expected_hits", "expected_key_selections", "expert_imbalance", "expert_shares", "faithfulness", "format_hits", "format_patches",
     "format_read", "HEALTH_STATS", "half_decay_tokens", "half_lives", "health_of_layers", "head_dynamics", "heads_at_risk", "image_grid",

@@ -18,6 +18,7 @@ import pandas as pd
 
 from workbench.analysis.chance import chance_of_hit
 from workbench.analysis.common import (Frame, column, list_values, log2_bin_quantiles, segment_of, to_pandas)
+from workbench.analysis.recorded import check_dsa_layers
 
 
 def rebin_counts(counts: np.ndarray, width: int, edges: np.ndarray) -> np.ndarray:
@@ -191,6 +192,7 @@ def image_patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tu
     if queries is not None:
         keep &= (qpos[owner] >= queries[0]) & (qpos[owner] <= queries[1])
     if layers is not None:
+        check_dsa_layers(topk, layers, "image_patch_reads")
         keep &= np.isin(column(topk, "layer")[owner], list(layers))
     patches = tokens[tokens["image_id"] == image_id]
     lookup = np.full(int(tokens["position"].max()) + 1 if len(tokens) else 0, -1, dtype=np.int64)

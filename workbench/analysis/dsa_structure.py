@@ -24,11 +24,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from engine.errors import InputError
-
 from workbench.analysis.chance import chance_of_hit
 from workbench.analysis.common import Frame, column, list_values, to_pandas
-from workbench.analysis.recorded import recorded_setting, settings_of
+from workbench.analysis.recorded import check_dsa_layers, recorded_setting, settings_of
 
 
 def jaccard(a: Sequence[int], b: Sequence[int]) -> float:
@@ -85,13 +83,8 @@ def cross_layer_jaccard(topk: Frame, layers: Sequence[int] | None = None) -> pd.
     jaccard_min, chance (mean expected Jaccard of random sets of the same sizes), ratio.
     """
     by_layer = _rows_by_layer(topk)
-    recorded = settings_of(topk).get("dsa_layers")
-    if layers is not None and recorded is not None:
-        foreign = sorted(set(int(l) for l in layers) - set(recorded))
-        if foreign:
-            raise InputError(f"cross_layer_jaccard: layers {foreign} are not DSA layers of this trace (its DSA "
-                             f"layers are {recorded}); leave layers out to use them all")
-    chosen = layers if layers is not None else recorded
+    check_dsa_layers(topk, layers, "cross_layer_jaccard")
+    chosen = layers if layers is not None else settings_of(topk).get("dsa_layers")
     order = sorted(by_layer) if chosen is None else [l for l in chosen if l in by_layer]
     out = []
     for a, b in zip(order[:-1], order[1:]):

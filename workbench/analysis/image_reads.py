@@ -26,6 +26,7 @@ import pandas as pd
 
 from workbench.analysis.chance import format_hits
 from workbench.analysis.common import Frame, column, list_chunks
+from workbench.analysis.recorded import check_dsa_layers
 
 __all__ = ["PatchReads", "format_patches", "image_grid", "patch_reads"]
 
@@ -141,6 +142,7 @@ def patch_reads(topk: Frame, tokens: pd.DataFrame, image_id: int, grid: tuple[in
     if queries is not None:
         keep &= (qpos >= queries[0]) & (qpos <= queries[1])
     if layers is not None:
+        check_dsa_layers(topk, layers, "patch_reads")
         keep &= np.isin(layer_col, list(layers))
     chunks = list(list_chunks(topk, "selected")) if len(topk) else []
     picks_per_row = np.concatenate([np.diff(offsets) for _, offsets, _ in chunks]) if chunks else np.zeros(0, np.int64)

@@ -9,6 +9,7 @@ is an error, since a wrong top-k silently moves every chance value (`recorded_se
 - `settings_of_session(session)`: the settings of a trace's session.json (model summary + policy).
 - `with_settings(table, settings)` / `settings_of(frame)`: put them on / read them from a table or frame.
 - `recorded_setting(frame, name, given, what)`: the value a statistic uses.
+- `check_dsa_layers(frame, layers, what)`: explicit layer ids that are DSA layers of the recording.
 """
 
 from __future__ import annotations
@@ -103,3 +104,15 @@ def _normal(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return int(value)
+
+
+def check_dsa_layers(frame: Any, layers: Any, what: str) -> None:
+    """InputError when `layers` (explicit ids) names a layer the recording does not call a DSA layer (a
+    row index or a KDA layer id passed by mistake would otherwise count nothing, silently)."""
+    recorded = settings_of(frame).get("dsa_layers")
+    if layers is None or recorded is None:
+        return
+    foreign = sorted(set(int(l) for l in layers) - set(recorded))
+    if foreign:
+        raise InputError(f"{what}: layers {foreign} are not DSA layers of this trace (its DSA layers are "
+                         f"{recorded}); leave layers out to use them all")
