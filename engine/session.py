@@ -90,7 +90,11 @@ def _token_ids(ids: Any) -> list[int]:
     bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
     if bad is not None:
         raise InputError(f"ids= must hold integer token ids, got {bad!r:.40}")
-    return [int(i) for i in ids]
+    out = [int(i) for i in ids]
+    huge = next((i for i in out if not -2 ** 63 <= i < 2 ** 63), None)  # a tensor could not even hold it
+    if huge is not None:
+        raise InputError(f"token id {huge:.3g} is outside the vocabulary")
+    return out
 
 
 class Session:

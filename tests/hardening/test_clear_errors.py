@@ -149,6 +149,8 @@ def test_wrong_types_at_the_session_api_are_input_errors(model, tokenizer) -> No
         session.append(ids=[1, 2.5])
     with pytest.raises(InputError, match="integer token ids"):
         session.append(ids="hello")
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        session.append(ids=[10 ** 30])
     with pytest.raises(InputError, match="role= must be a str"):
         session.append_message(3, "hi")
     with pytest.raises(InputError, match="prefill_chunk"):
