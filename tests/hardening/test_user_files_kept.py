@@ -5,6 +5,7 @@ user's own files inside one of our directories survive its replacement; non-regu
 symbolic links) are never replaced; stale `.NAME.tmp-PID` / `.NAME.old-PID` siblings are removed
 only when they bear our marker; a checkpoint overwrite killed at any moment keeps one whole
 checkpoint; and a trace has one writer at a time (a lock the OS releases when the writer dies).
+docs/reliability.md states these rules.
 """
 
 from __future__ import annotations
