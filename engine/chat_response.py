@@ -6,8 +6,10 @@ ends with `<|end_of_msg|>`. None of those tags is the model's end-of-message sto
 last one, so a caller that only stops on it prints the scaffolding and keeps generating past the
 answer. `ResponseReader` follows the tags token by token:
 
-    reader = ResponseReader.after(tokenizer, session.tokens, stop_strings=["\\n\\n"])
+    reader = None
     for token in session.generate(params=params):
+        # the context as generation began: generate() may open the assistant turn first
+        reader = reader or ResponseReader.after(tokenizer, session.tokens[:token.position], stop_strings=["\\n\\n"])
         print(reader.feed(token.id), end="")
         if reader.done:
             break
@@ -60,7 +62,8 @@ class ResponseReader:
 
     @classmethod
     def after(cls, tokenizer: Tokenizer, context: Sequence[int], *, stop_strings: Sequence[str] = ()) -> "ResponseReader":
-        """A reader for what follows `context` (token ids): the sections its last turn leaves open."""
+        """A reader for what follows `context` (token ids, the generation prompt included): the sections
+        its last turn leaves open."""
         start = max(0, len(context) - _LOOKBACK)
         end_of_msg = tokenizer.end_of_msg_id
         for i in range(len(context) - 1, start - 1, -1):

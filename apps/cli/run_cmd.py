@@ -146,16 +146,18 @@ def write_dashboard_summaries(trace: Path) -> None:
 
 
 def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw: bool = False,
-                  stop_strings: Sequence[str] = (), chat: bool = False) -> ResponseReader:
+                  stop_strings: Sequence[str] = (), chat: bool = False) -> ResponseReader | None:
     """Generate and write the answer to `out` as it comes: the response text (every token's text with
     `raw`), ending where the chat format says the response ends or at a stop string. `chat`: when
     nothing was printed (the model wrote only chat tags or thinking), say so on stderr."""
     if session.tokenizer is None:
         raise InputError("this model has no tokenizer files: its output cannot be printed as text")
-    reader = ResponseReader.after(session.tokenizer, session.tokens, stop_strings=stop_strings)
+    reader = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     shown = False
     for token in session.generate(params=params):
+        if reader is None:  # only now: generate() opens the assistant turn (when it does) before the first token
+            reader = ResponseReader.after(session.tokenizer, session.tokens[:token.position], stop_strings=stop_strings)
         text = reader.feed(token.id)
         shown = shown or bool(text)
         if raw:
@@ -164,9 +166,9 @@ def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw:
         out.flush()
         if reader.done:
             break
-    rest = reader.finish()
+    rest = reader.finish() if reader is not None else ""
     out.write((decoder.decode(b"", final=True) if raw else rest) + "\n")
-    if chat and not raw and not (shown or rest) and reader.hidden_tokens:
+    if chat and not raw and not (shown or rest) and reader is not None and reader.hidden_tokens:
         print(f"note: the model wrote no response text ({reader.hidden_tokens} tokens of chat tags or thinking, "
               "not printed); --raw prints every token", file=sys.stderr)
     return reader

@@ -65,10 +65,12 @@ def generate_answer(session: Any, max_new: int, temperature: float) -> tuple[int
     does; returns (tokens generated, the answer's text)."""
     from engine.chat_response import ResponseReader
 
-    reader = ResponseReader.after(session.tokenizer, session.tokens) if session.tokenizer is not None else None
+    reader = None
     generated, text = 0, []
     for token in session.generate(max_new_tokens=max_new, temperature=temperature):
         generated += 1
+        if reader is None and session.tokenizer is not None:  # after generate() opened the assistant turn
+            reader = ResponseReader.after(session.tokenizer, session.tokens[:token.position])
         if reader is not None:
             text.append(reader.feed(token.id))
             if reader.done:

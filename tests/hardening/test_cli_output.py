@@ -42,3 +42,34 @@ def test_stop_string_ends_the_answer_and_is_not_printed(capsys) -> None:
 def test_empty_stop_or_system_is_one_line(capsys, flag: str, value: str) -> None:
     assert main(["run", "--model", "/nonexistent", "--prompt", "x", flag, value]) == 2
     assert capsys.readouterr().err.startswith(f"error: {flag}")
+
+
+class ScriptedSession:
+    """Generates fixed ids the way Session.generate does: the generation prompt is appended first."""
+
+    def __init__(self, ids: list[int]) -> None:
+        from engine.tokenizer import Message, Tokenizer
+
+        self.tokenizer = Tokenizer.byte_level()
+        self.tokens = self.tokenizer.chat_prompt([Message("user", "q")], add_generation_prompt=False)
+        self.script = ids
+
+    def generate(self, params=None):
+        from engine.session import GeneratedToken
+
+        self.tokens += self.tokenizer.chat_prompt([], add_generation_prompt=True)
+        for token in self.script:
+            self.tokens.append(token)
+            yield GeneratedToken(token, "", len(self.tokens) - 1, 0.0)
+
+
+def test_thinking_before_the_response_is_not_printed() -> None:
+    import io
+
+    from apps.cli.run_cmd import stream_answer
+
+    tok = ScriptedSession([]).tokenizer
+    session = ScriptedSession(tok.encode("let me think") + tok.response_prefix("42") + [tok.close_id] + tok.encode("x"))
+    out = io.StringIO()
+    stream_answer(session, None, out, chat=True)
+    assert out.getvalue() == "42\n" and session.tokens[-1] == tok.close_id  # nothing generated past the close
