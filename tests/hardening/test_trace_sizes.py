@@ -51,7 +51,7 @@ def _peak_rss_mib() -> float:
 def test_a_tiny_part_with_a_huge_key_bin_is_skipped_not_allocated(tmp_path, statistics):
     path = _trace(tmp_path)
     bad = _write_part(path, "dsa_key_counts", 2, statistics=statistics, key_bin=400_000_000)
-    assert bad.stat().st_size < 4096
+    assert bad.stat().st_size < 16384  # one row: the file is its footer and the schema's column notes
     before = _peak_rss_mib()
     t = open_trace(path)
     heat = t.dsa_heatmap(bins=16)
