@@ -265,3 +265,14 @@ def test_deep_json_in_markers_and_table_metadata_reads_as_absent(tmp_path) -> No
                                          (["--new-tokens", "0"], "--new-tokens must be at least 1")])
 def test_demo_sizes_are_bounded_before_anything_is_built(capsys, argv: list[str], words: str) -> None:
     one_error_line(capsys, ["demo", "--headless", *argv], words)
+
+
+def test_cached_kda_health_with_unusable_rows_counts_as_absent() -> None:
+    from apps.dashboard.reducers.kda_health import _from_json
+
+    good_row = {"kind": "saturates", "rank": 1, "layer": 0, "head": 1, "position": 9, "half_life": None,
+                "segment_name": "doc"}
+    cached = {"ranked": [good_row], "layers": 1, "heads": 2, "measured": [], "last_position": 9, "note": ""}
+    assert _from_json(cached) is not None
+    for bad in ({"layer": "0"}, {"kind": "other"}, {"half_life": "long"}, {"rank": True}):
+        assert _from_json({**cached, "ranked": [{**good_row, **bad}]}) is None, bad

@@ -215,12 +215,24 @@ def _segment_key(segment: dict) -> list:
     return [segment.get(k) for k in ("id", "name", "start", "end")]
 
 
+def _usable_row(row: object) -> bool:
+    """Whether a cached ranked head has what the view reads: its kind, integer rank/layer/head/position,
+    and numbers (or nothing) for its measures."""
+    if not isinstance(row, dict) or row.get("kind") not in ("saturates", "forgets"):
+        return False
+    if not all(type(row.get(k)) is int for k in ("rank", "layer", "head", "position")):
+        return False
+    return all(isinstance(v, str) if k == "segment_name" else
+               v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+               for k, v in row.items() if k != "kind")
+
+
 def _from_json(value: object) -> dict | None:
     """A cached health result checked field by field (None: not usable, recompute)."""
     if not isinstance(value, dict) or set(value) != {"ranked", "layers", "heads", "measured", "last_position", "note"}:
         return None
     ranked, measured = value["ranked"], value["measured"]
-    if not (isinstance(ranked, list) and all(isinstance(r, dict) for r in ranked) and isinstance(measured, list)
+    if not (isinstance(ranked, list) and all(_usable_row(r) for r in ranked) and isinstance(measured, list)
             and all(isinstance(m, str) for m in measured) and isinstance(value["note"], str)
             and all(type(value[k]) is int for k in ("layers", "heads", "last_position"))):
         return None
