@@ -54,7 +54,7 @@ class ScriptedSession:
         self.tokens = self.tokenizer.chat_prompt([Message("user", "q")], add_generation_prompt=False)
         self.script = ids
 
-    def generate(self, params=None):
+    def generate(self, params=None, **overrides):
         from engine.session import GeneratedToken
 
         self.tokens += self.tokenizer.chat_prompt([], add_generation_prompt=True)
@@ -73,3 +73,12 @@ def test_thinking_before_the_response_is_not_printed() -> None:
     out = io.StringIO()
     stream_answer(session, None, out, chat=True)
     assert out.getvalue() == "42\n" and session.tokens[-1] == tok.close_id  # nothing generated past the close
+
+
+def test_dashboard_driven_session_stops_where_the_response_ends() -> None:
+    from apps.dashboard.session_runner import generate_answer
+
+    tok = ScriptedSession([]).tokenizer
+    session = ScriptedSession(tok.encode("hmm") + tok.response_prefix("42") + [tok.close_id] + tok.encode("more"))
+    generated, answer = generate_answer(session, 64, 0.0)
+    assert answer == "42" and session.tokens[-1] == tok.close_id and generated == len(session.script) - 4
