@@ -29,9 +29,10 @@ recorders and the dashboard follow a session without the session knowing them.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -429,6 +430,10 @@ class Session:
                 chat message from someone other than the assistant.
             overrides: individual SamplingParams fields (temperature=0, seed=1, ...).
         """
+        _check_types(params=(params, SamplingParams))
+        unknown = sorted(map(str, set(overrides) - {f.name for f in fields(SamplingParams)}))
+        if unknown:  # checked before anything changes: a bad call leaves the session's sampler as it was
+            raise InputError(f"unknown sampling parameter(s) {', '.join(unknown)[:120]}")
         base = params or self.sampling
         if max_new_tokens is not None:
             overrides["max_new_tokens"] = max_new_tokens
@@ -564,12 +569,16 @@ class Session:
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write a snapshot (`snapshot.json` + `state.safetensors`) atomically; see `engine.snapshot`."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"path= must be a str or path, got {type(path).__name__}")
         return write_snapshot(Path(path), self.state_dict(), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | Path, model: KimiForCausalLM, tokenizer: Tokenizer | None = None, *,
              expect_tokens: Sequence[int] | None = None, **kwargs) -> "Session":
         """Restore a snapshot; refuses a different model, or `expect_tokens` other than its prefix."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"path= must be a str or path, got {type(path).__name__}")
         state = read_snapshot(Path(path))
         session = cls(model, tokenizer, **kwargs)
         try:

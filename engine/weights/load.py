@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from engine.builtin import model_dir
 from engine.config import ModelConfig
 from engine.config_io import load_config
-from engine.errors import CheckpointError, ConfigError
+from engine.errors import CheckpointError, ConfigError, InputError
 from engine.model import KimiForCausalLM
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
@@ -191,6 +192,8 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
 
 def parse_model_path(path: str | Path) -> tuple[ModelConfig, str | None]:
     """`preset:NAME[:VARIANT]` -> (config, None); a directory or `builtin:NAME` -> (its config, dir)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"model path must be a str or path, got {type(path).__name__}")
     path = model_dir(path)
     text = str(path)
     if text.startswith("preset:"):

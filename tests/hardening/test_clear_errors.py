@@ -276,3 +276,24 @@ def test_cached_kda_health_with_unusable_rows_counts_as_absent() -> None:
     assert _from_json(cached) is not None
     for bad in ({"layer": "0"}, {"kind": "other"}, {"half_life": "long"}, {"rank": True}):
         assert _from_json({**cached, "ranked": [{**good_row, **bad}]}) is None, bad
+
+
+def test_wrong_types_at_other_public_entry_points(model, tokenizer) -> None:
+    import workbench
+
+    with pytest.raises(InputError, match="model path"):
+        load_model(None)
+    with pytest.raises(workbench.TraceError, match="trace path"):
+        workbench.open_trace(5)
+    session = Session(model, tokenizer, progress=False)
+    session.append("hi")
+    before = session.sampling
+    with pytest.raises(InputError, match="params= must be a SamplingParams"):
+        list(session.generate(params="greedy"))
+    with pytest.raises(InputError, match="unknown sampling parameter"):
+        list(session.generate(1, temprature=0))
+    assert session.sampling is before  # a refused call leaves the sampler as it was
+    with pytest.raises(InputError, match="path= must be"):
+        session.save(None)
+    with pytest.raises(InputError, match="path= must be"):
+        Session.load(123, model, tokenizer)

@@ -572,4 +572,6 @@ def open_trace(path: str | Path, *, strict: bool = False) -> Trace:
         strict (bool, Optional): raise `TraceCorruptError`/`TraceError` on a corrupt or missing part
             instead of listing it in `trace.problems`. Default: False.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TraceError(f"a trace path must be a str or path, got {type(path).__name__}")
     return Trace(Path(path), strict=strict)
