@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pandas as pd  # noqa: E402
+
 import workbench  # noqa: E402
 from apps.cli.demo_cmd import PASSCODE, build_documents, wording  # noqa: E402
 from engine.session import Session  # noqa: E402
@@ -83,11 +85,9 @@ def main() -> int:
     sweep_s = time.perf_counter() - t0
     rows = len(frame) * (1 + args.controls)
     print(f"\nattribution: {len(frame)} rows x (1 + {args.controls} controls) = {rows} runs in {sweep_s:.1f} s; "
-          f"prefilling the context for each instead: ~{rows * context_s:.0f} s")
-    show = frame.copy()
-    show["effect/control"] = show["effect"] / show["control_mean"].where(show["control_mean"].abs() > 1e-6)
-    with __import__("pandas").option_context("display.width", 160, "display.max_columns", 20):
-        print(show.drop(columns=["plain"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+          f"a prefill of the context per run instead: ~{rows * context_s:.0f} s (runs x the prefill measured above)")
+    with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print(frame.drop(columns=["plain"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"target log-probability without intervention: {frame['plain'].iloc[0]:.4f} nats "
           f"({len(target)} tokens)")
     if args.json:
