@@ -105,7 +105,7 @@ def _hf_with_vision(**changes):
     ({"vt_num_attention_heads": 3}, r"`vision_config.qkv_hidden_size`: 32 is not divisible by num_heads=3"),
     ({"qkv_hidden_size": 36, "vt_num_attention_heads": 6}, r"head dim 6 must be divisible by 4"),
     ({"vt_hidden_size": "wide"}, r"`vision_config.vt_hidden_size`: expected an integer"),
-    ({"patch_size": 0}, r"`vision_config.patch_size`: must be a positive integer"),
+    ({"patch_size": 0}, r"`vision_config.patch_size`: expected an integer in \[1, 4096\], got 0"),
     ({"merge_kernel_size": [2]}, r"`vision_config.merge_kernel_size`: expected two integers"),
     ({"mm_projector_type": "mlp2x"}, r"`vision_config.mm_projector_type`"),
     ({"text_hidden_size": 99}, r"`vision_config.text_hidden_size`: the projector writes 99-wide"),

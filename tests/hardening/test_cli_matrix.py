@@ -80,6 +80,10 @@ def _snapshot_tensor(sb: Path, name: str, value) -> None:
     save_file(tensors, str(sb / "snap" / "state.safetensors"))
 
 
+def _token_tensor(sb: Path):
+    return load_file(str(sb / "snap" / "state.safetensors"))["tokens"]
+
+
 def _config(sb: Path, **changes) -> None:
     cfg = json.loads((sb / "ckpt" / "config.json").read_text())
     (cfg["text_config"] if "text_config" in cfg else cfg).update(changes)
@@ -167,7 +171,9 @@ CASES = [
      LOAD_SNAP, "corrupt snapshot state", "snap"),
     ("snapshot without state file", lambda sb: (sb / "snap" / "state.safetensors").unlink(), LOAD_SNAP,
      "not a snapshot", "snap"),
-    ("snapshot token ids changed", lambda sb: _snapshot_tensor(sb, "tokens", torch.zeros(3, dtype=torch.int64)),
+    ("snapshot token count changed", lambda sb: _snapshot_tensor(sb, "tokens", torch.zeros(3, dtype=torch.int64)),
+     LOAD_SNAP, "holds 3 token ids", "snap"),
+    ("snapshot token ids changed", lambda sb: _snapshot_tensor(sb, "tokens", _token_tensor(sb) + 1),
      LOAD_SNAP, "prefix hash", "snap"),
     ("--load a directory that is no snapshot", None, ["run", "--model", "{sb}/ckpt", "--load", "{sb}/notes"],
      "not a snapshot", "notes"),
