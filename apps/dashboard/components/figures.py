@@ -82,7 +82,7 @@ class HeatFigure:
     @staticmethod
     def _empty_data(values: np.ndarray | None = None) -> dict:
         return {"image": [values if values is not None else np.zeros((1, 1), np.float32)], "x": [0.0], "y": [-0.5],
-                "dw": [1.0], "dh": [1.0], "chance": [np.zeros(0, np.float32)]}
+                "dw": [1.0], "dh": [1.0], "chance": [[]]}
 
     def update(self, heat: HeatMap | None, row_labels: list[str] | None = None,
                chance: np.ndarray | None = None) -> None:
@@ -99,7 +99,7 @@ class HeatFigure:
             self.mapper.update(low=low, high=max(float(shown.max()) if shown.size else 1.0, low * 1.0001))
         self.source.data = {"image": [values], "x": [heat.x0], "y": [-0.5], "dw": [heat.x1 - heat.x0],
                             "dh": [float(n)],
-                            "chance": [np.asarray(chance if chance is not None else np.zeros(0), np.float32)]}
+                            "chance": [_chance_column(chance)]}
         self.figure.x_range.update(start=heat.x0, end=heat.x1)
         if heat.rows != self.rows:
             self.rows = heat.rows
@@ -120,6 +120,13 @@ class HeatFigure:
         """Mark segment starts (dashed vertical lines)."""
         if list(self.bounds.data.get("x", [])) != positions:
             self.bounds.data = {"x": positions}
+
+
+def _chance_column(chance: np.ndarray | None) -> np.ndarray | list:
+    """The chance row as the source sends it: float32, and an empty one as a plain list (no zero-byte buffer)."""
+    if chance is None or len(chance) == 0:
+        return []
+    return np.ascontiguousarray(chance, dtype=np.float32)
 
 
 # hover formatters (run in the browser). `special_vars.image_index` is the hovered cell: i its column, j its

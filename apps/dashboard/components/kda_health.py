@@ -20,7 +20,7 @@ from typing import Any
 
 import panel as pn
 from bokeh.core.properties import field
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Legend, LegendItem, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
@@ -57,6 +57,18 @@ def summary_text(data: KDAHealthData) -> str:
         lines.append("forgetting is ranked by the largest norm drop (decay half-lives were not recorded: "
                      "policy kda_extras)")
     return "\n".join(lines)
+
+
+def kind_legend(fig: figure, size: int) -> Legend:
+    """A legend of the two marks (saturates, forgets), from two glyphs that draw nothing: entries grouped
+    from the live source instead (`legend_field`) made BokehJS fail to decode a live update of it."""
+    empty = ColumnDataSource({"x": [], "y": []})
+    items = []
+    for kind in ("saturates", "forgets"):
+        key = lean(fig.scatter(x="x", y="y", source=empty, marker=KIND_MARKERS[kind], size=size,
+                               fill_color=KIND_COLOURS[kind], line_color="black"))
+        items.append(LegendItem(label=kind, renderers=[key]))
+    return Legend(items=items)
 
 
 def _nan(value: Any) -> float:
@@ -111,10 +123,9 @@ class KDAHealthView(ViewComponent):
         self.figure.hbar(y="label", left=0, right="position", height=0.6, source=self.source, fill_color="colour",
                          fill_alpha=0.35, line_color=None)
         marks = self.figure.scatter(x="position", y="label", marker=field("marker"), size=11, source=self.source,
-                                    fill_color="colour", line_color="black", legend_field="kind")
-        legend = self.figure.legend[0]  # beside the plot: inside it would hide the late heads' marks
-        self.figure.center = [c for c in self.figure.center if c is not legend]
-        self.figure.add_layout(legend, "right")
+                                    fill_color="colour", line_color="black")
+        # beside the plot: inside it would hide the late heads' marks
+        self.figure.add_layout(kind_legend(self.figure, 11), "right")
         tips = [("head", "L@layer h@head"), ("", "@kind at @position{0,0}"), ("segment", "@segment")]
         self.figure.add_tools(HoverTool(renderers=[marks], tooltips=tips))
         self.figure.xaxis.formatter = position_format()
@@ -123,13 +134,12 @@ class KDAHealthView(ViewComponent):
         if session_map is not None:
             # the same positions on the session map's strip
             on_map = lean(session_map.figure.scatter(x="position", y=0.5, marker=field("marker"), size=10, source=self.source,
-                                                fill_color="colour", line_color="black", legend_field="kind"))
+                                                fill_color="colour", line_color="black"))
             session_map.figure.add_tools(HoverTool(renderers=[on_map], tooltips=tips))
             # the strip is 90 px high: its legend (what the triangles are) sits beside it, not over the segments
-            legend = session_map.figure.legend[0]
-            session_map.figure.center = [c for c in session_map.figure.center if c is not legend]
-            legend.update(title="KDA heads", orientation="vertical", label_text_font_size="10px", glyph_height=12,
-                          spacing=0, padding=2, margin=2, title_text_font_size="10px")
+            legend = kind_legend(session_map.figure, 10)
+            legend.update(title="KDA heads", label_text_font_size="10px", glyph_height=12, spacing=0, padding=2,
+                          margin=2, title_text_font_size="10px")
             session_map.figure.add_layout(legend, "right")
         self.summary = text_pane("waiting for the trace…", sizing_mode="stretch_width", css_classes=["k3-health-summary"])
         self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
