@@ -142,8 +142,8 @@ def _is_int(x: Any) -> bool:
 def _ids(value: Any, what: str, where: str) -> Selection:
     if value == ALL:
         return ALL
-    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(v) for v in value):
-        raise InputError(f"{where}: {what} must be \"all\" or a non-empty list of integers, got {value!r}")
+    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(v) and v >= 0 for v in value):
+        raise InputError(f"{where}: {what} must be \"all\" or a non-empty list of ids >= 0, got {value!r:.80}")
     return tuple(sorted(set(int(v) for v in value)))
 
 

@@ -82,6 +82,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     ('[{"op": "dsa.hide", "positions": [0, 4], "layers": [1]}]', "layer(s) [1] are not DSA layers"),
     ('[{"op": "kda.erase", "at": 3, "heads": [2]}]', "head(s) [2] do not exist"),
     ('[{"op": "moe.ban", "experts": [8]}]', "expert(s) [8] do not exist"),
+    ('[{"op": "kda.erase", "at": 3, "heads": [-1]}]', "list of ids >= 0"),
     ('[{"op": "moe.force", "experts": [1, 2, 3]}]', "a token uses 2"),
     ('[{"op": "dsa.hide", "segment": "doc"}]', "\"segment\" must be resolved"),
     ('[{"op": "kda.scale", "at": 3}]', "missing ['factor']"),
