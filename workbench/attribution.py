@@ -49,7 +49,7 @@ def _score(base: Any, spec: list[dict], continuation: Any, target: list[int], ro
         branch.set_interventions(spec)
     _continue(branch, continuation, role)
     branch.prefill()
-    scores = _forced_logprobs(branch, target)
+    scores = _forced_logprobs(branch, target, keep=False)
     return scores[np.arange(len(target)), target].cpu().numpy()
 
 

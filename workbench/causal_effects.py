@@ -137,12 +137,12 @@ def _ids(session: Any, target: str | Sequence[int] | None) -> list[int] | None:
     return ids
 
 
-def _forced_logprobs(branch: Any, tokens: list[int]) -> torch.Tensor:
+def _forced_logprobs(branch: Any, tokens: list[int], keep: bool = True) -> torch.Tensor:
     """`[len(tokens), V]` log-probabilities of the next token before each of `tokens`, by teacher forcing a
-    fork of `branch` (left as it was)."""
+    fork of `branch` (left as it was), or `branch` itself when it need not be kept."""
     if not tokens:
         return torch.zeros(0)
-    probe = branch.fork()
+    probe = branch.fork() if keep else branch
     first = probe.prefill()
     assert first is not None
     rows = [first.float()[None]]
