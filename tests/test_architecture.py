@@ -5,7 +5,7 @@ including imports inside functions (the ones that hide a cycle) and the lazy pub
 package's `_EXPORTS` table. A module may import its own floor or any floor below it; an import
 that points up a floor fails, and so does any cycle of imports between modules (on any floors).
 
-The floors are data (`FLOORS`, bottom first; the same map as README.md's "Architecture map"). A new
+The floors are data (`FLOORS`, bottom first; the same map as docs/architecture.md's "Architecture map"). A new
 module belongs to the floor of the longest prefix that names it; a new package that no prefix names
 fails `test_every_module_has_a_floor` until it is given one here.
 """
@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text",
                          "workbench.pictures", "workbench.shape_pictures")),
     # probe sinks: reduce engine signals into trace rows
-    ("workbench recorders", ("workbench.recorders",)),
+    ("workbench recorders", ("workbench.recorders", "workbench.captures")),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
