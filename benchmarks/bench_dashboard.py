@@ -13,7 +13,7 @@
    experts): bytes the browser received over HTTP (static JS/CSS, the same for any trace) and over the
    websocket (the data), until every view is drawn and a generated token's read-out is shown.
    With --reopen-1m, opened a second time on a fresh server: the dashboard's summaries of a finished
-   trace (`apps/dashboard/summary_cache.py`) written by the first open are read instead of the parts.
+   trace (`workbench/trace/summary_cache.py`) written by the first open are read instead of the parts.
    With --recorded-1m, opened as `workbench run` leaves a trace: its summaries written into the trace
    directory (`write_summaries`), then a fresh server with an empty user cache (as on another machine).
 3. Browser memory during a live session: a 128K trace replayed as if recorded (`TraceReplay`) for
@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from apps.dashboard import shared_reducers, summary_cache
+from apps.dashboard import shared_reducers
+from workbench.trace import summary_cache
 from apps.dashboard.app import DashboardConfig, url
 from apps.dashboard.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
 from apps.dashboard.replay import TraceReplay

@@ -9,7 +9,7 @@ from pathlib import Path
 # one compute thread per process: tests spawn ranks, notebook kernels and servers beside pytest,
 # and OpenMP threads spinning against each other on 2 cores can slow torch down 50-100x
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the dashboard's on-disk summaries of finished traces (`apps/dashboard/summary_cache.py`, also written
+# the dashboard's on-disk summaries of finished traces (`workbench/trace/summary_cache.py`, also written
 # by `workbench run` when a recording ends) go to a temporary directory, never ~/.cache
 os.environ["K3WB_DASHBOARD_CACHE"] = tempfile.mkdtemp(prefix="k3wb-test-summary-cache-")
 

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from apps.dashboard import summary_cache
+    from workbench.trace import summary_cache
     from apps.dashboard.state import write_summaries  # Panel and Bokeh load only here
 
     trace = open_trace(args.trace)  # a missing or malformed trace: a TraceError, one line

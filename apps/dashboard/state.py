@@ -43,7 +43,8 @@ from typing import Any, Callable
 import param
 from panel.io.document import hold
 
-from apps.dashboard import shared_reducers, summary_cache
+from apps.dashboard import shared_reducers
+from workbench.trace import summary_cache
 from apps.dashboard.reducers import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
                                      SessionMapReducer, ViewOptions)
 from apps.dashboard.reducers.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins

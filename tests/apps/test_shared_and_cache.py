@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from apps.dashboard import shared_reducers, summary_cache
+from apps.dashboard import shared_reducers
+from workbench.trace import summary_cache
 from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
                                      SessionMapReducer, ViewOptions)
 from apps.dashboard.state import TraceFollower

@@ -93,7 +93,7 @@ def test_deep_session_json_is_one_line(base, tmp_path, capsys, command: list[str
 
 
 def test_deep_summary_counts_as_absent(base, tmp_path, monkeypatch) -> None:
-    from apps.dashboard import summary_cache
+    from workbench.trace import summary_cache
 
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
     key = summary_cache.Key("ab" * 20, base / "trace")

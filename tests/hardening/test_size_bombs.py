@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from apps.dashboard import summary_cache
-from apps.dashboard.arrow_limits import BoundsError, read_bounded
+from workbench.trace import summary_cache
+from workbench.trace.arrow_limits import BoundsError, read_bounded
 from tests.hardening.conftest import bounded
 from workbench.trace import TraceCorruptError, TraceError, TraceWriter, open_trace
 from workbench.trace import part_checks

@@ -451,7 +451,7 @@ class Trace:
 
     def restore_running_sums(self, name: str, groups: tuple[str, ...], sums: dict[tuple[int, ...], np.ndarray]) -> bool:
         """Take running sums made earlier (`running_sums`) from exactly the current parts of `name` (the
-        caller keys them by the parts' sizes and mtimes) instead of reading those parts; parts added
+        caller keys them by the parts' names, sizes and last 64 KiB) instead of reading those parts; parts added
         later are folded in as usual. Returns False and changes nothing when a part was already folded
         in, or when `groups` / `sums` do not fit the table (group columns, 1-D non-negative int64
         vectors) or its dense-cell cap."""

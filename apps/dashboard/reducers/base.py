@@ -14,7 +14,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import numpy as np
 
-from apps.dashboard import summary_cache
+from workbench.trace import summary_cache
 from apps.dashboard.reducers.part_feed import PartFeeds
 
 MAX_BINS = 2048

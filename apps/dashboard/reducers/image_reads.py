@@ -21,7 +21,7 @@ from workbench.analysis import PatchReads, image_grid, patch_reads
 from workbench.trace import Trace, TraceError
 from workbench.trace.thumbnail import read_thumbnail
 
-from apps.dashboard import summary_cache
+from workbench.trace import summary_cache
 from apps.dashboard.reducers.base import Reducer
 from apps.dashboard.reducers.session_map import SessionMapData
 

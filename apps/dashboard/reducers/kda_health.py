@@ -30,7 +30,7 @@ import pandas as pd
 from workbench.analysis import health_of_layers, heads_at_risk
 from workbench.trace import Trace
 
-from apps.dashboard import summary_cache
+from workbench.trace import summary_cache
 from apps.dashboard.reducers.base import Reducer, ViewOptions
 from apps.dashboard.reducers.part_feed import DecodedPart, PartFeeds
 from apps.dashboard.reducers.session_map import SessionMapData

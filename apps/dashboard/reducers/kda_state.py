@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from workbench.analysis import bin_mean, carry_forward
 from workbench.trace import Trace
 
-from apps.dashboard import summary_cache
+from workbench.trace import summary_cache
 from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
 from apps.dashboard.reducers.list_columns import flat_lists
 from apps.dashboard.reducers.part_feed import DecodedPart, PartFeed, PartFeeds

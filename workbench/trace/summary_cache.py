@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from engine.errors import EngineError
 from engine.fileio import parse_json
-from apps.dashboard.arrow_limits import BoundsError, read_bounded
+from workbench.trace.arrow_limits import BoundsError, read_bounded
 from workbench.trace import Trace
 from workbench.trace.bounds import MAX_DENSE_CELLS
 
