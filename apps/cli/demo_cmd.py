@@ -9,7 +9,9 @@
    --no-show), then run the session under `workbench.record(...)`: prefill progress, the memory
    maps and the generated answer appear live.
 4. Print the answer, whether it is right, and which DSA layers read the needle for the answer
-   tokens beside their chance baselines; keep serving until Ctrl-C.
+   tokens beside their chance baselines; then the causal check (`apps.cli.demo_causal`): the answer
+   rerun from the shared prefix with the needle (the picture) hidden from its top reading DSA layer,
+   from every DSA layer, and a same-size random span hidden as the control; keep serving until Ctrl-C.
 
 `--headless` records and exports only (Parquet, next to the trace), without a server: for CI.
 """
@@ -33,6 +35,9 @@ DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
 DEFAULT_TRACE = Path("traces/demo")
 MIN_TOKENS = 256
+# long enough that a 64-pick DSA read of the needle is far from what chance gives, short enough that
+# the whole demo (recording and causal check) stays within about a minute on a laptop-class CPU
+DEFAULT_TOKENS = 32768
 # the context is built in memory as text before the model sees it: bounded by the demo model's context
 MAX_TOKENS = 1 << 20
 # the passcode the demo plants; 4 dash-separated digits is one of the trained value formats
@@ -70,8 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where --model preset:demo's random-weight checkpoint is written (first run only)")
     p.add_argument("--wording", choices=("train", "held-out"), default="train", help="needle and question in the "
                    "trained model's own wording (train) or in wording it never saw (held-out)")
-    p.add_argument("--tokens", type=int, default=2048, help="context size in tokens (default 2048: the trained demo "
-                   "model retrieves at its trained length and breaks by 8K, see its MODEL_CARD.md; larger shows where)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="context size in tokens (default 32768: long "
+                   "enough that the layers' reads of the needle stand far above chance, see its MODEL_CARD.md for "
+                   "where retrieval holds)")
     p.add_argument("--new-tokens", type=int, default=64, help="most tokens the model generates for its answer "
                    "(the response restates the key and takes ~40 byte tokens of scaffold; generation stops at the end of the message)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace directory (replaced if it holds a trace)")
@@ -83,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-browser", dest="show", action="store_false", help=argparse.SUPPRESS)  # older spelling
     p.add_argument("--headless", action="store_true", help="record and export only: no server (CI)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill step (live update grain)")
+    p.add_argument("--causal-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="after each answer, rerun it from the shared prefix with the needle (the picture) hidden "
+                   "from its top reading DSA layer, from every DSA layer, and a same-size random span hidden "
+                   "(the control); --no-causal-check skips it")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a busy or shared "
                    "machine more threads can stall in OpenMP barriers; raise it on a dedicated one)")
     p.set_defaults(func=cmd_demo)
@@ -159,8 +169,10 @@ def answer_queries(pieces: list[str], first: int, value: str, prefilled: bool = 
 
 
 def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, prefill_chunk: int,
-                words: Wording | None = None) -> dict:
-    """Run the demo session under `workbench.record` into `trace`; returns what the demo found."""
+                words: Wording | None = None, causal: bool = False) -> dict:
+    """Run the demo session under `workbench.record` into `trace`; returns what the demo found
+    (with `causal`, also each answer's causal check under "causal", run after the recording closes so
+    that its branches are not recorded)."""
     import workbench
     from workbench.sessions import recorded_session
 
@@ -172,8 +184,10 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
         started = time.perf_counter()
         session.append(words.system, role="system", name="system")
         needle = (0, 0)
+        documents = []
         for i, (name, text) in enumerate(docs):
             seg = session.append(text, name=name)
+            documents.append((seg.start, seg.end))
             if i == needle_doc:
                 start = seg.start + len(tokenizer.encode(text[:needle_at]))
                 needle = (start, start + len(tokenizer.encode(words.needle)))
@@ -190,10 +204,17 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                                                  "question": words.question, "expected": PASSCODE})
         print(f"context: {len(session.tokens):,} tokens in {len(session.segments)} segments; "
               f"needle at positions [{needle[0]}, {needle[1]})", flush=True)
-        needle_answer = _ask(session, words.question, words.key, new_tokens, "question", answer_style_of(model))
+        bases = {}
+        if causal:  # the shared prefix of the checks: the context prefilled once, forked before each question
+            session.prefill()
+            bases["needle"] = session.fork()
+        style = answer_style_of(model)
+        needle_answer = _ask(session, words.question, words.key, new_tokens, "question", style)
         image_answer = None
         if picture is not None:
             _close_answer(session, needle_answer)
+            if causal:
+                bases["picture"] = session.fork()
             image_answer = _ask(session, IMAGE_QUESTION, IMAGE_ATTRIBUTE, new_tokens, "image question")
     elapsed = time.perf_counter() - started
     topk = workbench.open_trace(trace).df("dsa_topk")
@@ -201,6 +222,18 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
     found.update(needle=needle, seconds=elapsed, tokens=len(session.tokens))
     if image_answer is not None and image is not None:
         found["image"] = {**_judge(image_answer, picture.attributes[IMAGE_ATTRIBUTE], topk, image), "span": image}
+    if causal:
+        from apps.cli.demo_causal import causal_check
+
+        region = (documents[0][0], documents[-1][1])
+        found["causal"] = [causal_check(bases["needle"], subject="needle", question=words.question, key=words.key,
+                                        style=style, expected=PASSCODE, span=needle, region=region,
+                                        readers=found["readers"])]
+        if "image" in found:
+            found["causal"].append(causal_check(bases["picture"], subject="picture", question=IMAGE_QUESTION,
+                                                key=IMAGE_ATTRIBUTE, style="key", expected=found["image"]["expected"],
+                                                span=image, region=region, readers=found["image"]["readers"]))
+        found["causal_seconds"] = time.perf_counter() - started - elapsed
     return found
 
 
@@ -269,6 +302,11 @@ def report_lines(found: dict) -> list[str]:
     lines = _answer_lines(found, "answer", "the passcode is", "the needle")
     if "image" in found:
         lines += _answer_lines(found["image"], "image answer", "the picture shows", "the picture")
+    if found.get("causal"):
+        from apps.cli.demo_causal import check_lines
+
+        for check in found["causal"]:
+            lines += check_lines(check)
     return lines
 
 
@@ -292,7 +330,8 @@ def _pct(p: float) -> str:
 
 
 def _report(found: dict) -> None:
-    print(f"recorded {found['tokens']:,} tokens in {found['seconds']:.0f} s")
+    print(f"recorded {found['tokens']:,} tokens in {found['seconds']:.0f} s"
+          + (f"; causal check in {found['causal_seconds']:.0f} s" if "causal_seconds" in found else ""))
     print("\n".join(report_lines(found)), flush=True)
 
 
@@ -336,7 +375,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.headless:
         from workbench.trace.export import export_trace
 
-        found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words)
+        found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words,
+                            causal=args.causal_check)
         _report(found)
         out = trace.with_name(trace.name + "-export")
         export_trace(trace, out, "parquet", overwrite=True)
@@ -358,7 +398,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import webbrowser
 
         webbrowser.open(link)
-    found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words)
+    found = record_demo(checkpoint, trace, args.tokens, args.new_tokens, args.prefill_chunk, words,
+                            causal=args.causal_check)
     _report(found)
     print(f"still serving {link}; Ctrl-C to stop", flush=True)
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from apps.cli import main
+from apps.cli.demo_causal import CausalCheck, CheckRow, check_lines, control_span, top_reader
 from apps.cli.demo_cmd import PASSCODE, answer_queries, build_documents, report_lines, wording
 
 
@@ -56,6 +57,13 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     assert (trace / image["thumbnail"]).is_file() and image["image"]["grid_rows"] > 0
     assert (tmp_path / "traces" / "demo-export" / "tokens.parquet").is_file()
     assert "export (Parquet)" in out and "answer:" in out and "chance" in out
+    # the causal check after the answers: the needle's and the picture's, each with its control
+    checks = out.split("causal check: ")[1:]
+    assert [c.split(" ", 2)[1] for c in checks] == ["needle", "picture"]
+    needle_check = checks[0].splitlines()
+    assert f"[{start}, {end}) hidden" in needle_check[0] and "nothing hidden" in needle_check[2]
+    assert any("hidden from every DSA layer" in line for line in needle_check)
+    assert any(line.strip().startswith("control [") for line in needle_check)
 
 
 def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -77,3 +85,26 @@ def test_answer_queries_are_the_passcode_tokens() -> None:
     # a prompt that prefilled the response (`hidden cellar: `): the generated text is the value on
     prefilled = list("4-7-1-9") + ["<|close|>"]
     assert answer_queries(prefilled, 100, "4-7-1-9", prefilled=True) == (99, 105)
+
+
+def test_causal_check_lines_show_each_branch_beside_the_plain_rerun_and_the_control() -> None:
+    import pandas as pd
+
+    readers = pd.DataFrame([{"layer": 2, "read_share": 0.0, "ratio": 0.0},
+                            {"layer": 5, "read_share": 1.0, "ratio": 10.8}])
+    assert top_reader(readers) == 5
+    assert top_reader(readers.assign(read_share=0.0)) is None   # no layer read it: no "top reader" row
+    span = control_span(50, (100, 1000), (400, 450))
+    assert span[1] - span[0] == 50 and 100 <= span[0] and span[1] <= 1000
+    assert span[1] <= 400 or span[0] >= 450
+    assert control_span(50, (100, 1000), (400, 450)) == span          # seeded: the same span every run
+    rows = [CheckRow("nothing hidden", None, "", "key: 4-7-1-9", "4-7-1-9", -0.05),
+            CheckRow("hidden from every DSA layer", (400, 450), "all", "key: 99", "99", -14.9),
+            CheckRow("control [700, 750), every DSA layer", (700, 750), "all", "key: 4-7-1-9", "4-7-1-9", -0.05,
+                     control=True)]
+    lines = check_lines(CausalCheck("needle", PASSCODE, (400, 450), 2000, rows))
+    assert "the needle [400, 450) hidden" in lines[0] and "2,000-token prefix" in lines[0]
+    assert "random 50-token span" in lines[1]
+    assert lines[2].endswith("right, log p -0.05")
+    assert "wrong, log p -14.90 (-14.85)" in lines[3]
+    assert lines[4].endswith("right, log p -0.05 (+0.00)")

@@ -116,7 +116,7 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
     from apps.cli.demo_cmd import answer_queries, record_demo
 
     trace = tmp_path / "demo"
-    found = record_demo("builtin:demo", trace, 2048, 64, 1024)
+    found = record_demo("builtin:demo", trace, 2048, 64, 1024, causal=True)
     t = workbench.open_trace(trace)
     start, end = t.session["demo"]["needle"]
     assert (start, end) == tuple(found["needle"]) and end - start == len(t.session["demo"]["needle_text"])
@@ -135,6 +135,17 @@ def test_recorded_demo_run_shows_the_needle_among_selected_keys(tmp_path) -> Non
     assert (trace / image["thumbnail"]).is_file()
     assert tuple(found["image"]["span"]) == (image["image"]["token_start"], image["image"]["token_end"])
     assert len(found["image"]["readers"]) and (found["image"]["readers"]["chance"] > 0).all()
+    # causal: the needle hidden from every DSA layer costs the value far more log-probability than a
+    # same-size random span hidden from them, and the plain rerun gives the answer the run gave
+    check = found["causal"][0]
+    plain = check.rows[0]
+    assert plain.hidden is None and plain.answer == found["answer"], check
+    every = next(r for r in check.rows if r.hidden == check.span and r.layers == "all")
+    control = next(r for r in check.rows if r.control)
+    assert control.hidden[1] - control.hidden[0] == check.span[1] - check.span[0]
+    assert every.logprob - plain.logprob < -5.0 and abs(control.logprob - plain.logprob) < 1.0, check
+    # the branches ran after the recording closed: the trace holds only the session's own tokens
+    assert t.session["tokens"] == found["tokens"]
 
 
 @interim_xfail
