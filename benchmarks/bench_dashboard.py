@@ -33,9 +33,14 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# the synthetic-trace harness is test scaffolding at the repository root, not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3testing.synthetic import Dims, trace_bytes, write_synthetic_trace  # noqa: E402
 
 from apps.dashboard import shared_reducers
 from workbench.trace import summary_cache
@@ -43,7 +48,6 @@ from apps.dashboard.app import DashboardConfig, url
 from apps.dashboard.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
 from apps.dashboard.replay import TraceReplay
 from apps.dashboard.state import write_summaries
-from workbench.trace.synthetic import Dims, trace_bytes, write_synthetic_trace
 
 
 def _trace(path: Path | None, work: Path, name: str, tokens: int, dims: Dims) -> Path:

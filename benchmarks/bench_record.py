@@ -23,9 +23,14 @@ import argparse
 import contextlib
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# the synthetic-trace harness is test scaffolding at the repository root, not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3testing.synthetic import Dims, Policy, project_bytes, trace_bytes  # noqa: E402
 
 import torch
 
@@ -35,7 +40,6 @@ from engine.session import Session
 from engine.tokenizer import Tokenizer
 from measure import filler_ids
 from workbench.recorders.policy import RecordPolicy
-from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes
 
 
 def run(model, ids: list[int], decode: int, chunk: int, policy: "str | RecordPolicy | None", trace: Path) -> dict:

@@ -20,9 +20,8 @@
   point's emissions in step order and none is lost.
 
 Adding a signal: declare its `Signal` here (and list it in `SIGNALS`); emit it from its layer
-(`if point.listening: point.emit(...)`, any optional measure an `engine.ops` function); give
-it a table in `workbench/trace/schema.py` (`signal=`, `field=` on the columns it fills) and a
-request + reducer entry in `workbench/recorders/recorder.py`.
+(`if point.listening: point.emit(...)`, any optional measure an `engine.ops` function); the
+workbench side is one module of its family in `workbench/signals/` (its tables, request and rows).
 
 Positions are sequence positions, given as CPU int64 tensors so that a listener can decide what to
 keep without synchronising the device; expert ids are logical. The engine never imports the

@@ -41,9 +41,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                         "engine.session_interventions", "engine.transcript")),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
-    # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures
-    ("workbench trace", ("workbench.trace", "workbench.analysis", "workbench.text", "workbench.retrieval_text",
-                         "workbench.pictures", "workbench.shape_pictures")),
+    # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures;
+    # the signal families, whose tables the store reads and writes
+    ("workbench trace", ("workbench.trace", "workbench.signals", "workbench.analysis", "workbench.text",
+                         "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures")),
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders", "workbench.captures")),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`

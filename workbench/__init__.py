@@ -3,8 +3,9 @@
 The engine (`engine`) runs the model; this package observes it and never the other way round.
 
 Public API:
-- `record(session, trace=DIR, dsa=True, kda=True, moe=True, policy="default")`: a context manager
-  that records a running `engine.session.Session` into a trace directory.
+- `record(session, trace=DIR, signals=None, policy="default")`: a context manager that records a
+  running `engine.session.Session` into a trace directory (`signals`: the families to record, default
+  all; the families are `workbench.signals`, one module each).
 - `open_trace(DIR)`: read a finished or live trace (`Trace.refresh()` follows a live one).
 - `RecordPolicy`, `load_policy`: what is kept raw and what is only counted.
 - `recorded_session(model_ref, trace, ...)`: load a model and its tokenizer, open a `Session` and

@@ -25,8 +25,7 @@ from typing import Any, Collection, Iterator
 
 from engine.session import Session
 from workbench.recorders import RecordPolicy, Recorder, record
-
-FAMILIES = ("dsa", "kda", "moe")
+from workbench.signals import FAMILIES
 
 
 class ConversationTrace:
@@ -37,8 +36,7 @@ class ConversationTrace:
         self.session = session
         self.path = Path(trace)
         self.requests: list[dict[str, Any]] = []
-        self._block = record(session, trace=trace, policy=policy,
-                             **{name: name in families for name in FAMILIES})
+        self._block = record(session, trace=trace, policy=policy, signals=families)
         self.recorder: Recorder = self._block.__enter__()
         self._open = True
         try:

@@ -24,8 +24,7 @@ from engine.errors import InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from workbench.recorders import RecordPolicy, Recorder, record
-
-FAMILIES = ("dsa", "kda", "moe")
+from workbench.signals import FAMILIES
 # the default model of every entry point: the trained demo model shipped in the package
 DEFAULT_MODEL = "builtin:demo"
 Loader = Callable[..., tuple[Any, Tokenizer]]
@@ -97,6 +96,5 @@ def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapsho
     if trace is None:
         yield RecordedSession(session, None)
         return
-    flags = {name: name in families for name in FAMILIES}
-    with record(session, trace=trace, policy=policy, overwrite=overwrite, **flags) as recorder:
+    with record(session, trace=trace, policy=policy, overwrite=overwrite, signals=families) as recorder:
         yield RecordedSession(session, recorder)

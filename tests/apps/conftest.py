@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 SMALL_POLICY = Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_stride=512, moe_window_every=1024,
                       decode_tokens=256, decode_flush_every=16)

@@ -29,7 +29,7 @@ from engine.weights.write import write_checkpoint
 from workbench.questions import checked_span
 from workbench.trace.export import parse_layers
 from workbench.trace.files import PART_RE
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

@@ -28,7 +28,7 @@ from engine.session import Session
 from engine.tokenizer import Tokenizer
 from engine.weights.write import write_checkpoint
 from workbench.trace.export import export_trace
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 MISSING_MODEL = "/nonexistent/model"
 

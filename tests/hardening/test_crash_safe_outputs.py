@@ -26,7 +26,7 @@ from engine.snapshot import read_snapshot, write_snapshot
 from workbench.trace.errors import TraceError
 from engine.atomic_dir import recover
 from workbench.trace.export import MANIFEST, export_trace, is_export
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 ZYGOTE = textwrap.dedent(r"""
     import os, sys

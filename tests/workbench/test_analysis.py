@@ -14,7 +14,7 @@ from workbench.analysis import (dense_mass_summary, distance_summary, expert_imb
                                 sink_eviction)
 from workbench.analysis.common import log2_bin, log2_bin_quantiles, segment_of
 from workbench.trace import open_trace
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 SEGMENTS = pd.DataFrame({"id": [0, 1, 2], "start": [0, 100, 104], "end": [100, 104, 200],
                          "name": ["doc", "img", "ans"], "kind": ["document", "image", "generated"]})

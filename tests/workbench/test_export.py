@@ -14,7 +14,7 @@ import pytest
 from apps.cli import main
 from workbench.trace import TraceError, open_trace
 from workbench.trace.export import export_trace, parse_layers
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 
 @pytest.fixture(scope="module")

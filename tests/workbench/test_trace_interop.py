@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from workbench.trace import open_trace
-from workbench.trace.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 READER = textwrap.dedent(r"""
     import json, sys

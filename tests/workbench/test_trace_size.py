@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from workbench.trace import TraceWriter, open_trace
-from workbench.trace.synthetic import Dims, Policy, project_bytes, trace_bytes, write_synthetic_trace
+from k3testing.synthetic import Dims, Policy, project_bytes, trace_bytes, write_synthetic_trace
 
 MB = 1e6
 

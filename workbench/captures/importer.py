@@ -7,7 +7,7 @@ tokens (prompt + output), as an agent's turns do. Each record adds a `turn` segm
 tokens) and a `generated` segment (its output). Positions are forwarded exactly once in the trace;
 a later response's rows for positions an earlier one already covered are not read again.
 
-Reductions are the recorder's own (`workbench.recorders.reduce`): expert counts by segment and
+Reductions are the recorder's own (`workbench.signals.dsa` / `moe`): expert counts by segment and
 modality, EP rank load, DSA key-bin counts, read distances, per-segment totals and sink hits, and the
 raw rows the policy keeps (prompt positions are "prefill", generated ones "decode", as in a session).
 What a capture does not hold is absent, and `session.json` says so under `capture.absent` (KDA state,
@@ -38,7 +38,8 @@ from engine.probes import Marks, Sample
 from engine.tokenizer import Tokenizer
 from workbench.captures.arrays import RowArray
 from workbench.captures.records import LayerMap, Record, layer_map, parse_records
-from workbench.recorders import reduce
+from workbench.recorders import rows as pending_rows
+from workbench.signals import dsa, moe
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
 from workbench.trace.schema import IMAGES_DIR, MODALITIES, SESSION_FILE, TABLES, TOKENS_FILE
@@ -180,11 +181,11 @@ class _Import:
                     raise InputError(f"{array.where}: expert id {experts[r, c]} at position {pos[r]} (layer {layer}) "
                                      f"is outside [0, {self.config.num_experts}) of the model config")
                 t = torch.from_numpy(experts)
-                counts = reduce.moe_counts(t, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))
+                counts = moe.expert_counts(t, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))
                 self._append(writer, "moe_counts", layer, counts, "count",
                              modality=lambda m: np.asarray(MODALITIES, dtype=object)[m])
                 self._append(writer, "moe_rank_load", layer,
-                             reduce.moe_rank_load(t, self.config.num_experts, EP_WORLD), "tokens")
+                             moe.rank_load(t, self.config.num_experts, EP_WORLD), "tokens")
                 if len(keep):
                     k = experts.shape[1]
                     writer.append("moe_routes", layer=layer, step=self.step, rank=0, position=pos[keep],
@@ -208,19 +209,19 @@ class _Import:
                                      f"{pos[r]} (layer {layer}) is not in [0, {pos[r]}] (-1 = empty slot)")
                 t = torch.from_numpy(idx)
                 n_bins = last // p.dsa_bin_tokens + 1
-                self._append(writer, "dsa_key_counts", layer, reduce.dsa_key_counts(t, p.dsa_bin_tokens, n_bins),
+                self._append(writer, "dsa_key_counts", layer, dsa.key_counts(t, p.dsa_bin_tokens, n_bins),
                              "count")
-                self._append(writer, "dsa_distance_hist", layer, reduce.dsa_distance_hist(pos_t, t), "count")
-                self._append(writer, "dsa_segment_totals", layer, reduce.dsa_segment_totals(t, self.segment_of, n_seg),
+                self._append(writer, "dsa_distance_hist", layer, dsa.distance_hist(pos_t, t), "count")
+                self._append(writer, "dsa_segment_totals", layer, dsa.segment_totals(t, self.segment_of, n_seg),
                              "count")
-                self._append(writer, "dsa_sink", layer, reduce.dsa_sink(last, t, p.sink_tokens), None)
+                self._append(writer, "dsa_sink", layer, dsa.sink(last, t, p.sink_tokens), None)
                 if len(keep):
                     writer.append("dsa_topk", layer=layer, step=self.step, rank=0, position=pos[keep],
                                   selected=idx[keep])
 
     def _append(self, writer: TraceWriter, table: str, layer: int, pending: dict, drop_zero: str | None,
                 **convert) -> None:
-        cols = reduce.to_columns(pending, drop_zero)
+        cols = pending_rows.to_columns(pending, drop_zero)
         for name, fn in convert.items():
             cols[name] = fn(cols[name])
         n = len(next(c for c in cols.values() if isinstance(c, np.ndarray) and c.ndim > 0))

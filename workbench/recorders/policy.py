@@ -92,10 +92,6 @@ class RecordPolicy:
         d["mark_positions"], d["mark_segments"] = list(self.mark_positions), list(self.mark_segments)
         return d
 
-    def with_marks(self, positions=(), segments=()) -> "RecordPolicy":
-        return dataclasses.replace(self, mark_positions=tuple(self.mark_positions) + tuple(positions),
-                                   mark_segments=tuple(self.mark_segments) + tuple(segments))
-
 
 _MAX_INT = 2 ** 31 - 1  # positions and strides are int32-sized
 

@@ -20,36 +20,41 @@ from __future__ import annotations
 import contextlib
 import errno
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
 
+from engine.errors import InputError
 from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, Sample, probe_points
 from engine.session import Segment, Session
 from engine.vision.thumbnail import encode_thumbnail
-from workbench.recorders import reduce
+from workbench.recorders import rows as pending_rows
 from workbench.recorders.policy import RecordPolicy, load_policy
+from workbench.signals import SignalFamily, registered
 from workbench.trace import TraceError, TraceWriter
 from workbench.trace.schema import TABLES
 
 MODALITIES = ("text", "image")
-DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are reduced in bulk at the flush
-FAMILIES = {family: tuple(s.name for s in SIGNALS.values() if s.family == family) for family in ("dsa", "kda", "moe")}
+DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are turned into rows in bulk at the flush
 
 
 class Recorder:
     """Turns probe payloads and session events into trace rows (one per session, per trace)."""
 
-    def __init__(self, session: Session, writer: TraceWriter | None, policy: RecordPolicy, families: set[str]) -> None:
+    def __init__(self, session: Session, writer: TraceWriter | None, policy: RecordPolicy,
+                 families: "set[str] | list[SignalFamily]") -> None:
         self.session = session
         self.model = session.model
         self.config = session.config
         self.writer = writer
         self.policy = policy
-        self.families = families
+        # the registered families to record (by name; a family object is used as given)
+        known = registered()
+        self.families = {f.name: f for f in (known[f] if isinstance(f, str) else f for f in families)}
         self.ep_world = int(getattr(getattr(self.model, "parallel", None), "world", 1))
         self._points: list[ProbePoint] = []
         self._segment_of = torch.zeros(0, dtype=torch.long)
@@ -60,12 +65,6 @@ class Recorder:
         self._marks_seen = -1  # segment count the marks (and the requests that carry them) were built for
         self._pending: list[tuple[str, int | None, int, dict, str | None]] = []
         self._deferred: dict[ProbePoint, list[Emission]] = defaultdict(list)
-        # per signal: what the recorder asks the layer for, and how it turns emissions into rows
-        # (adding a signal: declare it in engine.probes, emit it in its layer, add its two entries here)
-        self._requests = {"dsa.topk": self._request_dsa_topk, "dsa.dense_mass": self._request_dsa_dense_mass,
-                          "kda.state": self._request_kda_state, "moe.route": self._request_moe_route}
-        self._reducers = {"dsa.topk": self._reduce_dsa_topk, "dsa.dense_mass": self._reduce_dsa_dense_mass,
-                          "kda.state": self._reduce_kda_state, "moe.route": self._reduce_moe_route}
         self._thumbnails: dict[int, str] = {}  # segment id -> thumbnail path in the trace
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
@@ -93,7 +92,7 @@ class Recorder:
         self._attach_sinks()
 
     def _attach_sinks(self) -> None:
-        wanted = {name for fam in self.families for name in FAMILIES[fam]}
+        wanted = {name for fam in self.families.values() for name in fam.signals}
         self._update_marks()
         for point in probe_points(self.model):
             if point.name not in wanted:
@@ -101,7 +100,7 @@ class Recorder:
             # other listeners (an intervention's measurement, a user's sink) may watch beside a recording
             if any(isinstance(getattr(sink, "__self__", None), Recorder) for sink in point.listeners):
                 raise RuntimeError(f"{point} is already being recorded (nested record() on one model?)")
-            point.attach(self._on_probe, self._requests[point.name]())
+            point.attach(self._on_probe, self._request(point.name))
             self._points.append(point)
         self.session.observers.append(self._on_event)
 
@@ -112,24 +111,9 @@ class Recorder:
         if self._on_event in self.session.observers:
             self.session.observers.remove(self._on_event)
 
-    # ---- requests: what each probe point is asked for (data the layer reads) ------------------------
-    def _request_dsa_topk(self) -> ProbeRequest:
-        return ProbeRequest(optional=frozenset({"scores"} if self.policy.dsa_scores else ()))
-
-    def _request_dsa_dense_mass(self) -> ProbeRequest:
-        p = self.policy
-        return ProbeRequest(optional=frozenset({"iou", "recall"} if p.dense_overlap else ()),
-                            queries=Sample(stride=p.dense_mass_stride, marks=self._marks),
-                            decode_every=p.dense_mass_decode_every)
-
-    def _request_kda_state(self) -> ProbeRequest:
-        p = self.policy
-        extras = ("max_abs", "mean_decay", "mean_beta", "half_life", "global_share") if p.kda_extras else ()
-        rank = ("eff_rank",) if p.kda_rank_every > 0 else ()
-        return ProbeRequest(optional=frozenset(extras + rank), queries=Sample(stride=p.kda_rank_every))
-
-    def _request_moe_route(self) -> ProbeRequest:
-        return ProbeRequest(optional=frozenset({"entropy"}))
+    def _request(self, signal: str) -> ProbeRequest:
+        """What the probe points of `signal` are asked for (its family's request under the policy)."""
+        return self.families[SIGNALS[signal].family].request(signal, self.policy, self._marks)
 
     def _update_marks(self) -> None:
         """Rebuild the marked spans when segments were added, and hand layers the new requests.
@@ -151,19 +135,18 @@ class Recorder:
                       for s in segments if s.name in names)
         self._marks = Marks(tuple(self.policy.mark_positions), spans)
         for point in self._points:
-            if point.name == "dsa.dense_mass":
-                point.update_request(self._on_probe, self._requests[point.name]())
+            if point.name in self.families[point.signal.family].follow_marks:
+                point.update_request(self._on_probe, self._request(point.name))
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _segment_map(self, n: int, device: torch.device) -> torch.Tensor:
-        """position -> segment id for positions [0, n), on `device` (cached until segments change)."""
-        return self._position_maps(n, device)[0]
+    @property
+    def n_segments(self) -> int:
+        """Segments of the session so far (at least 1: dense per-segment counts need a row)."""
+        return len(self.session.segments) or 1
 
-    def _modality_map(self, n: int, device: torch.device) -> torch.Tensor:
-        """position -> index in MODALITIES (1 at the image positions of image segments), on `device`."""
-        return self._position_maps(n, device)[1]
-
-    def _position_maps(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_maps(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """position -> segment id, and position -> index in MODALITIES (1 at the image positions of
+        image segments), for positions [0, n) on `device` (cached until segments change)."""
         if n > len(self._segment_of) or self._segments_seen != len(self.session.segments):
             n = max(n, len(self.session.tokens))
             seg = torch.zeros(n, dtype=torch.long)
@@ -192,31 +175,31 @@ class Recorder:
         every_n, tokens = window if window is not None else (0, 0)
         return Sample(stride=stride, window_every=every_n, window_tokens=tokens, marks=self._marks).rows(pos)
 
-    def _pend(self, table: str, layer: int | None, rank: int, cols: dict | None, drop_zero: str | None = None) -> None:
+    def pend(self, table: str, layer: int | None, rank: int, cols: dict | None, drop_zero: str | None = None) -> None:
         """Queue device tensors for `table` (with a `step` column or scalar); written at the next flush."""
         if cols is not None:
             self._pending.append((table, layer, rank, cols, drop_zero))
 
-    def _rows(self, table: str, layer: int, rank: int, keep: np.ndarray | None, steps: torch.Tensor,
-              fields: dict[str, torch.Tensor]) -> None:
+    def rows(self, table: str, layer: int, rank: int, keep: np.ndarray | None, steps: torch.Tensor,
+             fields: dict[str, torch.Tensor]) -> None:
         """Queue raw rows of a signal table (all, or rows `keep`): the columns the schema ties to a
         payload field (`Column.field`)."""
         columns = {c.name: fields.get(c.field) for c in TABLES[table].columns if c.field is not None}
         if keep is None:
-            self._pend(table, layer, rank, {"step": steps, **{k: v for k, v in columns.items() if v is not None}})
+            self.pend(table, layer, rank, {"step": steps, **{k: v for k, v in columns.items() if v is not None}})
         else:
-            self._pend(table, layer, rank, reduce.select_rows(keep, step=steps, **columns))
+            self.pend(table, layer, rank, pending_rows.select_rows(keep, step=steps, **columns))
 
     def _drain(self) -> None:
-        """Reduce deferred decode payloads, copy every pending result to the host (one device
+        """Turn deferred decode payloads into rows, copy every pending result to the host (one device
         synchronisation), and hand each table's rows to the writer in a single append."""
         for point, items in self._deferred.items():
-            self._reduce(point, items)
+            self._to_rows(point, items)
         self._deferred.clear()
         pending, self._pending = self._pending, []
         by_table: dict[str, list[dict]] = defaultdict(list)
         for table, layer, rank, cols, drop_zero in pending:
-            columns = reduce.to_columns(cols, drop_zero)
+            columns = pending_rows.to_columns(cols, drop_zero)
             n = len(next(c for c in columns.values() if isinstance(c, np.ndarray) and c.ndim > 0))
             if n == 0:
                 continue
@@ -226,8 +209,9 @@ class Recorder:
             by_table[table].append(columns)
         for table, parts in by_table.items():
             merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-            if table in _CONVERT:
-                merged = _CONVERT[table](merged)
+            convert = self.families[SIGNALS[TABLES[table].signal].family].convert.get(table)
+            if convert is not None:
+                merged = convert(merged)
             self.rows_written += self.writer.append(table, **merged)
 
     # ---- probe payloads -----------------------------------------------------------------------------
@@ -235,13 +219,13 @@ class Recorder:
         if self.writer is None:
             return  # other ranks run the same collectives but do not write
         if emission.phase == "decode" or len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
-            # decode payloads (the decode step's tape, several steps, or one eager step) are reduced in
-            # bulk at the flush: per-token Python work stays tiny
+            # decode payloads (the decode step's tape, several steps, or one eager step) are turned into
+            # rows in bulk at the flush: per-token Python work stays tiny
             self._deferred[emission.point].append(emission)
         else:
-            self._reduce(emission.point, [emission])
+            self._to_rows(emission.point, [emission])
 
-    def _reduce(self, point: ProbePoint, items: list[Emission]) -> None:
+    def _to_rows(self, point: ProbePoint, items: list[Emission]) -> None:
         """Turn emissions of one probe point (one prefill call, or many decode steps) into rows.
 
         The signal's declaration says how to line the emissions up: each field's rows (the `n` axis)
@@ -253,9 +237,10 @@ class Recorder:
             if f.name in items[0].data:
                 parts = [e.data[f.name] for e in items]
                 fields[f.name] = torch.cat([t[0] for t in parts] if f.dims[0] == "B" else parts)
-        self._reducers[point.name](point.layer, items[0].rank, items, steps, fields)
+        family = self.families[point.signal.family]
+        family.to_rows(self, point.name, point.layer, items[0].rank, items, steps, fields)
 
-    def _keep_items(self, items: list[Emission], stride: int, *, decode_all: bool, last: bool = False,
+    def keep_items(self, items: list[Emission], stride: int, *, decode_all: bool, last: bool = False,
                     window: tuple[int, int] | None = None) -> np.ndarray:
         """Row indices (over the concatenated items) to keep in full."""
         keep, offset = [], 0
@@ -268,49 +253,6 @@ class Recorder:
             keep.append(rows + offset)
             offset += n
         return np.concatenate(keep)
-
-    def _reduce_dsa_dense_mass(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
-                               fields: dict[str, torch.Tensor]) -> None:
-        self._rows("dsa_dense_mass", layer, rank, None, steps, fields)
-
-    def _reduce_dsa_topk(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
-                         fields: dict[str, torch.Tensor]) -> None:
-        p = self.policy
-        idx, pos = fields["indices"], fields["positions"]
-        step, last = int(steps.max()), int(pos.max())
-        n_bins = last // p.dsa_bin_tokens + 1
-        self._pend("dsa_key_counts", layer, rank,
-                   {"step": step, **reduce.dsa_key_counts(idx, p.dsa_bin_tokens, n_bins)}, "count")
-        self._pend("dsa_distance_hist", layer, rank,
-                   {"step": step, **reduce.dsa_distance_hist(pos.to(idx.device), idx)}, "count")
-        seg = self._segment_map(last + 1, idx.device)
-        self._pend("dsa_segment_totals", layer, rank,
-                   {"step": step, **reduce.dsa_segment_totals(idx, seg, len(self.session.segments) or 1)}, "count")
-        self._pend("dsa_sink", layer, rank, {"step": step, **reduce.dsa_sink(last, idx, p.sink_tokens)})
-        keep = self._keep_items(items, p.dsa_prefill_stride, decode_all=p.dsa_decode_lists)
-        self._rows("dsa_topk", layer, rank, keep, steps, fields)
-
-    def _reduce_kda_state(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
-                          fields: dict[str, torch.Tensor]) -> None:
-        keep = self._keep_items(items, self.policy.kda_every_tokens, decode_all=True, last=True)
-        self._rows("kda_norms", layer, rank, keep, steps, fields)
-
-    def _reduce_moe_route(self, layer: int, rank: int, items: list[Emission], steps: torch.Tensor,
-                          fields: dict[str, torch.Tensor]) -> None:
-        p = self.policy
-        experts, pos = fields["experts"], fields["positions"]
-        step = int(steps.max())
-        seg_of, modality_of = self._position_maps(int(pos.max()) + 1, experts.device)
-        at = pos.to(experts.device)
-        seg, modality = seg_of[at], modality_of[at]
-        n_seg = len(self.session.segments) or 1
-        self._pend("moe_counts", layer, rank, {"step": step, **reduce.moe_counts(
-            experts, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))}, "count")
-        self._pend("moe_rank_load", layer, rank,
-                   {"step": step, **reduce.moe_rank_load(experts, self.config.num_experts, self.ep_world)}, "tokens")
-        keep = self._keep_items(items, 0, decode_all=p.moe_decode_routes,
-                                window=(p.moe_window_every, p.moe_window_tokens))
-        self._rows("moe_routes", layer, rank, keep, steps, fields)
 
     # ---- session events --------------------------------------------------------------------------------
     def _on_event(self, event: str, payload: dict) -> None:
@@ -398,15 +340,6 @@ class Recorder:
         self._last_flush = time.monotonic()
 
 
-def _modality_names(cols: dict) -> dict:
-    cols["modality"] = np.asarray(MODALITIES, dtype=object)[cols["modality"]]
-    return cols
-
-
-# host-side conversions applied at flush (the writer casts numbers to the schema's types itself)
-_CONVERT = {"moe_counts": _modality_names}
-
-
 def _segment_json(seg: Segment) -> dict:
     """A segment of session.json; image segments carry `image` (width/height in pixels, patch_rows/
     patch_cols, grid_rows/grid_cols of the merged token grid, token_start/token_end, sha256, ...)."""
@@ -436,21 +369,24 @@ def _session_meta(session: Session, policy: RecordPolicy) -> dict:
 
 
 @contextlib.contextmanager
-def record(session: Session, *, trace: str | Path, dsa: bool = True, kda: bool = True, moe: bool = True,
-           policy: "str | RecordPolicy | dict | None" = "default", overwrite: bool = False) -> Iterator[Recorder]:
-    """Record the session's DSA selections, KDA state norms and expert routes into a trace directory.
+def record(session: Session, *, trace: str | Path, signals: Collection[str] | None = None,
+           policy: "str | RecordPolicy | dict | None" = "default", overwrite: bool = False,
+           dsa: bool | None = None, kda: bool | None = None, moe: bool | None = None) -> Iterator[Recorder]:
+    """Record the session's probe signals (DSA selections, KDA state norms, expert routes, ...) into a
+    trace directory.
 
     Args:
         session: the running `engine.session.Session`.
         trace: the trace directory (created; an existing trace is replaced only with overwrite=True).
-        dsa / kda / moe: which signal families to record.
+        signals: the signal families to record (`workbench.signals.registered()` names); default: all.
         policy: "default", "all", a `RecordPolicy`, a dict of fields or a JSON file (see `policy.py`).
+        dsa / kda / moe: deprecated alias of `signals`: False leaves that family out (kept for one release).
 
     Yields:
         the `Recorder` (its `writer`, `policy`, `rows_written`).
     """
     pol = load_policy(policy)
-    families = {name for name, on in (("dsa", dsa), ("kda", kda), ("moe", moe)) if on}
+    families = signal_families(signals, {"dsa": dsa, "kda": kda, "moe": moe})
     rank = int(getattr(getattr(session.model, "parallel", None), "rank", 0))
     writer = TraceWriter.create(trace, _session_meta(session, pol), overwrite=overwrite) if rank == 0 else None
     rec = Recorder(session, writer, pol, families)
@@ -475,6 +411,24 @@ def record(session: Session, *, trace: str | Path, dsa: bool = True, kda: bool =
                 if exc.errno != errno.ENOSPC:
                     raise
                 raise _disk_full(trace, writer, exc) from None
+
+
+def signal_families(signals: Collection[str] | None, flags: dict[str, bool | None] | None = None) -> list[str]:
+    """The registered families `signals` names (all of them for None), less those a deprecated boolean
+    flag turns off; an InputError names what is unknown. An empty choice records the token table only."""
+    known = registered()
+    if isinstance(signals, str):
+        signals = [signals]
+    chosen = list(known) if signals is None else list(dict.fromkeys(signals))
+    unknown = [name for name in chosen if not isinstance(name, str) or name not in known]
+    if unknown:
+        raise InputError(f"unknown signal famil{'y' if len(unknown) == 1 else 'ies'} {unknown} to record; "
+                         f"families are: {', '.join(known)}")
+    if any(on is not None for on in (flags or {}).values()):
+        warnings.warn("record(dsa=, kda=, moe=) is deprecated: pass signals=[...] (the families to record)",
+                      DeprecationWarning, stacklevel=4)
+    off = {name for name, on in (flags or {}).items() if on is not None and not on}
+    return [name for name in chosen if name not in off]
 
 
 def _disk_full(trace: str | Path, writer: TraceWriter, exc: OSError) -> TraceError:

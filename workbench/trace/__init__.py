@@ -13,5 +13,8 @@ from workbench.trace.reader import Trace, open_trace
 from workbench.trace.schema import SCHEMA_VERSION, TABLES, Column, TableSpec
 from workbench.trace.writer import TraceWriter, check_trace_target
 
+# the signal families' tables join TABLES when they register: whoever reads or writes a trace has them
+import workbench.signals  # noqa: E402,F401
+
 __all__ = ["SCHEMA_VERSION", "TABLES", "Column", "TableSpec", "Trace", "TraceCorruptError", "TraceError",
            "TraceVersionError", "TraceWriter", "check_trace_target", "open_trace"]

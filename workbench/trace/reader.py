@@ -33,8 +33,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.fileio import process_alive
-from workbench.analysis.dsa import rebin_counts
 from workbench.analysis.recorded import SETTINGS_KEY, settings_of_session, with_settings
+from workbench import signals
 from workbench.trace import part_checks
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
@@ -42,7 +42,7 @@ from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
 from workbench.trace.part_checks import (Part, check_strings, conform, read_footer, read_session,
                                          strings_as_dictionaries, valueless_columns)
-from workbench.trace.schema import MODALITIES, POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
+from workbench.trace.schema import POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
 
 _READ_ERRORS = (OSError, pa.ArrowException, ValueError)
 
@@ -75,9 +75,8 @@ class Trace:
         self._bounds = SessionBounds()
         self._cache: dict[Path, pa.Table] = {}
         self._sums: dict[str, DenseSums] = {
-            "dsa_key_counts": DenseSums(("layer",), "key_bin", "count"),
-            "moe_counts": DenseSums(("segment", "modality", "layer"), "expert", "count"),
-        }
+            table: DenseSums(sums.groups, sums.index, sums.value)
+            for family in signals.registered().values() for table, sums in family.running_sums.items()}
         self.refresh()
 
     def _problem(self, message: str, exc_type: type[TraceError] = TraceCorruptError) -> None:
@@ -416,6 +415,13 @@ class Trace:
                   if p.path not in self._bad and p.rows and "layer" in p.ranges]
         return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
 
+    def folded_sums(self, name: str) -> DenseSums:
+        """The running sums of a delta table a signal family declares (`SignalFamily.running_sums`), with
+        every current part folded in; the object itself (for the families' accessors; do not change it)."""
+        if name not in self._sums:
+            raise TraceError(f"table {name} has no running sums")
+        return self._fold(name)
+
     def _fold(self, name: str) -> DenseSums:
         sums = self._sums[name]
         spec = TABLES[name]
@@ -472,23 +478,7 @@ class Trace:
         (inclusive) restricts to deltas of those steps, e.g. the decode phase; without it the running
         sums are used, which cost only the parts added since the last call.
         """
-        if steps is None:
-            sums = self._fold("dsa_key_counts").total(by="layer")
-        else:
-            sums = DenseSums(("layer",), "key_bin", "count")
-            try:
-                sums.add("steps", self.table("dsa_key_counts", steps=steps, columns=["layer", "key_bin", "count"]))
-            except ValueError as exc:
-                raise TraceCorruptError(f"{self.path}: dsa_key_counts of steps {steps}: {exc}") from None
-            sums = sums.total(by="layer")
-        rows = sorted(sums) if layer is None else ([layer] if isinstance(layer, (int, np.integer)) else list(layer))
-        width = int(self.policy["dsa_bin_tokens"])
-        if end is None:
-            longest = max((len(v) for v in sums.values()), default=0) * width
-            end = max(int(self.session.get("tokens", 0)), longest, start + 1)
-        edges = np.linspace(start, end, bins + 1)
-        return np.stack([rebin_counts(sums.get(int(l), np.zeros(0, np.int64)), width, edges) for l in rows]) \
-            if rows else np.zeros((0, bins))
+        return signals.dsa.heatmap(self, layer, bins, start, end, steps)
 
     def kda_norm_matrix(self, layer: int, stat: str = "norm") -> tuple[np.ndarray, np.ndarray]:
         """KDA state statistic of one layer over positions: (positions int64 [P], values float32 [P, H]).
@@ -496,24 +486,7 @@ class Trace:
         `stat` is norm, max_abs, mean_decay, mean_beta, eff_rank, half_life or global_share. Rows are sorted by position; when a position
         was measured twice the later record wins.
         """
-        if stat not in ("norm", "max_abs", "mean_decay", "mean_beta", "eff_rank", "half_life", "global_share"):
-            raise TraceError(f"unknown KDA statistic {stat!r}")
-        table = self.table("kda_norms", [layer], ["position", stat])
-        table = table.filter(pc.is_valid(table[stat]))
-        positions = table["position"].to_numpy().astype(np.int64)
-        if len(positions) == 0:
-            return positions, np.zeros((0, 0), np.float32)
-        lists = table[stat].combine_chunks()
-        lengths = pc.list_value_length(lists).to_numpy()
-        if (lengths != lengths[0]).any():
-            raise TraceCorruptError(f"{self.path}: kda_norms.{stat} of layer {layer} has varying head counts")
-        values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float32)
-        values = values.reshape(len(positions), int(lengths[0]))
-        # stable sort, then keep the last record of each position
-        order = np.argsort(positions, kind="stable")
-        positions, values = positions[order], values[order]
-        last = np.append(positions[1:] != positions[:-1], True)
-        return positions[last], values[last]
+        return signals.kda.norm_matrix(self, layer, stat)
 
     def moe_counts_matrix(self, modality: str | None = None, segments: Sequence[int] | None = None,
                           layers: Sequence[int] | None = None) -> np.ndarray:
@@ -522,26 +495,15 @@ class Trace:
         Rows follow `layers` (default `trace.layers("moe_counts")`); `modality` is "text", "image" or
         None for both; `segments` restricts to segment ids.
         """
-        select: dict = {"segment": None if segments is None else list(segments),
-                        "modality": None if modality is None else [MODALITIES.index(modality)]}
-        per_layer = self._fold("moe_counts").total(select, by="layer")
-        rows = sorted(self.layers("moe_counts")) if layers is None else list(layers)
-        width = max([len(v) for v in per_layer.values()] + [int(self.session.get("model", {}).get("summary", {})
-                                                                 .get("num_experts", 0))])
-        out = np.zeros((len(rows), width), np.int64)
-        for i, layer in enumerate(rows):
-            vec = per_layer.get(layer)
-            if vec is not None:
-                out[i, :len(vec)] = vec
-        return out
+        return signals.moe.counts_matrix(self, modality, segments, layers)
 
     def topk_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
         """What each DSA layer read for the query at `position` (rows of dsa_topk, one per layer/record)."""
-        return self.table("dsa_topk", layers, positions=(position, position))
+        return signals.dsa.topk_for(self, position, layers)
 
     def routes_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
         """The experts each MoE layer chose for the token at `position` (rows of moe_routes)."""
-        return self.table("moe_routes", layers, positions=(position, position))
+        return signals.moe.routes_for(self, position, layers)
 
     def check(self) -> list[str]:
         """Decode every part once (not only footers); returns `problems` (raises instead when strict)."""

@@ -235,7 +235,8 @@ def _kind(t: pa.DataType) -> tuple[str, np.dtype]:
     return ("int" if pa.types.is_integer(t) else "float"), np.dtype(t.to_pandas_dtype())
 
 
-def _tags() -> tuple[Column, ...]:
+def signal_tags() -> tuple[Column, ...]:
+    """The tag columns every signal table starts with."""
     return (
         Column("layer", pa.int16(), "model layer index (0-based, as in config.json)", encoding="dict"),
         Column("step", pa.int32(), "session-wide forward counter: prefill chunk or decode step (monotone)",
@@ -244,9 +245,8 @@ def _tags() -> tuple[Column, ...]:
     )
 
 
-_LIST_I32 = pa.list_(pa.int32())
-_LIST_F16 = pa.list_(pa.float16())
-
+# every table of the format: the token table here, each signal family's tables added when
+# `workbench.signals` registers the family (the writer, the reader and export read this one dict)
 TABLES: dict[str, TableSpec] = {t.name: t for t in (
     TableSpec("tokens", "one row per token of the session (prompt, image patches and generated text)", (
         Column("position", pa.int32(), "sequence position", encoding="delta"),
@@ -259,83 +259,7 @@ TABLES: dict[str, TableSpec] = {t.name: t for t in (
         Column("patch_row", pa.int16(), "row of the patch in the image's token grid", True),
         Column("patch_col", pa.int16(), "column of the patch in the image's token grid", True),
     )),
-    TableSpec("dsa_topk", "full index list of one query on one DSA layer (decode steps, sampled prefill queries)", (
-        *_tags(),
-        Column("position", pa.int32(), "query position", encoding="delta", field="positions"),
-        Column("selected", _LIST_I32, "selected key positions, ascending", encoding="delta", field="indices"),
-        Column("scores", pa.list_(pa.float32()), "indexer scores aligned with selected", True, "bss", "scores"),
-    ), ragged_key="selected", ascending=True, cache=False, signal="dsa.topk"),
-    TableSpec("dsa_key_counts", "how often keys in a position bin were selected (delta); bin width is "
-              "policy.dsa_bin_tokens", (
-        *_tags(),
-        Column("key_bin", pa.int32(), "key position // policy.dsa_bin_tokens", encoding="delta"),
-        Column("count", pa.int64(), "selections of keys in the bin (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), cache=False, signal="dsa.topk"),
-    TableSpec("dsa_distance_hist", "read distances d = query - key, log2 bins (delta)", (
-        *_tags(),
-        Column("log2_bin", pa.int8(), "b such that floor(log2(d + 1)) == b", encoding="dict"),
-        Column("count", pa.int64(), "selections at that distance (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), signal="dsa.topk"),
-    TableSpec("dsa_segment_totals", "selections of keys inside each segment (delta)", (
-        *_tags(),
-        Column("segment", pa.int32(), "segment id of the selected keys", encoding="dict"),
-        Column("count", pa.int64(), "selections (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), signal="dsa.topk"),
-    TableSpec("dsa_sink", "attention-sink hits: queries that selected one of the first policy.sink_tokens "
-              "positions (delta)", (
-        *_tags(),
-        Column("position", pa.int32(), "last query position the delta covers", encoding="delta"),
-        Column("queries", pa.int32(), "queries (delta)", encoding="delta"),
-        Column("sink_hits", pa.int32(), "queries that selected at least one sink position (delta)",
-               encoding="delta"),
-    ), kind="delta", sums=("queries", "sink_hits"), maxes=("step", "position"), signal="dsa.topk"),
-    TableSpec("dsa_dense_mass", "fraction of the dense softmax mass inside the selected set (sampled queries)", (
-        *_tags(),
-        Column("position", pa.int32(), "query position", encoding="delta", field="positions"),
-        Column("mass", pa.float32(), "sum of dense attention probabilities over the selected keys", encoding="bss",
-               field="mass"),
-        Column("iou", pa.float32(), "IoU of the selection and the dense top-k (policy.dense_overlap)", True, "bss",
-               "iou"),
-        Column("recall", pa.float32(), "share of the dense top-k inside the selection", True, "bss", "recall"),
-    ), signal="dsa.dense_mass"),
-    TableSpec("kda_norms", "per-head KDA state statistics after a position (chunk boundaries, decode tokens)", (
-        *_tags(),
-        Column("position", pa.int32(), "position after which the state was measured", encoding="delta",
-               field="positions"),
-        Column("norm", _LIST_F16, "Frobenius norm of S, one per head", encoding="bss", field="norm"),
-        Column("max_abs", _LIST_F16, "max |S| per head", True, "bss", "max_abs"),
-        Column("mean_decay", _LIST_F16, "mean exp(g) per head over the interval", True, "bss", "mean_decay"),
-        Column("mean_beta", _LIST_F16, "mean beta per head over the interval", True, "bss", "mean_beta"),
-        Column("eff_rank", pa.list_(pa.float32()), "effective rank of S per head (policy.kda_rank_every; NaN "
-               "where not sampled)", True, "bss", "eff_rank"),
-        Column("half_life", pa.list_(pa.float32()), "median channel half-life ln2/-mean(g) per head (tokens)", True,
-               "bss", "half_life"),
-        Column("global_share", pa.list_(pa.float32()), "share of channels whose half-life exceeds the context",
-               True, "bss", "global_share"),
-    ), signal="kda.state"),
-    TableSpec("moe_routes", "routing of one token on one MoE layer (decode steps, sampled windows)", (
-        *_tags(),
-        Column("position", pa.int32(), "token position", encoding="delta", field="positions"),
-        Column("experts", pa.list_(pa.int16()), "logical expert ids, router order", field="experts"),
-        Column("weights", _LIST_F16, "combine weights aligned with experts", encoding="bss", field="weights"),
-        Column("entropy", pa.float32(), "entropy (nats) of the router distribution over all experts",
-               encoding="bss", field="entropy"),
-    ), ragged_key="experts", cache=False, signal="moe.route"),
-    TableSpec("moe_counts", "token slots routed to each expert, by segment and modality (delta)", (
-        *_tags(),
-        Column("segment", pa.int32(), "segment id of the routed tokens", encoding="dict"),
-        Column("modality", MODALITY_TYPE, "text or image", encoding="dict"),
-        Column("expert", pa.int16(), "logical expert id", encoding="delta"),
-        Column("count", pa.int64(), "token slots (delta)", encoding="delta"),
-    ), kind="delta", sums=("count",), maxes=("step",), cache=False, signal="moe.route"),
-    TableSpec("moe_rank_load", "routed token slots handled by each expert-parallel rank (delta)", (
-        *_tags(),
-        Column("ep_rank", pa.int16(), "expert-parallel rank that owns the experts", encoding="dict"),
-        Column("tokens", pa.int64(), "token slots (delta)", encoding="delta"),
-    ), kind="delta", sums=("tokens",), maxes=("step",), signal="moe.route"),
 )}
-
-SIGNAL_TABLES = tuple(name for name in TABLES if name != "tokens")
 
 
 def table_spec(name: str) -> TableSpec:

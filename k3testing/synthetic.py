@@ -11,7 +11,7 @@ performance and size tests (no model needed).
 - `trace_bytes(path)` and `project_bytes(...)`: measured size per table, and the size at full layer
   counts extrapolated from a run with every n-th layer (each layer's rows are drawn independently).
 
-`python -m workbench.trace.synthetic OUT --dims demo --tokens 131072` writes one and prints its size.
+`python -m k3testing.synthetic OUT --dims demo --tokens 131072` writes one and prints its size.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from workbench.trace.synthetic_signals import DSAModel, KDAModel, MoEModel, Window
+from k3testing.synthetic_signals import DSAModel, KDAModel, MoEModel, Window
 from workbench.trace.writer import TraceWriter
 
 _WORDS = np.array([f"{a}{b}" for a in ("▁the", "▁of", "▁mem", "▁to", "▁st", "▁att", "▁ent", "▁lay", "▁k", "▁ion",

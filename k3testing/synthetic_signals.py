@@ -1,4 +1,4 @@
-"""Vectorised signal models behind `workbench.trace.synthetic`: what DSA, KDA and MoE recorders would emit.
+"""Vectorised signal models behind `k3testing.synthetic`: what DSA, KDA and MoE recorders would emit.
 
 Each model draws its per-layer character once (local window, sink eviction, needle reading; KDA
 time constants and forgetful heads; expert popularity, image experts, a hot expert-parallel rank)
