@@ -42,12 +42,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3testing.synthetic import Dims, trace_bytes, write_synthetic_trace  # noqa: E402
 
-from apps.dashboard import shared_reducers
+from workbench.analysis.views import shared_reducers
 from workbench.trace import summary_cache
 from apps.dashboard.app import DashboardConfig, url
 from apps.dashboard.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
 from apps.dashboard.replay import TraceReplay
-from apps.dashboard.state import write_summaries
+from workbench.analysis.views.summaries import write_summaries
 
 
 def _trace(path: Path | None, work: Path, name: str, tokens: int, dims: Dims) -> Path:

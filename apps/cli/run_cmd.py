@@ -132,7 +132,7 @@ def overwrite_trace(args: argparse.Namespace) -> bool:
 def write_dashboard_summaries(trace: Path) -> None:
     """Reduce the finished trace for the dashboard now (seconds after a recording that took far longer),
     so its first page reads summaries instead of every part; a failure only costs that speed-up."""
-    from apps.dashboard.state import write_summaries  # Panel and Bokeh load only here
+    from workbench.analysis.views.summaries import write_summaries  # the reducers load only here
 
     started = time.perf_counter()
     try:

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_summarize(args: argparse.Namespace) -> int:
     from workbench.trace import summary_cache
-    from apps.dashboard.state import write_summaries  # Panel and Bokeh load only here
+    from workbench.analysis.views.summaries import write_summaries  # the reducers load only here
 
     trace = open_trace(args.trace)  # a missing or malformed trace: a TraceError, one line
     if trace.status != "complete":

@@ -43,12 +43,11 @@ from typing import Any, Callable
 import param
 from panel.io.document import hold
 
-from apps.dashboard import shared_reducers
-from workbench.trace import summary_cache
-from apps.dashboard.reducers import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
+from workbench.analysis.views import shared_reducers
+from workbench.analysis.views import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
                                      SessionMapReducer, ViewOptions)
-from apps.dashboard.reducers.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
-from apps.dashboard.reducers.session_map import MAX_GENERATED
+from workbench.analysis.views.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
+from workbench.analysis.views.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
 
 __all__ = ["MAX_BINS", "MAX_GENERATED", "MIN_BINS", "DashboardFrame", "DashboardState", "HeatMap", "TraceFollower",
@@ -296,25 +295,6 @@ class TraceFollower:
             wait(pending)  # the next refresh must not overlap a read
         if failure is not None:
             raise failure
-
-
-def write_summaries(path: str | Path) -> bool:
-    """Reduce a finished trace once and write its summaries into the trace directory (`summary_cache`).
-
-    `workbench run` calls it when a recording ends: the first dashboard page of that trace then reads
-    megabytes of summaries instead of every part (1M-token K3.1 Pro trace: 2.4 s to every view with
-    data instead of ~5 s), wherever the trace is copied to, since the summaries live inside it
-    (`<trace>/summaries/`). Returns False when summaries are off (`K3WB_DASHBOARD_CACHE=off`), the
-    trace is not complete, or it could not be read (the dashboard reports that when opened)."""
-    if summary_cache.cache_root() is None:
-        return False
-    follower = TraceFollower(path)
-    try:
-        with summary_cache.into_trace(path):
-            frame = follower.compute()
-    finally:
-        follower.stop(timeout=0)
-    return frame.error is None and frame.session.status == "complete"
 
 
 class DashboardState(param.Parameterized):

@@ -14,7 +14,7 @@ from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap, progress_text
-from apps.dashboard.reducers import SessionMapData
+from workbench.analysis.views import SessionMapData
 from apps.dashboard.state import DashboardState
 
 from tests.apps.conftest import HOSTILE
@@ -119,7 +119,7 @@ def test_token_text_is_escaped(hostile_trace: Path) -> None:
     for text in HOSTILE:
         assert text not in dsa.readout.object or text == "&amp;"
     assert "<script>" not in dsa.readout.object
-    from apps.dashboard.readout import escape_piece
+    from workbench.analysis.views.readout import escape_piece
     assert escape_piece(HOSTILE[0]) == html.escape(HOSTILE[0])
 
 

@@ -22,8 +22,8 @@ import pytest
 import workbench
 from apps.cli import main
 from apps.dashboard.app import Dashboard, DashboardConfig, create_app, side_by_side
-from apps.dashboard.reducers import DSADiffReducer, KDAHealthReducer, SessionMapReducer, ViewOptions
-from apps.dashboard.reducers.kda_health import NO_KDA
+from workbench.analysis.views import DSADiffReducer, KDAHealthReducer, SessionMapReducer, ViewOptions
+from workbench.analysis.views.kda_health_view import NO_KDA
 from apps.dashboard.replay import TraceReplay
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.state import DashboardState
@@ -219,7 +219,7 @@ def test_cli_compare_flag(tmp_path: Path) -> None:
 
 
 def test_health_series_stays_bounded_and_fills_missing_statistics() -> None:
-    from apps.dashboard.reducers.kda_health import MAX_POSITIONS, _LayerSeries
+    from workbench.analysis.views.kda_health_view import MAX_POSITIONS, _LayerSeries
 
     series = _LayerSeries()
     step = 64

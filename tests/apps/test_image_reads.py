@@ -15,7 +15,7 @@ from workbench.analysis import patch_reads
 
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.image_reads import ALL_LAYERS, ANSWER, TOKEN
-from apps.dashboard.reducers.image_reads import SCREEN_SIDE
+from workbench.analysis.views.image_reads_view import SCREEN_SIDE
 from apps.dashboard.state import DashboardState
 
 
@@ -164,8 +164,8 @@ def test_a_resumed_snapshot_still_shows_the_picture(tmp_path: Path) -> None:
 
 def test_answer_reads_come_back_from_the_summary_cache_equal(image_trace: Path, tmp_path: Path,
                                                               monkeypatch) -> None:
-    from apps.dashboard import shared_reducers
-    from apps.dashboard.reducers.image_reads import patch_reads_from_json, patch_reads_json
+    from workbench.analysis.views import shared_reducers
+    from workbench.analysis.views.image_reads_view import patch_reads_from_json, patch_reads_json
 
     def answer():  # a fresh server's first reduce of the trace: nothing shared, only the disk cache
         shared_reducers.forget_all()
@@ -181,7 +181,7 @@ def test_answer_reads_come_back_from_the_summary_cache_equal(image_trace: Path, 
     files = list((tmp_path / "cache").rglob("*.image_answer_reads.json"))
     assert len(files) == 1
     calls = []
-    monkeypatch.setattr("apps.dashboard.reducers.image_reads.patch_reads",
+    monkeypatch.setattr("workbench.analysis.views.image_reads_view.patch_reads",
                         lambda *a, **k: calls.append(1) or patch_reads(*a, **k))
     warm = answer()
     assert calls == []  # answered from the cache, no top-k rows read

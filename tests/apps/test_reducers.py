@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import workbench
-from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
+from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
                                      ViewOptions, part_feed)
-from apps.dashboard.reducers.part_feed import PartFeeds
+from workbench.analysis.views.part_feed import PartFeeds
 from apps.dashboard.state import TraceFollower
-from apps.dashboard.reducers.kda_state import from_the_start
+from workbench.analysis.views.kda_state import from_the_start
 from workbench.analysis import bin_mean, carry_forward, token_reads
 from workbench.trace.schema import TABLES, parquet_options
 

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from apps.dashboard import shared_reducers
+from workbench.analysis.views import shared_reducers
 from workbench.trace import summary_cache
-from apps.dashboard.reducers import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
+from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
                                      SessionMapReducer, ViewOptions)
 from apps.dashboard.state import TraceFollower
 from workbench.trace import open_trace
@@ -143,7 +143,7 @@ def test_summaries_written_by_the_recording_command_travel_with_the_trace(small_
     """`write_summaries` (what `workbench run` calls when a recording ends) puts them inside the trace; a copy
     of the trace opened elsewhere, with an empty user cache, reads them instead of the parts. Viewing a trace
     never writes into it."""
-    from apps.dashboard.state import write_summaries
+    from workbench.analysis.views.summaries import write_summaries
 
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
     viewed = tmp_path / "viewed"
@@ -187,7 +187,7 @@ def test_summaries_written_by_the_recording_command_travel_with_the_trace(small_
 
 def test_a_traces_summaries_folder_that_is_a_link_is_neither_read_nor_written(small_trace: Path, tmp_path: Path,
                                                                               monkeypatch) -> None:
-    from apps.dashboard.state import write_summaries
+    from workbench.analysis.views.summaries import write_summaries
 
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
     elsewhere = tmp_path / "elsewhere"

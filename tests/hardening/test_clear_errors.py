@@ -268,7 +268,7 @@ def test_demo_sizes_are_bounded_before_anything_is_built(capsys, argv: list[str]
 
 
 def test_cached_kda_health_with_unusable_rows_counts_as_absent() -> None:
-    from apps.dashboard.reducers.kda_health import _from_json
+    from workbench.analysis.views.kda_health_view import _from_json
 
     good_row = {"kind": "saturates", "rank": 1, "layer": 0, "head": 1, "position": 9, "half_life": None,
                 "segment_name": "doc"}

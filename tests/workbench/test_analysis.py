@@ -193,7 +193,7 @@ def test_heatmap_shows_the_needle(synthetic):
 def test_token_reads_show_chance_beside_marked_and_local_reads() -> None:
     import pyarrow as pa
 
-    from apps.dashboard.readout import reads_html
+    from workbench.analysis.views.readout import reads_html
     from workbench.analysis import TokenText, chance_of_hit, token_reads
 
     rows = pa.table({"layer": [3], "selected": pa.array([[0, 10, 11, 900, 990]], pa.list_(pa.int64()))})

@@ -14,7 +14,7 @@ import pytest
 
 import workbench
 from apps.cli import main
-from apps.dashboard.reducers import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
+from workbench.analysis.views import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
 from apps.dashboard.state import TraceFollower
 from engine.errors import InputError
 from workbench.captures import export_responses, import_capture, importer

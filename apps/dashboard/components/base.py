@@ -20,7 +20,7 @@ import panel as pn
 import param
 
 from apps.dashboard.components.text import HTMLText
-from apps.dashboard.reducers.base import same
+from workbench.analysis.views.base import same
 from apps.dashboard.state import DashboardState
 
 

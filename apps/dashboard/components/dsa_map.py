@@ -27,7 +27,7 @@ from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
 from apps.dashboard.components.text import HTMLText, set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from apps.dashboard.reducers import DSAMapData, HeatMap, SessionMapData
+from workbench.analysis.views import DSAMapData, HeatMap, SessionMapData
 
 
 class DSAMemoryMap(ViewComponent):

@@ -17,7 +17,7 @@ from bokeh.models import (Axis, ColorBar, ColumnDataSource, CustomJSHover, Fixed
 from bokeh.palettes import Inferno256, Viridis256
 from bokeh.plotting import figure
 
-from apps.dashboard.reducers import HeatMap
+from workbench.analysis.views import HeatMap
 
 SEGMENT_COLOURS = {"document": "#4c78a8", "turn": "#f58518", "image": "#54a24b", "generated": "#e45756"}
 

@@ -22,7 +22,7 @@ from workbench.analysis import PatchReads, format_patches
 
 from apps.dashboard.components.figures import trim
 from apps.dashboard.components.text import HTMLText, set_text, text_pane
-from apps.dashboard.reducers import ImageReadsData
+from workbench.analysis.views import ImageReadsData
 
 ALL_LAYERS = "all layers"
 TOKEN, ANSWER = "selected token", "whole answer"

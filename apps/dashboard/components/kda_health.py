@@ -26,7 +26,7 @@ from bokeh.plotting import figure
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
 from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
-from apps.dashboard.reducers import KDAHealthData, SessionMapData
+from workbench.analysis.views import KDAHealthData, SessionMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
 KIND_MARKERS = {"saturates": "triangle", "forgets": "inverted_triangle"}

@@ -19,7 +19,7 @@ from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, 
 from apps.dashboard.components.text import HTMLText, set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from apps.dashboard.reducers import SessionMapData
+from workbench.analysis.views import SessionMapData
 
 
 def progress_text(snap: SessionMapData) -> str:

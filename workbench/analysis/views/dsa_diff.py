@@ -25,8 +25,8 @@ import pandas as pd
 from workbench.analysis import bin_mean, read_changes, reads_vs_chance
 from workbench.trace import Trace, TraceError, open_trace
 
-from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.base import HeatMap, Reducer, ViewOptions
+from workbench.analysis.views.session_map import SessionMapData
 
 _COLUMNS = ["layer", "position", "selected"]
 

@@ -5,8 +5,8 @@
     feed.update(trace, sub)                          # reads the parts `sub` has not seen, once for everyone
 
 Why: the KDA state view and the KDA health view both fold every part of `kda_norms` (the largest
-table of a long trace: ~190 MB at 1M tokens on K3.1 Pro), and each used to decode every part on its
-own; the Parquet decoding of the per-head lists was most of each view's first open. Now the first of
+table of a long trace), and the Parquet decoding of the per-head lists is most of each view's first
+open if each decodes every part on its own. So the first of
 them to ask reads each new part once, with the columns both need, and hands it to every subscriber
 that has not seen it. Each digest gets the part as a `DecodedPart`: its table, and its list columns
 as float32 matrices converted once for all subscribers (both KDA views need every head's `norm`).
@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from workbench.trace import Trace
 
-from apps.dashboard.reducers.list_columns import list_matrix
+from workbench.analysis.views.list_columns import list_matrix
 
 
 class DecodedPart:
@@ -106,7 +106,7 @@ class PartFeed:
                 return [(s, s.digest(part)) for s in self._subs if path not in s.seen]
 
             # decoding and the digests release the GIL: on two cores, two threads overlap one part's
-            # decoding with the previous part's digest (1.96 -> 1.29 s for kda_norms of the 1M trace)
+            # decoding with the previous part's digest
             workers = min(4, max(2, (os.cpu_count() or 1) - 2), len(new))
             with ThreadPoolExecutor(workers, thread_name_prefix=f"feed-{self.table}") as pool:
                 # a few parts ahead, no more: a digest can be large (the health view's per-head matrices

@@ -15,7 +15,7 @@ from typing import Any, Callable, Generic, TypeVar
 import numpy as np
 
 from workbench.trace import summary_cache
-from apps.dashboard.reducers.part_feed import PartFeeds
+from workbench.analysis.views.part_feed import PartFeeds
 
 MAX_BINS = 2048
 MIN_BINS = 64

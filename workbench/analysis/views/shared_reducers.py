@@ -5,8 +5,8 @@
 
 Why: a reducer's expensive part is folding the trace's parts in (the DSA and expert running sums, the
 KDA norms, the health series); what a view asks for (bins, a layer, a token) is cheap on top of it.
-Each page that opened a trace used to fold it again from scratch, so a reload, a second viewer or a
-second tab of a 1M-token trace paid the whole read again while the page waited. Shared, the second
+Folded per page, a reload, a second viewer or a second tab of a long trace would pay the whole
+read again while the page waited. Shared, the second
 page gets the already reduced data at once (`Reducer.memo` answers from what the first computed).
 
 The reducers are not thread-safe: a follower holds `lock` for a whole poll (refresh, then reduce),
@@ -22,8 +22,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from apps.dashboard.reducers import VIEW_REDUCERS, DSADiffReducer, Reducer, SessionMapReducer
-from apps.dashboard.reducers.part_feed import PartFeeds
+from workbench.analysis.views import VIEW_REDUCERS, DSADiffReducer, Reducer, SessionMapReducer
+from workbench.analysis.views.part_feed import PartFeeds
 from workbench.trace import TABLES, Trace
 
 KEEP_RELEASED = 1  # traces without a user that stay folded (most recently released first out last)

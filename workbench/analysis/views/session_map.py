@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from workbench.analysis import TokenText
 from workbench.trace import Trace
 
-from apps.dashboard.reducers.base import Reducer, ViewOptions
+from workbench.analysis.views.base import Reducer, ViewOptions
 
 MAX_GENERATED = 1000  # generated tokens sent to the browser (the newest ones)
 

@@ -22,11 +22,11 @@ import numpy as np
 from workbench.analysis import expected_key_selections, queries_per_position, token_reads
 from workbench.trace import Trace
 
-from apps.dashboard.readout import reads_html
-from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
-from apps.dashboard.reducers.image_reads import ImageReadsData, ImageReadsReducer
-from apps.dashboard.reducers.part_feed import PartFeeds
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.readout import reads_html
+from workbench.analysis.views.base import CachedSums, HeatMap, Reducer, ViewOptions
+from workbench.analysis.views.image_reads_view import ImageReadsData, ImageReadsReducer
+from workbench.analysis.views.part_feed import PartFeeds
+from workbench.analysis.views.session_map import SessionMapData
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,10 +23,10 @@ from workbench.analysis import bin_mean, carry_forward
 from workbench.trace import Trace
 
 from workbench.trace import summary_cache
-from apps.dashboard.reducers.base import HeatMap, Reducer, ViewOptions
-from apps.dashboard.reducers.list_columns import flat_lists
-from apps.dashboard.reducers.part_feed import DecodedPart, PartFeed, PartFeeds
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.base import HeatMap, Reducer, ViewOptions
+from workbench.analysis.views.list_columns import flat_lists
+from workbench.analysis.views.part_feed import DecodedPart, PartFeed, PartFeeds
+from workbench.analysis.views.session_map import SessionMapData
 
 _COLUMNS = ["layer", "position", "norm"]
 

@@ -22,8 +22,8 @@ from workbench.trace import Trace, TraceError
 from workbench.trace.thumbnail import read_thumbnail
 
 from workbench.trace import summary_cache
-from apps.dashboard.reducers.base import Reducer
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.base import Reducer
+from workbench.analysis.views.session_map import SessionMapData
 
 # longest side, in screen pixels, of the picture sent to the browser
 SCREEN_SIDE = 360
@@ -123,7 +123,7 @@ class ImageReadsReducer(Reducer[ImageReadsData]):
 
 def _answer_reads(trace: Trace, tokens, image_id: int, grid: tuple[int, int], span: tuple[int, int]) -> PatchReads:
     """`patch_reads` over the answer's queries; a finished trace's result is kept in the summary cache
-    (reading the answer's top-k rows was most of a warm reopen of the 1M trace: ~1.5 s)."""
+    (reading the answer's top-k rows is most of a warm reopen of a long trace)."""
     cache_key = summary_cache.key(trace, ("dsa_topk", "tokens"), [image_id, list(grid), list(span)])
     cached = patch_reads_from_json(summary_cache.load_json(cache_key, "image_answer_reads"), image_id, grid)
     if cached is not None:
@@ -163,6 +163,6 @@ def patch_reads_from_json(value: object, image_id: int, grid: tuple[int, int]) -
 
 def _image_tokens(trace: Trace):
     """Image rows of the token table (position, image_id, patch_row, patch_col)."""
-    # filtered in Arrow: a 1M-token table's modality column turned into Python strings took 0.13 s
+    # filtered in Arrow: a long table's modality column turned into Python strings is slow
     tok = trace.table("tokens", columns=["position", "modality", "image_id", "patch_row", "patch_col"])
     return tok.filter(pc.equal(tok["modality"].cast(pa.string()), "image")).to_pandas()

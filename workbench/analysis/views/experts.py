@@ -15,9 +15,9 @@ import numpy as np
 
 from workbench.trace import Trace
 
-from apps.dashboard.reducers.base import CachedSums, HeatMap, Reducer, ViewOptions
-from apps.dashboard.reducers.part_feed import PartFeeds
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.base import CachedSums, HeatMap, Reducer, ViewOptions
+from workbench.analysis.views.part_feed import PartFeeds
+from workbench.analysis.views.session_map import SessionMapData
 
 
 @dataclass(frozen=True, eq=False)

@@ -31,9 +31,9 @@ from workbench.analysis import health_of_layers, heads_at_risk
 from workbench.trace import Trace
 
 from workbench.trace import summary_cache
-from apps.dashboard.reducers.base import Reducer, ViewOptions
-from apps.dashboard.reducers.part_feed import DecodedPart, PartFeeds
-from apps.dashboard.reducers.session_map import SessionMapData
+from workbench.analysis.views.base import Reducer, ViewOptions
+from workbench.analysis.views.part_feed import DecodedPart, PartFeeds
+from workbench.analysis.views.session_map import SessionMapData
 
 TOP_HEADS = 8  # heads listed per kind ("saturates", "forgets")
 MAX_POSITIONS = 2048  # measurements kept per layer before thinning (see the module docstring)
