@@ -17,7 +17,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, position_format, segment_starts, trim
-from apps.dashboard.reducers import KDAStateData, SessionMapData
+from workbench.analysis.views import KDAStateData, SessionMapData
 
 
 class KDAStateView(ViewComponent):
