@@ -1,4 +1,5 @@
-"""The six questions of the workbench spec (section 6), each one call on a trace: a frame and one line.
+"""The six questions of the workbench spec (section 6), each one call on a trace: a frame and one line,
+and a seventh where the trace holds measured effects (issue 30): which memory did the answer depend on?
 
     trace = workbench.open_trace("traces/demo")
     for name, answer in ask_all(trace).items():
@@ -22,6 +23,7 @@ from workbench.analysis.image_reads import format_patches, patch_reads
 from workbench.analysis.kda_health import heads_at_risk, memory_health
 from workbench.analysis.moe import modality_divergence, rank_load_balance
 from workbench.trace import Trace
+from workbench.trace.effects_table import read_effects
 
 
 @dataclass
@@ -165,12 +167,35 @@ def dense_mass_kept(trace: Trace) -> Answer:
     return Answer(summary, f"Q6 top-{_topk(trace)} keeps of dense mass: {line}")
 
 
+def memory_dependence(trace: Trace) -> Answer:
+    """Q7: which memory did the answer depend on? From the trace's effects table (`effects.parquet`:
+    the demo's causal check, or an attribution sweep written with `write_effects`): per checked answer,
+    the switch-off that lowered the target's log-probability most, beside its same-size controls."""
+    effects = read_effects(trace)
+    if effects is None or not len(effects):
+        return Answer(pd.DataFrame(), "Q7 memory: no effects measured in this trace (`workbench demo` writes its "
+                                      "causal check there; `workbench.trace.effects_table.write_effects` an attribution)")
+    ranked = effects.sort_values("effect", kind="stable")
+    parts = []
+    for name, rows in ranked.groupby("check_name", sort=False):
+        r = rows.iloc[0]
+        what = r["segment"] if isinstance(r["segment"], str) else f"experts {r['experts']}"
+        how = f"{r['op']} {what}, layer {r['layer']}" + (f", heads {r['heads']}" if isinstance(r["heads"], str) else "")
+        control = (f"control {r['control_mean']:+.2f}" if r["controls"] == 1 else
+                   f"control {r['control_mean']:+.2f} [{r['control_min']:+.2f}, {r['control_max']:+.2f}] over {r['controls']}")
+        beyond = r["effect"] < r["control_min"]
+        verdict = "" if beyond else "; not below its controls: no switch-off lowered it more than a random one"
+        parts.append(f"{name} ({r['target']!r}, log p {r['plain']:.2f}): {how}: {r['effect']:+.2f} nats "
+                     f"({control}){verdict}")
+    return Answer(ranked.reset_index(drop=True), "Q7 memory the answer depended on: " + "; ".join(parts))
+
+
 QUESTIONS = {"needle": needle_readers, "sink": sink_readers, "image": image_reads, "kda": kda_heads,
-             "experts": expert_routing, "dense_mass": dense_mass_kept}
+             "experts": expert_routing, "dense_mass": dense_mass_kept, "memory": memory_dependence}
 
 
 def ask_all(trace: Trace) -> dict[str, Answer]:
-    """All six answers (defaults for each); a question the trace cannot answer says why in its line."""
+    """All the answers (defaults for each); a question the trace cannot answer says why in its line."""
     out = {}
     for name, fn in QUESTIONS.items():
         try:

@@ -140,3 +140,15 @@ def check_lines(check: CausalCheck) -> list[str]:
         change = "" if r.hidden is None else f" ({r.logprob - plain:+.2f})"
         lines.append(f"  {r.label:<{width}}  {r.answer!r} - {verdict}, log p {r.logprob:.2f}{change}")
     return lines
+
+
+def effects_rows(check: CausalCheck) -> list[dict]:
+    """The check as rows of the trace's effects table (`workbench.trace.effects_table`): each
+    switch-off's change of log p beside the control's."""
+    from workbench.trace.effects_table import effect_row
+
+    plain = check.rows[0].logprob
+    controls = [r.logprob - plain for r in check.rows if r.control]
+    return [effect_row(check.subject, check.expected, "dsa.hide", effect=r.logprob - plain, controls=controls,
+                       plain=plain, segment=check.subject, span=r.hidden, layer=r.layers, fork_at=check.fork_at)
+            for r in check.rows[1:] if not r.control]

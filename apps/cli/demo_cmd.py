@@ -234,6 +234,11 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                                                 key=IMAGE_ATTRIBUTE, style="key", expected=found["image"]["expected"],
                                                 span=image, region=region, readers=found["image"]["readers"]))
         found["causal_seconds"] = time.perf_counter() - started - elapsed
+        from apps.cli.demo_causal import effects_rows
+        from workbench.trace.effects_table import write_effects
+
+        # `workbench questions` answers "which memory did the answer depend on?" from these rows
+        write_effects(trace, [row for check in found["causal"] for row in effects_rows(check)])
     return found
 
 

@@ -1,4 +1,5 @@
-"""`workbench questions TRACE`: the six questions of the spec (section 6) answered from one trace."""
+"""`workbench questions TRACE`: the six questions of the spec (section 6) answered from one trace, and which
+memory the answer depended on where the trace holds measured effects (`effects.parquet`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _span(text: str | None) -> tuple[int, int] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("questions", help="answer the six inspector questions from a trace (figures beside chance)")
+    p = sub.add_parser("questions", help="answer the inspector questions from a trace (figures beside chance; which memory "
+                       "the answer depended on where effects were measured)")
     p.add_argument("trace", type=Path, help="trace directory")
     p.add_argument("--needle", help="needle key positions START:END (default: a demo trace's planted needle)")
     p.add_argument("--answer", help="query positions START:END of the answer (default: the last generated segment)")

@@ -64,6 +64,11 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     assert f"[{start}, {end}) hidden" in needle_check[0] and "nothing hidden" in needle_check[2]
     assert any("hidden from every DSA layer" in line for line in needle_check)
     assert any(line.strip().startswith("control [") for line in needle_check)
+    # ... and its rows in the trace's effects table, for `workbench questions`
+    from workbench.trace.effects_table import read_effects
+
+    effects = read_effects(trace)
+    assert set(effects["check_name"]) == {"needle", "picture"} and (effects["controls"] == 1).all()
 
 
 def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
