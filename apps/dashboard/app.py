@@ -37,6 +37,7 @@ from apps.dashboard.session_runner import SessionRunner, find_models
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.spare import SpareDashboard
 from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
+from apps.dashboard.views import VIEWS, view_options, view_reducers
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto
 FIGURE_CHROME_PX = 140
@@ -120,7 +121,9 @@ class Dashboard(pn.viewable.Viewer):
         path = trace if trace is not None else config.trace
         bins = {"bins": _screen_bins[-1]} if _screen_bins else {}
         super().__init__(state=DashboardState(path, interval=config.interval, root=config.root, compare=compare,
-                                              **bins), **params)
+                                              reducers=view_reducers(), view_options=view_options(), **bins),
+                         **params)
+        self._views: dict[str, Any] = {}
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -139,23 +142,32 @@ class Dashboard(pn.viewable.Viewer):
         self._gate: PageGate | None = None
         self._show_status()
 
-    # the other views are built on first use (`views()`); a notebook cell showing only the session map
-    # never builds them
-    @cached_property
+    def view(self, name: str) -> Any:
+        """The component of the view registered as `name` (`views.VIEWS`), built on first use: a notebook
+        cell showing only the session map never builds the others."""
+        if name not in self._views:
+            self._views[name] = VIEWS[name].component(self)
+        return self._views[name]
+
+    def built_views(self) -> list[str]:
+        """Names of the views whose components were built so far."""
+        return list(self._views)
+
+    @property
     def dsa(self) -> DSAMemoryMap:
-        return DSAMemoryMap(state=self.state)
+        return self.view("dsa")
 
-    @cached_property
+    @property
     def kda(self) -> KDAStateView:
-        return KDAStateView(state=self.state)
+        return self.view("kda")
 
-    @cached_property
+    @property
     def experts(self) -> ExpertsView:
-        return ExpertsView(state=self.state)
+        return self.view("experts")
 
-    @cached_property
+    @property
     def health(self) -> KDAHealthView:
-        return KDAHealthView(state=self.state, session_map=self.session_map)
+        return self.view("health")
 
     @cached_property
     def diff(self) -> DSADiffView:
@@ -221,7 +233,7 @@ class Dashboard(pn.viewable.Viewer):
         per view, and a relayout of the whole page for each, which was most of the time to the last
         view drawn (benchmarks/bench_dashboard.py).
         """
-        lower = [getattr(self, n) for n in ("dsa", "kda", "health", "experts")]
+        lower = [self.view(n) for n in VIEWS]
         return [self.probe, self.alert, self.session_map, *lower]
 
     def __panel__(self) -> pn.viewable.Viewable:

@@ -21,9 +21,18 @@ from typing import Any, Iterator, Sequence
 import panel as pn
 
 from apps.dashboard.app import Dashboard, DashboardConfig
+from apps.dashboard.views import VIEWS
 
-# the names `show(views=...)` accepts -> the Dashboard attribute holding that view
-VIEWS = {"session": "session_map", "dsa": "dsa", "kda": "kda", "experts": "experts"}
+
+
+def view_names() -> list[str]:
+    """The names `show(views=...)` accepts: the session map and every registered view (`views.VIEWS`)."""
+    return ["session", *VIEWS]
+
+
+def default_views() -> list[str]:
+    """What `show()` shows when no views are named."""
+    return ["session", *(n for n, spec in VIEWS.items() if spec.notebook)]
 
 
 def _load_extension() -> None:
@@ -167,10 +176,10 @@ class InlineView(pn.viewable.Viewer):
 
     def __init__(self, trace: str | Path, views: Sequence[str] | None = None, *, refresh_ms: int = 300,
                  interval: float = 0.5, **params: Any) -> None:
-        names = list(VIEWS) if views is None else list(views)
-        unknown = [n for n in names if n not in VIEWS]
+        names = default_views() if views is None else list(views)
+        unknown = [n for n in names if n not in view_names()]
         if unknown or not names:
-            raise ValueError(f"views must be a non-empty list of {', '.join(VIEWS)}; got {names}")
+            raise ValueError(f"views must be a non-empty list of {', '.join(view_names())}; got {names}")
         super().__init__(**params)
         config = DashboardConfig(trace=Path(trace), drive=False, refresh_ms=refresh_ms, interval=interval)
         self.dashboard = NotebookDashboard(config)
@@ -186,7 +195,7 @@ class InlineView(pn.viewable.Viewer):
         if self._layout is None:
             dash = self.dashboard
             dash.start(sync=True)
-            views = [getattr(dash, VIEWS[n]) for n in self.names]
+            views = [dash.session_map if n == "session" else dash.view(n) for n in self.names]
             self._layout = pn.Column(dash.probe, dash.alert, dash.source, *views, sizing_mode="stretch_width",
                                      css_classes=["k3-inline"])
             dash.layout = self._layout

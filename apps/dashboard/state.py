@@ -36,16 +36,16 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import param
 from panel.io.document import hold
 
 from workbench.analysis.views import shared_reducers
 from workbench.analysis.views import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
-                                     SessionMapReducer, ViewOptions)
+                                     Reducer, SessionMapReducer, ViewOptions)
 from workbench.analysis.views.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
 from workbench.analysis.views.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
@@ -72,6 +72,14 @@ class DashboardFrame:
     experts: ExpertsData = ExpertsData()
     health: KDAHealthData = KDAHealthData()
     diff: DSADiffData = DSADiffData()  # filled only when the follower compares with a second trace
+    more: Mapping[str, Any] = field(default_factory=dict)  # data of views registered beside the built-in ones
+
+    def view(self, name: str) -> Any:
+        """The data of the view registered as `name` (None before its first reduction)."""
+        return getattr(self, name) if name in _FRAME_FIELDS else self.more.get(name)
+
+
+_FRAME_FIELDS = {f.name for f in dataclasses.fields(DashboardFrame)} - {"more"}
 
 
 def relative_to_root(text: str, root: str | Path | None) -> str:
@@ -113,18 +121,21 @@ class TraceFollower:
     """
 
     def __init__(self, path: str | Path, *, interval: float = 0.5, maxsize: int = 2,
-                 root: str | Path | None = None, compare: str | Path | None = None) -> None:
+                 root: str | Path | None = None, compare: str | Path | None = None,
+                 reducers: Mapping[str, type[Reducer]] | None = None,
+                 view_options: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.root = root
         self.interval = interval
         self.queue: queue.Queue[DashboardFrame] = queue.Queue(maxsize=maxsize)
-        self._options = ViewOptions()
+        self._options = ViewOptions(extra=dict(view_options or {}))
         self._wake = threading.Event()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         # the trace and its reducers are shared with the other sessions following it (`shared_reducers`)
         self._shared = shared_reducers.acquire(self.path, compare,
-                                               relative_to_root(str(compare), root) if compare is not None else None)
+                                               relative_to_root(str(compare), root) if compare is not None else None,
+                                               reducers)
         self._released = False
         # on two cores, reducer threads would only take the GIL from the server's event loop while it sends
         # the page: there the views are reduced one after another (each still published as it is ready)
@@ -150,6 +161,9 @@ class TraceFollower:
         """Replace view options (atomic swap of a frozen dataclass) and wake the thread."""
         if "bins" in changes:
             changes["bins"] = clamp_bins(changes["bins"])
+        extra = {k: changes.pop(k) for k in list(changes) if k in self._options.extra}
+        if extra:
+            changes["extra"] = {**self._options.extra, **extra}
         self._options = dataclasses.replace(self._options, **changes)
         self._wake.set()
 
@@ -218,6 +232,9 @@ class TraceFollower:
                 changes[key] = relative_to_root(changes[key], self.root)
         if "problems" in changes:
             changes["problems"] = tuple(relative_to_root(p, self.root) for p in changes["problems"])
+        more = {k: changes.pop(k) for k in list(changes) if k not in _FRAME_FIELDS}
+        if more:
+            changes["more"] = {**self._last.more, **more}
         self._last = dataclasses.replace(self._last, seq=self._last.seq + 1, **changes)
         return self._last
 
@@ -268,7 +285,7 @@ class TraceFollower:
             names = list(views)
             for i, name in enumerate(names):
                 data = views[name].reduce(trace, opts, session)
-                if data is not getattr(self._last, name):
+                if data is not self._last.view(name):
                     frame = self._next(**{name: data})
                     if partial is not None and i < len(names) - 1:
                         partial(frame)
@@ -287,7 +304,7 @@ class TraceFollower:
                         failure = failure or exc
                         continue
                     name = futures[future]
-                    if data is not getattr(self._last, name):
+                    if data is not self._last.view(name):
                         frame = self._next(**{name: data})
                         if partial is not None and pending:
                             partial(frame)
@@ -312,8 +329,11 @@ class DashboardState(param.Parameterized):
     bins = param.Integer(default=800, bounds=(MIN_BINS, MAX_BINS), doc="screen bins of the position axes")
 
     def __init__(self, path: str | Path | None = None, *, interval: float = 0.5, root: str | Path | None = None,
-                 compare: str | Path | None = None, **params: Any) -> None:
+                 compare: str | Path | None = None, reducers: Mapping[str, type[Reducer]] | None = None,
+                 view_options: Mapping[str, Any] | None = None, **params: Any) -> None:
         super().__init__(**params)
+        self.reducers = reducers  # the views the follower reduces (None: the built-in ones)
+        self.view_options = view_options
         self.interval = interval
         self.root = root
         self.compare = compare  # a second trace whose DSA reads the follower compares (frame.diff)
@@ -325,7 +345,8 @@ class DashboardState(param.Parameterized):
         """Follow another trace directory (stops the previous follower)."""
         if self.follower is not None:
             self.follower.stop(timeout=0)
-        self.follower = TraceFollower(path, interval=self.interval, root=self.root, compare=self.compare)
+        self.follower = TraceFollower(path, interval=self.interval, root=self.root, compare=self.compare,
+                                      reducers=self.reducers, view_options=self.view_options)
         self.follower.set_options(bins=self.bins, position=self.position)
         self.trace_path = relative_to_root(str(path), self.root)
         self.position = None

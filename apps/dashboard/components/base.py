@@ -61,7 +61,9 @@ class ViewComponent(pn.viewable.Viewer):
     def _apply(self) -> None:
         frame = self.state.frame
         session = frame.session
-        data = getattr(frame, self.view) if self.view else None
+        data = frame.view(self.view) if self.view else None
+        if self.view and data is None:
+            return  # a registered view not reduced yet (the built-in ones start from empty data)
         shown_session, shown_data = self._shown
         changed = changed_fields(shown_session, session)
         if data is not None:

@@ -9,8 +9,8 @@ not read every part of `dsa_key_counts` / `moe_counts` again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Generic, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,12 @@ class ViewOptions:
     moe_layer: int | None = None  # layer of the text-vs-image bars (None: all layers)
     position: int | None = None  # selected token (DSA read-out, routes)
     image_id: int | None = None  # image segment drawn in the DSA map (None: the latest image)
+    # options a view registered beside the built-in ones declares (apps/dashboard/views.py), by name
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A registered view's own option (`extra`), or `default` when no view declares it."""
+        return self.extra.get(name, default)
 
 
 def clamp_bins(bins: int) -> int:

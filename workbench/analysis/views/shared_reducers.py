@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Mapping
 
 from workbench.analysis.views import VIEW_REDUCERS, DSADiffReducer, Reducer, SessionMapReducer
 from workbench.analysis.views.part_feed import PartFeeds
@@ -32,14 +33,15 @@ KEEP_RELEASED = 1  # traces without a user that stay folded (most recently relea
 class SharedReducers:
     """A trace opened once, with its session-map reducer and its views' reducers."""
 
-    def __init__(self, key: tuple, path: Path, compare: Path | None, compare_label: str | None) -> None:
+    def __init__(self, key: tuple, path: Path, compare: Path | None, compare_label: str | None,
+                 reducers: Mapping[str, type[Reducer]] | None = None) -> None:
         self.key = key
         self.path = path
         self.lock = threading.Lock()
         self.trace: Trace | None = None
         self.session = SessionMapReducer()
         feeds = PartFeeds()  # a table two views fold (kda_norms) is read once for both
-        self.views: dict[str, Reducer] = {name: cls(feeds) for name, cls in VIEW_REDUCERS.items()}
+        self.views: dict[str, Reducer] = {name: cls(feeds) for name, cls in (reducers or VIEW_REDUCERS).items()}
         if compare is not None:
             self.views["diff"] = DSADiffReducer(compare, compare_label or str(compare))
         self.users = 0
@@ -73,20 +75,24 @@ _released: OrderedDict[tuple, SharedReducers] = OrderedDict()
 _guard = threading.Lock()
 
 
-def _key(path: str | Path, compare: str | Path | None) -> tuple:
-    return (str(Path(path).absolute()), None if compare is None else str(Path(compare).absolute()))
+def _key(path: str | Path, compare: str | Path | None, reducers: Mapping[str, type[Reducer]] | None) -> tuple:
+    views = None if reducers is None else tuple((name, cls) for name, cls in reducers.items())
+    return (str(Path(path).absolute()), None if compare is None else str(Path(compare).absolute()), views)
 
 
-def acquire(path: str | Path, compare: str | Path | None = None, compare_label: str | None = None) -> SharedReducers:
-    """The shared reducers of `path` (compared with `compare`), created when no session holds them."""
-    key = _key(path, compare)
+def acquire(path: str | Path, compare: str | Path | None = None, compare_label: str | None = None,
+            reducers: Mapping[str, type[Reducer]] | None = None) -> SharedReducers:
+    """The shared reducers of `path` (compared with `compare`), created when no session holds them;
+    `reducers` (view name -> reducer class, in run order) defaults to the built-in views."""
+    key = _key(path, compare, reducers)
     with _guard:
         shared = _held.get(key)
         if shared is None:
             shared = _released.pop(key, None)
             shared = shared if shared is not None and shared.unchanged() else None
         if shared is None:
-            shared = SharedReducers(key, Path(path), None if compare is None else Path(compare), compare_label)
+            shared = SharedReducers(key, Path(path), None if compare is None else Path(compare), compare_label,
+                                    reducers)
         shared.users += 1
         _held[key] = shared
         return shared

@@ -1,0 +1,74 @@
+"""The one registry of dashboard views: name, reducer, component and the options the view adds.
+
+    register_view(ViewSpec(name, reducer, component, options))   a new view: one line, nothing else
+    VIEWS                                                      name -> ViewSpec, in page order
+
+A view is a pure reducer (`workbench.analysis.views`: `cls(feeds).reduce(trace, options, session)`)
+and a component (`components/`, a `ViewComponent` whose `view` is the registered name). The follower
+reduces every registered view into the frame (`DashboardFrame.view(name)`), the served page and
+`workbench.show` place the components in registry order, and the options a view declares are
+accepted by `DashboardState.set_options` (read back with `ViewOptions.get`). The session map is
+every view's context: always reduced, it has no reducer entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from apps.dashboard.components.base import ViewComponent
+from apps.dashboard.components.dsa_map import DSAMemoryMap
+from apps.dashboard.components.experts import ExpertsView
+from apps.dashboard.components.kda_health import KDAHealthView
+from apps.dashboard.components.kda_state import KDAStateView
+from workbench.analysis.views import VIEW_REDUCERS, Reducer
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """One view. `component(dashboard)` builds its component for one dashboard (it may use the
+    dashboard's state and session map); `options` are the view's own options with their defaults;
+    `notebook` says whether `workbench.show()` shows it when no views are named."""
+
+    name: str
+    reducer: type[Reducer]
+    component: Callable[[Any], ViewComponent]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    notebook: bool = True
+
+
+VIEWS: dict[str, ViewSpec] = {}
+# names that cannot be views: the frame's own fields and the session map (every view's context)
+_RESERVED = {"seq", "path", "error", "problems", "session", "diff", "more"}
+
+
+def register_view(spec: ViewSpec) -> ViewSpec:
+    """Add a view (after the registered ones on the page); returns it. A name already taken is an error."""
+    if not spec.name.isidentifier() or spec.name in _RESERVED or spec.name in VIEWS:
+        raise ValueError(f"view name {spec.name!r} is taken or not an identifier")
+    VIEWS[spec.name] = spec
+    return spec
+
+
+def unregister_view(name: str) -> None:
+    """Remove a view (tests)."""
+    VIEWS.pop(name, None)
+
+
+def view_reducers() -> dict[str, type[Reducer]]:
+    """The registered views' reducers in the order the follower runs them: the built-in views in their
+    run order (cheapest first, `workbench.analysis.views.VIEW_REDUCERS`), then the others."""
+    first = [n for n in VIEW_REDUCERS if n in VIEWS]
+    return {n: VIEWS[n].reducer for n in first + [n for n in VIEWS if n not in first]}
+
+
+def view_options() -> dict[str, Any]:
+    """Defaults of every registered view's own options."""
+    return {k: v for spec in VIEWS.values() for k, v in spec.options.items()}
+
+
+register_view(ViewSpec("dsa", VIEW_REDUCERS["dsa"], lambda dash: DSAMemoryMap(state=dash.state)))
+register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(state=dash.state)))
+register_view(ViewSpec("health", VIEW_REDUCERS["health"],
+                       lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
+register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
