@@ -45,8 +45,8 @@ from k3testing.synthetic import Dims, trace_bytes, write_synthetic_trace  # noqa
 from workbench.analysis.views import shared_reducers
 from workbench.trace import summary_cache
 from apps.dashboard.app import DashboardConfig, url
-from apps.dashboard.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
-from apps.dashboard.replay import TraceReplay
+from k3testing.browser import VIEW_SELECTORS, Browser, chromium_available, start_server
+from k3testing.replay import TraceReplay
 from workbench.analysis.views.summaries import write_summaries
 
 
@@ -65,7 +65,7 @@ def empty_page(repeats: int) -> dict:
     """Seconds from navigation to a text pane drawn on an otherwise empty page (same template, server, browser)."""
     import panel as pn
 
-    from apps.dashboard.browser import free_port
+    from k3testing.browser import free_port
 
     port = free_port()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from apps.dashboard.app import DashboardConfig, url
-from apps.dashboard.browser import Browser, chromium_available, start_server
+from k3testing.browser import Browser, chromium_available, start_server
 
 from tests.apps.conftest import HOSTILE
 

@@ -24,7 +24,7 @@ from apps.cli import main
 from apps.dashboard.app import Dashboard, DashboardConfig, create_app, side_by_side
 from workbench.analysis.views import DSADiffReducer, KDAHealthReducer, SessionMapReducer, ViewOptions
 from workbench.analysis.views.kda_health_view import NO_KDA
-from apps.dashboard.replay import TraceReplay
+from k3testing.replay import TraceReplay
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.state import DashboardState
 from engine.errors import InputError

@@ -34,7 +34,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from apps.dashboard.browser import Browser, chromium_available, free_port
+from k3testing.browser import Browser, chromium_available, free_port
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not chromium_available(),

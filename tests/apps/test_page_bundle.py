@@ -11,7 +11,7 @@ from pathlib import Path
 import panel as pn
 
 from apps.dashboard.app import DashboardConfig, url
-from apps.dashboard.browser import free_port, start_server
+from k3testing.browser import free_port, start_server
 
 
 def _html(address: str) -> str:

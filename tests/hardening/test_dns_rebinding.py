@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 from apps.dashboard.app import DashboardConfig, url
-from apps.dashboard.browser import Browser, chromium_available, start_server
+from k3testing.browser import Browser, chromium_available, start_server
 from apps.dashboard.host_guard import HostPolicy, split_host
 from engine.errors import InputError
 

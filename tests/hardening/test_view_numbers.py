@@ -134,7 +134,7 @@ def _hover_text(fig, at: tuple[float, float], tmp_path: Path) -> str:
     from bokeh.embed import file_html
     from bokeh.resources import INLINE
 
-    from apps.dashboard.browser import Browser
+    from k3testing.browser import Browser
 
     page = tmp_path / "figure.html"
     page.write_text(file_html(fig, INLINE, "hover"))
@@ -168,7 +168,7 @@ def test_dsa_map_shows_counts_beside_chance(dashboard, demo_trace: Path) -> None
     assert dashboard.dsa.heat.source.data["chance"][0].shape == chance.shape
 
 
-@pytest.mark.skipif(not __import__("apps.dashboard.browser", fromlist=["x"]).chromium_available(),
+@pytest.mark.skipif(not __import__("k3testing.browser", fromlist=["x"]).chromium_available(),
                     reason="needs Debian's chromium at /usr/bin/chromium")
 def test_dsa_map_hover_names_the_layer_its_keys_and_chance(dashboard, tmp_path: Path) -> None:
     frame = dashboard.state.frame
