@@ -23,10 +23,11 @@ PACKAGES = ("engine", "workbench", "apps")
 # bottom first; a module may import from its own floor and the floors below it
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
-    ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.errors", "engine.runtime",
+    # errors and user files opened with size limits: what every other module may use
+    ("engine base", ("engine.errors", "engine.fileio", "engine.atomic_dir")),
+    ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.inputs", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.fileio", "engine.inputs", "engine.atomic_dir", "engine.chat_response",
-                       "engine.interventions")),
+                       "engine.builtin", "engine.chat_response", "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
@@ -41,10 +42,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                         "engine.session_interventions", "engine.transcript")),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
-    # the trace store and the pure analysis over it (the reader offers analysis shortcuts); filler, task text, pictures;
-    # the signal families, whose tables the store reads and writes
-    ("workbench trace", ("workbench.trace", "workbench.signals", "workbench.analysis", "workbench.text",
-                         "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures")),
+    # filler, task text and pictures for experiments (nothing below them in workbench)
+    ("workbench text", ("workbench.text", "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures")),
+    # pure functions over trace arrays (and the recorded settings tables carry); they never open a trace
+    ("workbench analysis", ("workbench.analysis",)),
+    # the trace store and the signal families, whose tables the store reads and writes
+    ("workbench trace", ("workbench.trace", "workbench.signals")),
+    # the views' reducers over a trace (the dashboard's and `workbench.show`'s numbers; no Panel)
+    ("workbench views", ("workbench.analysis.views",)),
     # probe sinks: reduce engine signals into trace rows
     ("workbench recorders", ("workbench.recorders", "workbench.captures")),
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
@@ -52,6 +57,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                            "workbench.interventions", "workbench.causal_effects",
                            "workbench.attribution",
                            "workbench.__main__", "workbench.conversation_trace")),
+    # the follower and the frame every view draws; below the components that watch it
+    ("apps dashboard state", ("apps.dashboard.state",)),
+    ("apps dashboard components", ("apps.dashboard.components",)),
+    # composition, serving, the view registry, drive mode
     ("apps dashboard", ("apps.dashboard",)),
     # `workbench serve`: the OpenAI-compatible endpoint (it reuses the dashboard's Host/Origin policy)
     ("apps serve", ("apps.serve",)),
@@ -228,3 +237,14 @@ def test_the_walker_sees_imports_inside_functions() -> None:
     # the session runner imports the workbench only inside functions (so Panel pages start fast)
     assert "workbench.sessions" in GRAPH["apps.dashboard.session_runner"]
     assert "apps.cli" in GRAPH["workbench.__main__"]
+
+
+def test_the_big_floors_are_split() -> None:
+    """An edge that only a folder boundary inside what used to be one floor rules out is caught: the
+    pure analysis never opens a trace, the views' reducers sit above the store, the components above
+    the follower, and the engine's errors and file limits below its config."""
+    assert floor_of("workbench.analysis.dsa") < floor_of("workbench.trace.reader") \
+        < floor_of("workbench.analysis.views.base") < floor_of("workbench.recorders.recorder")
+    assert floor_of("apps.dashboard.state") < floor_of("apps.dashboard.components.base") \
+        < floor_of("apps.dashboard.views") == floor_of("apps.dashboard.app")
+    assert floor_of("engine.errors") < floor_of("engine.config") < floor_of("engine.ops.kda")
