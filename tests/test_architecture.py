@@ -58,7 +58,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                            "workbench.attribution",
                            "workbench.__main__", "workbench.conversation_trace")),
     # the follower and the frame every view draws; below the components that watch it
-    ("apps dashboard state", ("apps.dashboard.state",)),
+    ("apps dashboard state", ("apps.dashboard.follower",)),
     ("apps dashboard components", ("apps.dashboard.components",)),
     # composition, serving, the view registry, drive mode
     ("apps dashboard", ("apps.dashboard",)),
@@ -245,6 +245,6 @@ def test_the_big_floors_are_split() -> None:
     the follower, and the engine's errors and file limits below its config."""
     assert floor_of("workbench.analysis.dsa") < floor_of("workbench.trace.reader") \
         < floor_of("workbench.analysis.views.base") < floor_of("workbench.recorders.recorder")
-    assert floor_of("apps.dashboard.state") < floor_of("apps.dashboard.components.base") \
+    assert floor_of("apps.dashboard.follower") < floor_of("apps.dashboard.components.base") \
         < floor_of("apps.dashboard.views") == floor_of("apps.dashboard.app")
     assert floor_of("engine.errors") < floor_of("engine.config") < floor_of("engine.ops.kda")

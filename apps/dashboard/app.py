@@ -5,7 +5,7 @@
     create_app(config)              what the server calls per session: access checks, then the template
     serve(config)                   `workbench dashboard`: pn.serve on 127.0.0.1 unless told otherwise
 
-Layout only; the views live in `components/`, the data path in `state.py`, drive mode in
+Layout only; the views live in `components/`, the data path in `follower.py`, drive mode in
 `session_runner.py`, access rules in `security.py`.
 """
 
@@ -28,7 +28,7 @@ from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap
-from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
+from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
 from apps.dashboard.host_guard import HostPolicy
 from apps.dashboard.page_gate import PageGate
@@ -36,7 +36,7 @@ from apps.dashboard.security import AccessError, is_local, new_token, resolve_tr
 from apps.dashboard.session_runner import SessionRunner, find_models
 from apps.dashboard.side_by_side import SideBySide
 from apps.dashboard.spare import SpareDashboard
-from apps.dashboard.state import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
+from apps.dashboard.follower import MAX_BINS, MIN_BINS, DashboardFrame, DashboardState
 from apps.dashboard.views import VIEWS, view_options, view_reducers
 
 # pixels taken by a heat map's axis, colour bar and card padding: the rest is what bins map onto

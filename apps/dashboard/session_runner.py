@@ -20,8 +20,8 @@ from typing import Any
 import panel as pn
 import param
 
-from apps.dashboard.components.text import AlertText, alert_text, set_text, text_pane
-from apps.dashboard.state import DashboardState
+from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
+from apps.dashboard.follower import DashboardState
 from apps.dashboard.uploads import (BROWSER_MAX_FILE_SIZE, IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper,
                                     UploadError, classify_upload)
 

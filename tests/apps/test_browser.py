@@ -135,7 +135,7 @@ def test_a_frame_that_arrives_while_the_page_loads_reaches_the_browser(small_tra
     import panel as pn
 
     from apps.dashboard import app as app_module
-    from apps.dashboard.state import DashboardState, TraceFollower
+    from apps.dashboard.follower import DashboardState, TraceFollower
 
     docs: list = []
     in_window: list[int] = []

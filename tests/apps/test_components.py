@@ -15,7 +15,7 @@ from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap, progress_text
 from workbench.analysis.views import SessionMapData
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 
 from tests.apps.conftest import HOSTILE
 

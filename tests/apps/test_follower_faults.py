@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 
 
 def _broken_copy(small_trace: Path, target: Path, damage) -> Path:

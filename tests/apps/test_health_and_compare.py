@@ -26,7 +26,7 @@ from workbench.analysis.views import DSADiffReducer, KDAHealthReducer, SessionMa
 from workbench.analysis.views.kda_health_view import NO_KDA
 from k3testing.replay import TraceReplay
 from apps.dashboard.side_by_side import SideBySide
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 from engine.errors import InputError
 from workbench.analysis import chance_jaccard, health_of_layers, heads_at_risk, memory_health, read_changes, reads_vs_chance
 

@@ -16,7 +16,7 @@ from workbench.analysis import patch_reads
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.image_reads import ALL_LAYERS, ANSWER, TOKEN
 from workbench.analysis.views.image_reads_view import SCREEN_SIDE
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 
 
 def _image_segment(trace) -> dict:

@@ -291,7 +291,7 @@ def _live_view_in_lab(tmp_path: Path, artifacts: Path) -> dict:
             (artifacts / "jupyterlab_inline_view.json").write_text(json.dumps(
                 {"first": first, "grown": grown, "done": done, "errors": browser.counters.errors}, indent=1))
             # nothing from outside 127.0.0.1, at any stage: not BokehJS or Panel (sent inline), and not the
-            # stylesheets a text update would re-send as cdn.holoviz.org links (components/text.py)
+            # stylesheets a text update would re-send as cdn.holoviz.org links (components/panes.py)
             assert browser.counters.external == [], {**external, "done": browser.counters.external}
             stages["done"] = len(browser.counters.errors)
             if browser.counters.errors and not all(_receiver_error(e) for e in browser.counters.errors):

@@ -16,7 +16,7 @@ import workbench
 from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
                                      ViewOptions, part_feed)
 from workbench.analysis.views.part_feed import PartFeeds
-from apps.dashboard.state import TraceFollower
+from apps.dashboard.follower import TraceFollower
 from workbench.analysis.views.kda_state import from_the_start
 from workbench.analysis import bin_mean, carry_forward, token_reads
 from workbench.trace.schema import TABLES, parquet_options

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from apps.dashboard.session_runner import SessionRunner, find_models
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 
 
 def _runner(tmp_path: Path, **params) -> SessionRunner:

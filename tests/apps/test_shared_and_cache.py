@@ -17,7 +17,7 @@ from workbench.analysis.views import shared_reducers
 from workbench.trace import summary_cache
 from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
                                      SessionMapReducer, ViewOptions)
-from apps.dashboard.state import TraceFollower
+from apps.dashboard.follower import TraceFollower
 from workbench.trace import open_trace
 
 BINS = 128

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from k3testing.replay import TraceReplay
-from apps.dashboard.state import MAX_GENERATED, DashboardFrame, DashboardState, TraceFollower
+from apps.dashboard.follower import MAX_GENERATED, DashboardFrame, DashboardState, TraceFollower
 from workbench.analysis import bin_counts, bin_mean, carry_forward
 from workbench.trace.schema import TABLES, parquet_options
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bokeh.document import Document
 from bokeh.models import InlineStyleSheet
 
-from apps.dashboard.components.text import AlertText, HTMLText, set_text, text_pane
+from apps.dashboard.components.panes import AlertText, HTMLText, set_text, text_pane
 
 
 def _rendered(pane):

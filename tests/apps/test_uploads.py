@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from apps.dashboard.session_runner import SessionRunner
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 from apps.dashboard.uploads import BoundedFileDropper, UploadError, classify_upload
 
 MIB = 1 << 20

@@ -13,7 +13,7 @@ import pytest
 import workbench
 from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.text import HTMLText
+from apps.dashboard.components.panes import HTMLText
 from apps.dashboard.views import VIEWS, ViewSpec, register_view, unregister_view
 from workbench.analysis.views import Reducer, ViewOptions
 from workbench.analysis.views import shared_reducers

@@ -240,7 +240,7 @@ def test_show_is_one_idea_in_demo_and_dashboard() -> None:
 
 def test_upload_over_the_limit_gets_a_message_not_a_silent_drop(tmp_path) -> None:
     from apps.dashboard.session_runner import SessionRunner
-    from apps.dashboard.state import DashboardState
+    from apps.dashboard.follower import DashboardState
 
     runner = SessionRunner(state=DashboardState(None), runs_dir=str(tmp_path / "runs"))
     assert runner.dropper.max_file_size.endswith("MB") and int(runner.dropper.max_file_size[:-2]) << 20 >= 50 << 20

@@ -15,7 +15,7 @@ import pytest
 import workbench
 from apps.cli import main
 from workbench.analysis.views import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
-from apps.dashboard.state import TraceFollower
+from apps.dashboard.follower import TraceFollower
 from engine.errors import InputError
 from workbench.captures import export_responses, import_capture, importer
 from workbench.captures.arrays import encode_flat, encode_npy

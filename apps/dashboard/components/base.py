@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 import panel as pn
 import param
 
-from apps.dashboard.components.text import HTMLText
+from apps.dashboard.components.panes import HTMLText
 from workbench.analysis.views.base import same
-from apps.dashboard.state import DashboardState
+from apps.dashboard.follower import DashboardState
 
 
 def changed_fields(shown: Any, data: Any) -> set[str]:

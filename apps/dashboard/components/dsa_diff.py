@@ -16,7 +16,7 @@ import panel as pn
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
-from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
+from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
 from workbench.analysis.views import DSADiffData, SessionMapData
 
 

@@ -25,7 +25,7 @@ from bokeh.plotting import figure
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
-from apps.dashboard.components.text import HTMLText, set_text, text_pane
+from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from workbench.analysis.views import DSAMapData, HeatMap, SessionMapData
 

@@ -22,7 +22,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, trim
-from apps.dashboard.components.text import set_text, text_pane
+from apps.dashboard.components.panes import set_text, text_pane
 from workbench.analysis.views import ExpertsData, SessionMapData
 
 ALL = "all"

@@ -21,7 +21,7 @@ from bokeh.plotting import figure
 from workbench.analysis import PatchReads, format_patches
 
 from apps.dashboard.components.figures import trim
-from apps.dashboard.components.text import HTMLText, set_text, text_pane
+from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from workbench.analysis.views import ImageReadsData
 
 ALL_LAYERS = "all layers"

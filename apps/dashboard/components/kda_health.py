@@ -25,7 +25,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
-from apps.dashboard.components.text import HTMLText, html_table, set_text, text_pane
+from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
 from workbench.analysis.views import KDAHealthData, SessionMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}

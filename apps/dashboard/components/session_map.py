@@ -16,7 +16,7 @@ from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, trim
-from apps.dashboard.components.text import HTMLText, set_text, text_pane
+from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
 from workbench.analysis.views import SessionMapData
