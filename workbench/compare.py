@@ -29,7 +29,7 @@ import torch
 from engine import atomic_dir
 from engine.errors import InputError
 from engine.session import Session
-from workbench.analysis.compare import next_token_kl, read_changes, relative_difference, summarize_reads
+from workbench.analysis.read_comparison import next_token_kl, read_changes, relative_difference, summarize_reads
 from workbench.recorders import record
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import check_trace_target, open_trace

@@ -17,7 +17,7 @@ import torch
 from apps.cli import main
 from engine import load_model
 from engine.tokenizer import Tokenizer
-from workbench.analysis.compare import next_token_kl, read_changes, relative_difference
+from workbench.analysis.read_comparison import next_token_kl, read_changes, relative_difference
 from workbench.compare import compare_runs
 
 N_TOKENS = 120  # tiny top-k is 16: most queries read sparsely

@@ -137,7 +137,7 @@ def test_an_image_trace_exports_with_its_thumbnails(tmp_path):
     """The export copies the thumbnails session.json names (images/), so it opens with its pictures;
     --overwrite replaces them with the new export's and keeps the user's own files."""
     from tests.apps.conftest import record_image_session
-    from workbench.trace.thumbnail import read_thumbnail
+    from workbench.trace.thumbnail_files import read_thumbnail
 
     trace = record_image_session(tmp_path / "trace", new_tokens=2)
     out = tmp_path / "out"

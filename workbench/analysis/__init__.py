@@ -7,7 +7,7 @@ read-out of one token), so a notebook can draw the same.
 
 from workbench.analysis.binning import bin_counts, bin_mean, carry_forward
 from workbench.analysis.chance import chance_of_hit, expected_hits, expected_key_selections, format_hits, format_read
-from workbench.analysis.compare import read_changes, reads_vs_chance
+from workbench.analysis.read_comparison import read_changes, reads_vs_chance
 from workbench.analysis.dsa import (dense_mass_summary, distance_summary, image_patch_reads, layers_reading,
                                     queries_per_position, rebin_counts, segment_reads, sink_eviction)
 from workbench.analysis.dsa_structure import (chance_jaccard, cross_layer_jaccard, faithfulness, jaccard, locality,

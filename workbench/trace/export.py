@@ -38,7 +38,7 @@ from workbench.trace.bounds import MAX_LAYERS, SessionBounds
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace
 from workbench.trace.schema import EXPORT_MANIFEST, IMAGES_DIR, SESSION_FILE, TABLES, parquet_options
-from workbench.trace.thumbnail import thumbnail_path
+from workbench.trace.thumbnail_files import thumbnail_path
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl", "npz": "npz"}
 MANIFEST = EXPORT_MANIFEST

@@ -1,6 +1,6 @@
 """The image part of the DSA memory map: the real picture and what each DSA layer read per merged patch.
 
-- picture: the segment's thumbnail from the trace (`workbench.trace.thumbnail`), downscaled on the
+- picture: the segment's thumbnail from the trace (`workbench.trace.thumbnail_files`), downscaled on the
   server to the figure (SCREEN_SIDE px), as RGBA ready for Bokeh; the full-resolution pixels are never read;
 - token: `workbench.analysis.patch_reads` of the selected query's top-k rows;
 - answer: the same over every query of the latest generated segment (the answer so far).
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from workbench.analysis import PatchReads, image_grid, patch_reads
 from workbench.trace import Trace, TraceError
-from workbench.trace.thumbnail import read_thumbnail
+from workbench.trace.thumbnail_files import read_thumbnail
 
 from workbench.trace import summary_cache
 from workbench.analysis.views.base import Reducer
