@@ -44,8 +44,8 @@ import param
 from panel.io.document import hold
 
 from workbench.analysis.views import shared_reducers
-from workbench.analysis.views import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData, SessionMapData,
-                                     Reducer, SessionMapReducer, ViewOptions)
+from workbench.analysis.views import (DSADiffData, DSAMapData, ExpertsData, KDAHealthData, KDAStateData,
+                                     RecordingMapData, RecordingMapReducer, Reducer, ViewOptions)
 from workbench.analysis.views.base import MAX_BINS, MIN_BINS, HeatMap, clamp_bins
 from workbench.analysis.views.session_map import MAX_GENERATED
 from workbench.trace import Trace, TraceError, open_trace
@@ -66,7 +66,7 @@ class DashboardFrame:
     path: str = ""
     error: str | None = None
     problems: tuple[str, ...] = ()
-    session: SessionMapData = SessionMapData()
+    session: RecordingMapData = RecordingMapData()
     dsa: DSAMapData = DSAMapData()
     kda: KDAStateData = KDAStateData()
     experts: ExpertsData = ExpertsData()
@@ -149,7 +149,7 @@ class TraceFollower:
 
     # ---- control (any thread) -----------------------------------------------------------------
     @property
-    def _session(self) -> SessionMapReducer:
+    def _session(self) -> RecordingMapReducer:
         """The session map's reducer (shared with the other followers of this trace; tests patch it)."""
         return self._shared.session
 
@@ -278,7 +278,7 @@ class TraceFollower:
         self.completed = frame.seq
         return frame
 
-    def _reduce_views(self, trace: Trace, opts: ViewOptions, session: SessionMapData,
+    def _reduce_views(self, trace: Trace, opts: ViewOptions, session: RecordingMapData,
                       partial: Callable[[DashboardFrame], None] | None) -> None:
         views = self._shared.views
         if self._pool is None:

@@ -14,7 +14,7 @@ from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.session_map import SessionMap, progress_text
-from workbench.analysis.views import SessionMapData
+from workbench.analysis.views import RecordingMapData
 from apps.dashboard.follower import DashboardState
 
 from tests.apps.conftest import HOSTILE
@@ -41,7 +41,7 @@ def test_session_map_shows_segments_progress_and_text(state: DashboardState) -> 
 
 
 def test_progress_text_during_prefill() -> None:
-    snap = SessionMapData(status="recording", progress={"phase": "prefill", "done": 4096, "total": 32768,
+    snap = RecordingMapData(status="recording", progress={"phase": "prefill", "done": 4096, "total": 32768,
                                                   "tokens_per_s": 512.0, "eta_s": 56.0})
     assert progress_text(snap) == "recording · prefill: 4,096 / 32,768 tokens · 512.0 tokens/s · ETA 56 s"
 
@@ -145,6 +145,6 @@ def test_create_app_builds_a_template(small_trace: Path) -> None:
 
 
 def test_progress_text_during_decode() -> None:
-    snap = SessionMapData(status="recording", progress={"phase": "decode", "done": 119, "total": 119, "generated": 7,
+    snap = RecordingMapData(status="recording", progress={"phase": "decode", "done": 119, "total": 119, "generated": 7,
                                                   "tokens_per_s": 4.0, "eta_s": 0.0})
     assert progress_text(snap).startswith("recording · decode: 7 tokens generated after a 119-token prefill")

@@ -22,7 +22,7 @@ import pytest
 import workbench
 from apps.cli import main
 from apps.dashboard.app import Dashboard, DashboardConfig, create_app, side_by_side
-from workbench.analysis.views import DSADiffReducer, KDAHealthReducer, SessionMapReducer, ViewOptions
+from workbench.analysis.views import DSADiffReducer, KDAHealthReducer, RecordingMapReducer, ViewOptions
 from workbench.analysis.views.kda_health_view import NO_KDA
 from k3testing.replay import TraceReplay
 from apps.dashboard.side_by_side import SideBySide
@@ -51,7 +51,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _session(trace):
-    return SessionMapReducer().reduce(trace, ViewOptions(bins=BINS))
+    return RecordingMapReducer().reduce(trace, ViewOptions(bins=BINS))
 
 
 def test_health_reducer_ranks_the_heads_of_the_recorded_trace(compared) -> None:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import workbench
-from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, SessionMapReducer,
+from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer, RecordingMapReducer,
                                      ViewOptions, part_feed)
 from workbench.analysis.views.part_feed import PartFeeds
 from apps.dashboard.follower import TraceFollower
@@ -46,14 +46,14 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int],
 
 def _reduce(path: Path, options: ViewOptions):
     trace = workbench.open_trace(path)
-    session = SessionMapReducer().reduce(trace, options)
+    session = RecordingMapReducer().reduce(trace, options)
     return trace, session
 
 
 def test_session_map(recorded) -> None:
     path, generated, _ = recorded
     trace = workbench.open_trace(path)
-    reducer = SessionMapReducer()
+    reducer = RecordingMapReducer()
     data = reducer.reduce(trace, ViewOptions(bins=BINS))
     assert data.status == "complete" and data.tokens == trace.session["tokens"] == generated[-1] + 1
     assert [s["kind"] for s in data.segments] == list(trace.segments()["kind"])
@@ -198,7 +198,7 @@ def test_the_kda_views_share_one_conversion_of_each_part(recorded, monkeypatch) 
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", "off")  # every view folds the parts (no summary restored)
     trace = workbench.open_trace(path)
     options = ViewOptions(bins=BINS)
-    session = SessionMapReducer().reduce(trace, options)
+    session = RecordingMapReducer().reduce(trace, options)
     alone = (KDAStateReducer().reduce(trace, options, session), KDAHealthReducer().reduce(trace, options, session))
     made: list[str] = []
     real = part_feed.list_matrix

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from workbench.analysis.views import shared_reducers
 from workbench.trace import summary_cache
 from workbench.analysis.views import (DSAMapReducer, ExpertsReducer, KDAHealthReducer, KDAStateReducer,
-                                     SessionMapReducer, ViewOptions)
+                                     RecordingMapReducer, ViewOptions)
 from apps.dashboard.follower import TraceFollower
 from workbench.trace import open_trace
 
@@ -52,7 +52,7 @@ def test_followers_of_one_trace_share_its_reducers(small_trace: Path, tmp_path: 
 def test_kda_summaries_come_back_from_disk_equal(small_trace: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
     trace = open_trace(small_trace)
-    session = SessionMapReducer().reduce(trace, ViewOptions(bins=BINS))
+    session = RecordingMapReducer().reduce(trace, ViewOptions(bins=BINS))
     opts = ViewOptions(bins=BINS)
     cold_state = KDAStateReducer().reduce(trace, opts, session)
     cold_health = KDAHealthReducer().reduce(trace, opts, session)
@@ -102,7 +102,7 @@ def test_running_sums_come_back_from_disk_equal(small_trace: Path, tmp_path: Pat
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "cache"))
     opts = ViewOptions(bins=BINS, moe_modality="text")
     trace = open_trace(small_trace)
-    session = SessionMapReducer().reduce(trace, opts)
+    session = RecordingMapReducer().reduce(trace, opts)
     cold_dsa, cold_moe = DSAMapReducer(), ExpertsReducer()
     dsa, moe = cold_dsa.reduce(trace, opts, session), cold_moe.reduce(trace, opts, session)
     assert not cold_dsa.sums.restored and not cold_moe.sums.restored
@@ -166,7 +166,7 @@ def test_summaries_written_by_the_recording_command_travel_with_the_trace(small_
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "empty-cache"))
     trace = open_trace(elsewhere)
     opts = ViewOptions(bins=BINS)
-    session = SessionMapReducer().reduce(trace, opts)
+    session = RecordingMapReducer().reduce(trace, opts)
 
     def no_part_reads(*args, **kwargs):
         raise AssertionError("a part was read although its summary is in the trace")
@@ -209,7 +209,7 @@ def test_a_traces_summaries_folder_that_is_a_link_is_neither_read_nor_written(sm
     monkeypatch.setenv("K3WB_DASHBOARD_CACHE", str(tmp_path / "empty-cache"))
     opened = open_trace(linked)
     assert summary_cache.load_json(summary_cache.key(opened, ("kda_norms",)), "anything") is None
-    session = SessionMapReducer().reduce(opened, ViewOptions(bins=BINS))
+    session = RecordingMapReducer().reduce(opened, ViewOptions(bins=BINS))
     dsa = DSAMapReducer()
     dsa.reduce(opened, ViewOptions(bins=BINS), session)
     assert not dsa.sums.restored

@@ -14,7 +14,7 @@ import pytest
 
 import workbench
 from apps.cli import main
-from workbench.analysis.views import DSAMapReducer, ExpertsReducer, SessionMapReducer, ViewOptions
+from workbench.analysis.views import DSAMapReducer, ExpertsReducer, RecordingMapReducer, ViewOptions
 from apps.dashboard.follower import TraceFollower
 from engine.errors import InputError
 from workbench.captures import export_responses, import_capture, importer
@@ -113,7 +113,7 @@ def test_round_trip_gives_the_recorded_reductions(recorded, tmp_path, monkeypatc
     options = ViewOptions(bins=64, position=int(original.tokens()["position"].iloc[-3]))
     views = {}
     for name, trace in (("original", original), ("imported", imported)):
-        session = SessionMapReducer().reduce(trace, options)
+        session = RecordingMapReducer().reduce(trace, options)
         views[name] = (ExpertsReducer().reduce(trace, options, session), DSAMapReducer().reduce(trace, options, session))
     experts, dsa = views["imported"]
     _same(dataclasses.replace(experts, routes=None), dataclasses.replace(views["original"][0], routes=None), "experts")

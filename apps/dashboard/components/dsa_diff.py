@@ -17,7 +17,7 @@ import panel as pn
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
-from workbench.analysis.views import DSADiffData, SessionMapData
+from workbench.analysis.views import DSADiffData, RecordingMapData
 
 
 def _ratio(value: float) -> str:
@@ -59,7 +59,7 @@ class DSADiffView(ViewComponent):
         self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-dsa-diff-table"])
         self.redraw()
 
-    def draw(self, data: DSADiffData, session: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: DSADiffData, session: RecordingMapData, changed: set[str]) -> None:
         if data is None:
             return
         set_text(self.summary, diff_summary(data, self.state.trace_path))

@@ -27,7 +27,7 @@ from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
 from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from workbench.analysis.views import DSAMapData, HeatMap, SessionMapData
+from workbench.analysis.views import DSAMapData, HeatMap, RecordingMapData
 
 
 class DSAMemoryMap(ViewComponent):
@@ -96,7 +96,7 @@ class DSAMemoryMap(ViewComponent):
     def _toggle_segments(self) -> None:
         self.redraw()
 
-    def draw(self, data: DSAMapData, session: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: DSAMapData, session: RecordingMapData, changed: set[str]) -> None:
         if {"heat", "heat_chance"} & changed:
             self.heat.update(data.heat, chance=data.heat_chance)
         if {"segments", "heat"} & changed:
@@ -120,7 +120,7 @@ class DSAMemoryMap(ViewComponent):
             self.image.show(data.image, selected_now=selected_now)
             self.image_card.visible = data.image is not None
 
-    def _show_reads(self, data: DSAMapData, session: SessionMapData) -> None:
+    def _show_reads(self, data: DSAMapData, session: RecordingMapData) -> None:
         reads = data.reads
         if reads is None:
             if "reads" in self.__dict__:

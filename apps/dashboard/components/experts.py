@@ -23,7 +23,7 @@ from bokeh.plotting import figure
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, trim
 from apps.dashboard.components.panes import set_text, text_pane
-from workbench.analysis.views import ExpertsData, SessionMapData
+from workbench.analysis.views import ExpertsData, RecordingMapData
 
 ALL = "all"
 
@@ -96,7 +96,7 @@ class ExpertsView(ViewComponent):
                                moe_segment=self._segment_ids.get(self.segment),
                                moe_layer=None if self.layer == ALL else int(self.layer))
 
-    def draw(self, data: ExpertsData, session: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: ExpertsData, session: RecordingMapData, changed: set[str]) -> None:
         if "segments" in changed:
             # labels are shown by a Select widget, which renders option text as text (no HTML)
             self._segment_ids = {f"{s['id']}: {s.get('name') or s['kind']}": int(s["id"]) for s in session.segments}

@@ -26,7 +26,7 @@ from bokeh.plotting import figure
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import SEGMENT_COLOURS, lean, position_format, trim
 from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
-from workbench.analysis.views import KDAHealthData, SessionMapData
+from workbench.analysis.views import KDAHealthData, RecordingMapData
 
 KIND_COLOURS = {"saturates": "#b279a2", "forgets": "#f58518"}
 KIND_MARKERS = {"saturates": "triangle", "forgets": "inverted_triangle"}
@@ -145,10 +145,10 @@ class KDAHealthView(ViewComponent):
         self.table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-health-table"])
         self.redraw()
 
-    def has_data(self, data: KDAHealthData, session: SessionMapData) -> bool:
+    def has_data(self, data: KDAHealthData, session: RecordingMapData) -> bool:
         return data is not None and bool(data.ranked)
 
-    def draw(self, data: KDAHealthData, session: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: KDAHealthData, session: RecordingMapData, changed: set[str]) -> None:
         if {"segments", "extent"} & changed:
             segs = session.segments
             self.segments.data = {"x0": [int(s["start"]) for s in segs], "x1": [int(s["end"]) for s in segs],

@@ -17,7 +17,7 @@ from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, position_format, segment_starts, trim
-from workbench.analysis.views import KDAStateData, SessionMapData
+from workbench.analysis.views import KDAStateData, RecordingMapData
 
 
 class KDAStateView(ViewComponent):
@@ -49,7 +49,7 @@ class KDAStateView(ViewComponent):
     def _options(self) -> None:
         self.state.set_options(kda_layer=self.layer, kda_reduce=self.reduce)
 
-    def draw(self, data: KDAStateData, session: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: KDAStateData, session: RecordingMapData, changed: set[str]) -> None:
         if "heat" in changed:
             self.heat.update(data.heat)
             layers = list(data.heat.rows) if data.heat is not None else []

@@ -19,10 +19,10 @@ from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, 
 from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.token_strip import TokenStrip, link_selection
-from workbench.analysis.views import SessionMapData
+from workbench.analysis.views import RecordingMapData
 
 
-def progress_text(snap: SessionMapData) -> str:
+def progress_text(snap: RecordingMapData) -> str:
     """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only)."""
     p = snap.progress
     if not p:
@@ -67,7 +67,7 @@ class SessionMap(ViewComponent):
         link_selection(self.strip, self.state)
         self.redraw()
 
-    def draw(self, data: None, snap: SessionMapData, changed: set[str]) -> None:
+    def draw(self, data: None, snap: RecordingMapData, changed: set[str]) -> None:
         p = snap.progress
         if p and p.get("total"):
             self.progress.max = max(int(p["total"]), 1)
@@ -86,7 +86,7 @@ class SessionMap(ViewComponent):
         if "generated" in changed:
             self.strip.tokens = [list(t) for t in snap.generated]
 
-    def has_data(self, data: None, session: SessionMapData) -> bool:
+    def has_data(self, data: None, session: RecordingMapData) -> bool:
         return bool(session.segments)
 
     def _segment_table(self, segs: tuple[dict, ...]) -> str:

@@ -1,6 +1,6 @@
 """One reducer per view: `(trace, view options, session map data) -> that view's data`, pure (no Panel).
 
-    session_map.SessionMapReducer -> SessionMapData   segments, progress, generated tokens (every view's context)
+    session_map.RecordingMapReducer -> RecordingMapData   segments, progress, generated tokens (every view's context)
     dsa_map.DSAMapReducer         -> DSAMapData       selection heat map, read-out of the selected token
     kda_state.KDAStateReducer     -> KDAStateData     state norms per layer and per head of one layer
     experts.ExpertsReducer        -> ExpertsData      expert usage, text vs image, routes, EP rank load
@@ -23,7 +23,7 @@ from workbench.analysis.views.image_reads_view import ImageReadsData
 from workbench.analysis.views.experts import ExpertsData, ExpertsReducer
 from workbench.analysis.views.kda_health_view import KDAHealthData, KDAHealthReducer
 from workbench.analysis.views.kda_state import KDAStateData, KDAStateReducer
-from workbench.analysis.views.session_map import SessionMapData, SessionMapReducer
+from workbench.analysis.views.session_map import RecordingMapData, RecordingMapReducer
 
 # the views built from the session map's data (the frame field each one fills -> its reducer), in the order
 # they run one after another: cheapest first, so the slowest never delays the others (docs/benchmarks.md);
@@ -32,4 +32,4 @@ VIEW_REDUCERS: dict[str, type[Reducer]] = {"experts": ExpertsReducer, "dsa": DSA
                                            "health": KDAHealthReducer}
 
 __all__ = ["DSADiffData", "DSADiffReducer", "DSAMapData", "DSAMapReducer", "ExpertsData", "ExpertsReducer", "HeatMap",
-           "ImageReadsData", "KDAHealthData", "KDAHealthReducer", "KDAStateData", "KDAStateReducer", "Reducer", "SessionMapData", "SessionMapReducer", "VIEW_REDUCERS", "ViewOptions"]
+           "ImageReadsData", "KDAHealthData", "KDAHealthReducer", "KDAStateData", "KDAStateReducer", "Reducer", "RecordingMapData", "RecordingMapReducer", "VIEW_REDUCERS", "ViewOptions"]

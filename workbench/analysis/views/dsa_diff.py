@@ -26,7 +26,7 @@ from workbench.analysis import bin_mean, read_changes, reads_vs_chance
 from workbench.trace import Trace, TraceError, open_trace
 
 from workbench.analysis.views.base import HeatMap, Reducer, ViewOptions
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 _COLUMNS = ["layer", "position", "selected"]
 
@@ -82,7 +82,7 @@ class DSADiffReducer(Reducer[DSADiffData]):
             self._other = None
         return self._other
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> DSADiffData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> DSADiffData:
         other = self._other_trace()
         if other is None:
             return self.result(heat=None, layers=(), queries=0, other=self.shown_as, dense_layers=(),
@@ -95,7 +95,7 @@ class DSADiffReducer(Reducer[DSADiffData]):
         return self.result(heat=heat, layers=layers, queries=queries, other=self.shown_as, dense_layers=dense,
                            note=note)
 
-    def _compare(self, trace: Trace, other: Trace, session: SessionMapData,
+    def _compare(self, trace: Trace, other: Trace, session: RecordingMapData,
                  options: ViewOptions) -> tuple[HeatMap | None, tuple[dict, ...], int]:
         changes = read_changes(trace.table("dsa_topk", columns=_COLUMNS), other.table("dsa_topk", columns=_COLUMNS))
         if not len(changes):

@@ -26,7 +26,7 @@ from workbench.analysis.views.readout import reads_html
 from workbench.analysis.views.base import CachedSums, HeatMap, Reducer, ViewOptions
 from workbench.analysis.views.image_reads_view import ImageReadsData, ImageReadsReducer
 from workbench.analysis.views.part_feed import PartFeeds
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,7 +58,7 @@ def heat_chance(trace: Trace, extent: int, bins: int) -> np.ndarray | None:
     return expected_key_selections(queries, topk, np.linspace(0, extent, bins + 1))
 
 
-def read_out(trace: Trace, position: int, session: SessionMapData, bins: int) -> tuple[dict, str]:
+def read_out(trace: Trace, position: int, session: RecordingMapData, bins: int) -> tuple[dict, str]:
     """(token_reads, its HTML) of the query at `position`."""
     rows = trace.topk_for(position)
     reads = token_reads(position, rows, session.token_text, list(session.segments), bins, session.extent,
@@ -74,7 +74,7 @@ class DSAMapReducer(Reducer[DSAMapData]):
         self.images = ImageReadsReducer()
         self.sums = CachedSums("dsa_key_counts")
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> DSAMapData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> DSAMapData:
         self.sums.before(trace)
         heat = self.memo("heat", (len(trace.parts("dsa_key_counts")), session.extent, options.bins),
                          lambda: dsa_heat(trace, session.extent, options.bins))

@@ -17,7 +17,7 @@ from workbench.trace import Trace
 
 from workbench.analysis.views.base import CachedSums, HeatMap, Reducer, ViewOptions
 from workbench.analysis.views.part_feed import PartFeeds
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +79,7 @@ class ExpertsReducer(Reducer[ExpertsData]):
         super().__init__(feeds)
         self.sums = CachedSums("moe_counts")
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> ExpertsData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> ExpertsData:
         self.sums.before(trace)
         usage = self.memo("usage", (len(trace.parts("moe_counts")), options.moe_modality, options.moe_segment,
                                     options.moe_layer),

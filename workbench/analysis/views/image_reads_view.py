@@ -23,7 +23,7 @@ from workbench.trace.thumbnail_files import read_thumbnail
 
 from workbench.trace import summary_cache
 from workbench.analysis.views.base import Reducer
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 # longest side, in screen pixels, of the picture sent to the browser
 SCREEN_SIDE = 360
@@ -47,7 +47,7 @@ class ImageReadsData:
     answer_range: tuple[int, int] | None = None  # inclusive query positions of the answer
 
 
-def image_segments(session: SessionMapData) -> list[dict]:
+def image_segments(session: RecordingMapData) -> list[dict]:
     return [g for g in session.segments if g["kind"] == "image"]
 
 
@@ -80,7 +80,7 @@ def picture_cover(segment: dict, grid: tuple[int, int]) -> tuple[float, float]:
     return cover
 
 
-def answer_range(session: SessionMapData) -> tuple[int, int] | None:
+def answer_range(session: RecordingMapData) -> tuple[int, int] | None:
     """Inclusive query positions of the latest generated segment (the recorder may run ahead of its end)."""
     spans = [(int(g["start"]), int(g["end"])) for g in session.segments if g["kind"] == "generated"]
     if not spans:
@@ -94,7 +94,7 @@ class ImageReadsReducer(Reducer[ImageReadsData]):
 
     data_type = ImageReadsData
 
-    def reduce(self, trace: Trace, options, session: SessionMapData) -> ImageReadsData | None:
+    def reduce(self, trace: Trace, options, session: RecordingMapData) -> ImageReadsData | None:
         images = image_segments(session)
         if not images:
             return None

@@ -33,7 +33,7 @@ from workbench.trace import Trace
 from workbench.trace import summary_cache
 from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.analysis.views.part_feed import DecodedPart, PartFeeds
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 TOP_HEADS = 8  # heads listed per kind ("saturates", "forgets")
 MAX_POSITIONS = 2048  # measurements kept per layer before thinning (see the module docstring)
@@ -162,7 +162,7 @@ class KDAHealthReducer(Reducer[KDAHealthData]):
         return {"ranked": ranked_rows(health, segs), "layers": int(health["layer"].nunique()),
                 "heads": int(len(health)), "measured": measured, "last_position": last, "note": ""}
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAHealthData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> KDAHealthData:
         parts = tuple(trace.parts("kda_norms"))
         values = self.memo("health", (parts, session.segments), lambda: self._values(trace, session.segments))
         return self.result(**values)

@@ -26,7 +26,7 @@ from workbench.trace import summary_cache
 from workbench.analysis.views.base import HeatMap, Reducer, ViewOptions
 from workbench.analysis.views.list_columns import flat_lists
 from workbench.analysis.views.part_feed import DecodedPart, PartFeed, PartFeeds
-from workbench.analysis.views.session_map import SessionMapData
+from workbench.analysis.views.session_map import RecordingMapData
 
 _COLUMNS = ["layer", "position", "norm"]
 
@@ -237,11 +237,11 @@ class KDAStateReducer(Reducer[KDAStateData]):
         super().__init__(feeds)
         self.folder = KDANormFolder(self.feeds.feed("kda_norms"))
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> KDAStateData:
         with self.folder.feed.lock:  # the health view's read may fold parts into this folder
             return self._reduce(trace, options, session)
 
-    def _reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData) -> KDAStateData:
+    def _reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData) -> KDAStateData:
         folder = self.folder
         restored = not folder.layers and folder.restore(trace)
         wanted = options.kda_layer if options.kda_layer in folder.layers else None

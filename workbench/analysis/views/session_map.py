@@ -20,8 +20,8 @@ Marks = tuple[tuple[int, int, str], ...]
 
 
 @dataclass(frozen=True)
-class SessionMapData:
-    """The followed session as the views draw it."""
+class RecordingMapData:
+    """The followed recording as the views draw it (segments, progress, generated tokens)."""
 
     status: str = "waiting"  # waiting | recording | complete | failed
     tokens: int = 0
@@ -61,12 +61,12 @@ def generated_tokens(text: TokenText, segments: tuple[dict, ...]) -> tuple[tuple
     return tuple(out[-MAX_GENERATED:])
 
 
-class SessionMapReducer(Reducer[SessionMapData]):
-    """session.json and the token table -> `SessionMapData` (the token table is re-read when it grows)."""
+class RecordingMapReducer(Reducer[RecordingMapData]):
+    """session.json and the token table -> `RecordingMapData` (the token table is re-read when it grows)."""
 
-    data_type = SessionMapData
+    data_type = RecordingMapData
 
-    def reduce(self, trace: Trace, options: ViewOptions, session: SessionMapData | None = None) -> SessionMapData:
+    def reduce(self, trace: Trace, options: ViewOptions, session: RecordingMapData | None = None) -> RecordingMapData:
         s = trace.session
         segments = tuple({k: seg.get(k) for k in ("id", "kind", "name", "start", "end", "modality")}
                          | {"image": seg.get("image"), "thumbnail": seg.get("thumbnail")} for seg in s.get("segments", []))

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping
 
-from workbench.analysis.views import VIEW_REDUCERS, DSADiffReducer, Reducer, SessionMapReducer
+from workbench.analysis.views import VIEW_REDUCERS, DSADiffReducer, Reducer, RecordingMapReducer
 from workbench.analysis.views.part_feed import PartFeeds
 from workbench.trace import TABLES, Trace
 
@@ -39,7 +39,7 @@ class SharedReducers:
         self.path = path
         self.lock = threading.Lock()
         self.trace: Trace | None = None
-        self.session = SessionMapReducer()
+        self.session = RecordingMapReducer()
         feeds = PartFeeds()  # a table two views fold (kda_norms) is read once for both
         self.views: dict[str, Reducer] = {name: cls(feeds) for name, cls in (reducers or VIEW_REDUCERS).items()}
         if compare is not None:

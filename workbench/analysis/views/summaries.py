@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.analysis.views import VIEW_REDUCERS, SessionMapReducer, ViewOptions
+from workbench.analysis.views import VIEW_REDUCERS, RecordingMapReducer, ViewOptions
 from workbench.analysis.views.part_feed import PartFeeds
 from workbench.trace import TraceError, open_trace, summary_cache
 
@@ -29,7 +29,7 @@ def write_summaries(path: str | Path) -> bool:
     try:
         with summary_cache.into_trace(path):
             trace = open_trace(path)
-            session = SessionMapReducer().reduce(trace, options, None)
+            session = RecordingMapReducer().reduce(trace, options, None)
             feeds = PartFeeds()  # kda_norms is read once for the two KDA views, as on a dashboard page
             for reducer in VIEW_REDUCERS.values():
                 reducer(feeds).reduce(trace, options, session)
