@@ -229,9 +229,8 @@ class Dashboard(pn.viewable.Viewer):
         The server builds every view into the page it sends: the browser then lays the page out
         once, with whatever data the follower has reduced while the page's scripts loaded, and the
         rest arrives as one websocket message per frame. Panel's deferred loading (each view built
-        and sent after the page loaded) cost a round trip and about five separate property messages
-        per view, and a relayout of the whole page for each, which was most of the time to the last
-        view drawn (benchmarks/bench_dashboard.py).
+        and sent after the page loaded) costs a round trip and several separate property messages
+        per view, and a relayout of the whole page for each (benchmarks/bench_dashboard.py).
         """
         lower = [self.view(n) for n in VIEWS]
         return [self.probe, self.alert, self.session_map, *lower]
@@ -364,8 +363,8 @@ def build_dashboard(config: DashboardConfig, follow: bool = False) -> Dashboard:
 
     With `follow`, its follower starts reducing the trace now, before any page holds it: the server
     does this for its first spare, so the first page's periodic callback finds frames waiting and
-    sends them in the page itself instead of after it has loaded (128K demo trace on a fresh server:
-    2.6 s to every view with data before, 1.7 s after, the same as a reload). Later spares do not
+    sends them in the page itself instead of after it has loaded (a fresh server's first page opens
+    as fast as a reload: docs/benchmarks.md). Later spares do not
     start following until a page takes them (a live trace would be polled for nobody).
     """
     dash = Dashboard(config)

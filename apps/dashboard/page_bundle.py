@@ -2,10 +2,9 @@
 
 Panel adds `bokeh-mathjax.min.js` (1.8 MB, the largest script of the page) to every served page that
 holds an HTML pane, in case one of them holds TeX. No pane of the dashboard renders TeX: trace text,
-file names and errors are shown verbatim (escaped on the server). An empty Panel page cost headless
-Chromium 1.0 s of CPU without that bundle (one open) against 1.3-1.6 s with it (medians of 6 opens
-in three runs, same busy 2-core machine); without it BokehJS leaves TeX-like text in a pane
-untypeset, which suits a dashboard that shows text as it came.
+file names and errors are shown verbatim (escaped on the server). Parsing that bundle is a large
+share of the CPU an empty page costs the browser (docs/benchmarks.md); without it BokehJS leaves
+TeX-like text in a pane untypeset, which suits a dashboard that shows text as it came.
 
     without_mathjax(document)   mark a served document: its page is bundled without MathJax
     install()                   wrap Panel's page bundler once (idempotent), so marked documents get

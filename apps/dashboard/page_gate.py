@@ -6,7 +6,7 @@ frame the server had applied, while the server's models held it. Panel 1.9's `ho
 model-change events of a document it does not yet count as connected (`state._connected`, set by
 the page's onload), on the assumption that the document will be serialized in full when the
 session connects. That holds until the browser opens its websocket and pulls the document; from
-then until the page reports that it has drawn (1-2.5 s for this page at 1M), a frame applied by the
+then until the page reports that it has drawn (seconds on a long trace), a frame applied by the
 periodic callback changed the server's models and reached the browser only in part.
 
 So a frame is applied while nobody holds the document (it goes out with the pull) or once the page

@@ -7,8 +7,7 @@ here before it reaches a pane. Tests check this with hostile token text in a rea
 
 `HTMLText` / `AlertText` are the HTML and Alert panes the views update: Panel's own panes send their
 stylesheets again (new model objects) with every new text, and a model-valued property change makes
-Bokeh re-index every model of the document (about 70 ms per update with ~450 models, a dozen per
-frame); these send only the changed text and properties. Inside a notebook kernel the re-sent
+Bokeh re-index every model of the document (for every update, a dozen per frame); these send only the changed text and properties. Inside a notebook kernel the re-sent
 stylesheets were also links to cdn.holoviz.org (Panel resolves them afresh), replacing the CSS inlined
 when the cell was drawn, so an offline page failed to load 9 of them per frame.
 """

@@ -58,9 +58,9 @@ class KDAHealthData:
 class _LayerSeries:
     """One layer's measurements: positions [P] and, per statistic, a float32 [P, H] matrix (None: not recorded).
 
-    Parts arrive one by one (160 per layer on a 1M-token trace): they are kept as chunks and joined
-    only when the series is thinned or read, since joining on every append copied the whole series
-    each time (1.4 s of the first open of that trace)."""
+    Parts arrive one by one (hundreds per layer on a long trace): they are kept as chunks and joined
+    only when the series is thinned or read, since joining on every append would copy the whole
+    series each time."""
 
     def __init__(self) -> None:
         self._chunks: list[tuple[np.ndarray, dict[str, np.ndarray | None]]] = []
