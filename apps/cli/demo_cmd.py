@@ -35,8 +35,8 @@ DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
 DEFAULT_TRACE = Path("traces/demo")
 MIN_TOKENS = 256
-# long enough that a 64-pick DSA read of the needle is far from what chance gives, short enough that
-# the whole demo (recording and causal check) stays within about a minute on a laptop-class CPU
+# long enough that a DSA layer's reads of the needle stand far above what chance picks give, short
+# enough that the whole demo (recording and causal check) stays within about a minute on one CPU thread
 DEFAULT_TOKENS = 32768
 # the context is built in memory as text before the model sees it: bounded by the demo model's context
 MAX_TOKENS = 1 << 20
