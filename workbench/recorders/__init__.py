@@ -1,4 +1,4 @@
-"""Recorders: probe sinks that reduce engine signals into trace rows (`record`, `RecordPolicy`)."""
+"""Recorders: probe sinks that turn engine signals into trace rows through their families (`record`, `RecordPolicy`)."""
 
 from workbench.recorders.policy import ALL, RecordPolicy, load_policy
 from workbench.recorders.recorder import Recorder, record

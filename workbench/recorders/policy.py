@@ -32,9 +32,8 @@ class RecordPolicy:
     dense_mass_stride: measure dense-attention mass inside the selected set for every stride-th prefill
         query (0 = never).
     dense_mass_decode_every: ... and for every n-th decode step (0 = never). Each measured step re-reads
-        every past key of every DSA layer (a dense attention pass: 0.2 ms per demo layer at 4K tokens,
-        4.7 ms at 128K), so the default samples thinly: every 16th step cost 3% of decode time at 4K
-        and ~12% at 128K, every 64th a quarter of that.
+        every past key of every DSA layer (a dense attention pass, growing with the context), so the
+        default samples thinly (docs/benchmarks.md has the cost).
     kda_every_tokens: KDA norms every n prefill tokens (the KDA chunk is 64; decode: every token).
     kda_extras: also record max |S|, mean decay and mean beta, and the decay timescales (median
         channel half-life, share of global channels).
@@ -49,8 +48,8 @@ class RecordPolicy:
     flush_seconds: flush the trace this often while the session runs (live following), unless a flush
         would then take more than `flush_share` of the time.
     flush_share: the largest share of the session's time periodic flushes may take: after a flush
-        that took d seconds the next waits at least d / flush_share (a decode-time flush costs ~10-50
-        ms of main-thread time on a CPU, several tokens' worth). 1 = flush every flush_seconds.
+        that took d seconds the next waits at least d / flush_share (a decode-time flush takes
+        main-thread time, several tokens' worth on a CPU). 1 = flush every flush_seconds.
     """
 
     name: str = "default"

@@ -272,10 +272,9 @@ class Recorder:
             self._progress = {"phase": "prefill" if done < total else "idle", "done": done, "total": total,
                               "tokens_per_s": rate, "eta_s": (total - done) / rate if rate else None}
             if done >= total:
-                # the prefill's last rows are written before the first generated token: left to the next
-                # periodic flush, that flush (tens of ms of reduction on this thread) landed in the decode
-                # steps and was most of recording's decode overhead (bench_record: +17% over 64 steps);
-                # the periodic spacing is not changed by it (`_flush_cost` measures decode-time flushes)
+                # the prefill's last rows are written before the first generated token, so turning them
+                # into rows on this thread does not land in a decode step; the periodic spacing is not
+                # changed by it (`_flush_cost` measures decode-time flushes)
                 self.flush(wait=False)
         elif event == "step":
             # every flush_seconds, but never more than flush_share of the time (see RecordPolicy)

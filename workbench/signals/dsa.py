@@ -5,7 +5,7 @@ Recording: every query's selection is counted on the device (per key bin, log2 r
 segment, attention-sink hit); full index lists are kept only for the queries the policy samples
 (`dsa_prefill_stride`, decode steps, marks). Reading: `heatmap` rebins the key-bin counts.
 
-The device reductions return tensors of fixed, data-independent shapes (a dense `bincount` with a
+The device counts return tensors of fixed, data-independent shapes (a dense `bincount` with a
 known `minlength`), so recording never synchronises the device inside the forward pass.
 """
 
@@ -83,7 +83,7 @@ def request(name: str, policy: Any, marks: Marks) -> ProbeRequest:
                         decode_every=policy.dense_mass_decode_every)
 
 
-# ---- device reductions ----------------------------------------------------------------------------------
+# ---- device counts --------------------------------------------------------------------------------------
 def key_counts(indices: "torch.Tensor", bin_tokens: int, n_bins: int) -> dict[str, "torch.Tensor"]:
     """indices [T, k] (-1 = empty) -> selections per key bin (dense over n_bins)."""
     import torch

@@ -24,7 +24,7 @@ Rules that make the store crash-safe and followable:
   project code (`SELECT layer, sum(count) FROM read_parquet('TRACE/dsa_key_counts/part-*.parquet') GROUP
   BY layer`).
 
-Signal tables say which probe signal they are reduced from (`TableSpec.signal`, declared with its
+Signal tables say which probe signal they are recorded from (`TableSpec.signal`, declared with its
 payload fields in `engine.probes.SIGNALS`); a column that holds a payload field names it
 (`Column.field`), and the recorder fills exactly those columns from the emitted tensors.
 
