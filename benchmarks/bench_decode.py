@@ -7,7 +7,7 @@ indexer scan grows with context (O(T) per token) while KDA and the MoE do not.
 
     python benchmarks/bench_decode.py --contexts 1024 16384 131072 --tokens 16 [--modes eager compiled]
 
-Columns: the eager forward, and the compiled decode step (`engine.decode_step`; its warm-up
+Columns: the eager forward, and the compiled decode step (`engine.decode.step`; its warm-up
 column is the compile at that context's cache capacity, one per capacity), each as wall and as
 CPU ms per token (one torch thread: on a shared machine the CPU column is the one to read).
 """
@@ -96,7 +96,7 @@ def read_floor_ms(model, context: int) -> tuple[float, float, float]:
     cache between sums: the best case), and over one larger than that cache (what the step gets when
     the rest of it evicts the keys between tokens; measured in the compiled step at 128K: the scan
     runs at about the streaming figure)."""
-    from engine.decode_step import static_capacity
+    from engine.decode.step import static_capacity
 
     dsa = model.config.dsa
     if dsa is None:

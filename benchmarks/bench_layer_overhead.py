@@ -11,7 +11,7 @@ cached tokens). Per layer it prints:
 - host us: ops x the per-op host cost measured on the demo preset's layers of the same kind
   (same code path, negligible compute: there the step's time is host time);
 Times are CPU seconds of this single-threaded process (a shared machine inflates wall time).
-- compiled us: the same layer's static-shape step (`engine.decode_step`'s form: device-tensor
+- compiled us: the same layer's static-shape step (`engine.decode.step`'s form: device-tensor
   position, cache read whole at its capacity) under `torch.compile(fullgraph=True)`, CPU us per
   token; its compile time is printed too. Inductor's kernels do not pass the dispatcher, so no op
   count is printed for it. `--no-compiled` skips it.
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import load_model
 from engine.cache import KDAState, MLACache
-from engine.census import census
+from engine.weights.census import census
 from engine.config import ModelConfig
 from engine.model import DecoderLayer
 from engine.presets import get_preset
@@ -129,7 +129,7 @@ def _static_layer_step(layer, x, blocks, state, start):
 def time_compiled(layer: DecoderLayer, state, start: int, hidden: int, dtype: torch.dtype, steps: int
                   ) -> tuple[float, float]:
     """(median CPU us per token, compile seconds) of the layer's compiled static-shape step."""
-    from engine.decode_step import static_capacity
+    from engine.decode.step import static_capacity
 
     if isinstance(state, MLACache):
         state.reserve(static_capacity(start + steps + 4, 2048))

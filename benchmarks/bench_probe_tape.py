@@ -3,7 +3,7 @@
     python benchmarks/bench_probe_tape.py [--steps 1920]
 
 The compiled decode step returns what its listening points collected as one flat tuple with a constant
-layout (`engine.probe_tape`). Two ways to hand that on, timed on the same payloads (the decode step's
+layout (`engine.decode.probe_tape`). Two ways to hand that on, timed on the same payloads (the decode step's
 shapes: KDA state norms per head, DSA top-k indices, MoE routes), for the demo preset's 23 points and
 K3.1 Pro's 185 (69 KDA, 24 DSA, 92 MoE layers), with a sink that keeps nothing:
 - `emit`: one emission per point per step (a lower bound: the sink here does nothing, while a real
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from engine.probe_tape import BACKLOG_STEPS, ProbeTape, collected_payloads
+from engine.decode.probe_tape import BACKLOG_STEPS, ProbeTape, collected_payloads
 from engine.probes import Emission, ProbeContext, ProbePoint
 
 SIZES = {"demo preset (5 KDA, 3 DSA, 15 MoE)": (5, 3, 15), "K3.1 Pro (69 KDA, 24 DSA, 92 MoE)": (69, 24, 92)}

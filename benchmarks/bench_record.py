@@ -12,7 +12,7 @@ with the trace store's synthetic generator at every 24th layer and scaled to all
 
 The decode overhead is printed on its own (decode tok/s against recording off), beside the
 whole-run overhead that prefill dominates. `--compile` sets `runtime.compile` for every mode; with
-`on`, listeners collect inside the compiled decode step (`engine.decode_step`), except those of
+`on`, listeners collect inside the compiled decode step (`engine.decode.step`), except those of
 policies asking for the KDA effective rank or half-lives (`all`, `kda-rank`, `kda-extras`), whose
 decode steps run the eager forward and so pay the compiled step's whole speed-up as overhead.
 """

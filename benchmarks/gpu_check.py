@@ -1,6 +1,6 @@
 """GPU check: every Triton kernel against its pure-torch reference at real K3.1 Pro shapes, timed side
 by side, plus a demo-preset session with kernels on and off, and the compiled decode step
-(`engine.decode_step`, CUDA graph): demo-preset greedy decode compiled vs eager (same tokens), and
+(`engine.decode.step`, CUDA graph): demo-preset greedy decode compiled vs eager (same tokens), and
 one KDA and one DSA layer at true K3.1 Pro widths (16 experts) in ms per token against the memory
 roofline (the layer's weight and cache bytes over the copy bandwidth measured in the same run).
 Exits 1 on any mismatch. `--skip-compiled` leaves the compiled part out.
@@ -174,7 +174,7 @@ def compiled_decode_rows(model, rows: list, dev: torch.device) -> bool:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_layer_overhead import build_layer, layer_state, slice_config
     from engine.cache import MLACache
-    from engine.decode_step import static_capacity
+    from engine.decode.step import static_capacity
 
     config = slice_config(16)
     context = 4096

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.config import MAX_DSA_TOPK, DSAConfig, ModelConfig, VisionConfig
 from engine.errors import ConfigError
-from engine.fileio import parse_json, read_limited
+from engine.io.files import parse_json, read_limited
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 _MISSING = object()

@@ -109,7 +109,7 @@ class KimiModel(nn.Module):
                 layer_outputs: list[torch.Tensor] | None = None,
                 inputs_embeds: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] (or `inputs_embeds` [B, T, hidden]) -> final normed hidden [B, T, hidden].
-        `start`: the first position as a device tensor (the decode step, `engine.decode_step`); default
+        `start`: the first position as a device tensor (the decode step, `engine.decode.step`); default
         `state.length`."""
         if start is None:
             start = 0 if state is None else state.length

@@ -12,7 +12,7 @@
   its step, phase and rank.
 - Inside the compiled decode step a listening point is `collecting`: `emit` keeps the tensors (graph
   outputs) and the step hands them on afterwards, with positions from the host, through the
-  model's `engine.probe_tape.ProbeTape`: one record per step, cut into one emission of up to
+  model's `engine.decode.probe_tape.ProbeTape`: one record per step, cut into one emission of up to
   `probe_tape.BACKLOG_STEPS` decode steps per point (per-row `Emission.steps`), so a decode step costs the
   host one list append whatever the number of listeners (and the recorder one reduction per 64
   steps). The tape is delivered when full, before any other forward, when a generation ends, when
@@ -390,11 +390,11 @@ class ProbePoint:
         self._listeners: list[tuple[Sink, ProbeRequest]] = []
         self.context = _UNBOUND
         # inside the compiled decode step emissions are kept here (the graph's outputs) and handed to
-        # the sink on the host after it (`engine.decode_step`); one list for the point's lifetime, so
+        # the sink on the host after it (`engine.decode.step`); one list for the point's lifetime, so
         # the traced step always reads the same object
         self.collecting = False
         self.collected: list[dict[str, "torch.Tensor"]] = []
-        # the decode step's tape holding this point's undelivered steps (`engine.probe_tape`), once
+        # the decode step's tape holding this point's undelivered steps (`engine.decode.probe_tape`), once
         # the model has decoded with the compiled / static step
         self.tape: Any = None
 

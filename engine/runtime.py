@@ -26,7 +26,7 @@ class RuntimeOptions:
     expert_cache_mib: budget for dequantized MXFP4 experts kept between calls (the packed copy is
         always kept; hot experts skip dequantization on the next token). 0 = dequantize at every use.
     kernels: "auto" runs the Triton kernels on CUDA tensors; "reference" forces the pure-torch ops.
-    compile: the session's single-token decode step runs `torch.compile`d (`engine.decode_step`;
+    compile: the session's single-token decode step runs `torch.compile`d (`engine.decode.step`;
         a CUDA graph on CUDA): True, False, "auto" (on for CUDA, off for CPU, where compiling
         takes minutes), or "static" (the same static-shape step, run eagerly: for tests).
     interventions: the running session's interventions (`engine.interventions.InterventionPlan`), set

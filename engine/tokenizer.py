@@ -24,7 +24,7 @@ import tiktoken
 
 from engine.builtin import model_dir
 from engine.errors import CheckpointError, InputError
-from engine.fileio import read_limited
+from engine.io.files import read_limited
 
 # Kimi's pre-tokenization split (Han runs, cased words with contractions, 1-3 digit groups, ...)
 KIMI_PAT_STR = "|".join([

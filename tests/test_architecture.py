@@ -24,22 +24,21 @@ PACKAGES = ("engine", "workbench", "apps")
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     # errors and user files opened with size limits: what every other module may use
-    ("engine base", ("engine.errors", "engine.fileio", "engine.atomic_dir")),
-    ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.inputs", "engine.runtime",
+    ("engine base", ("engine.errors", "engine.io")),
+    ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.io.inputs", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.chat_response", "engine.interventions")),
+                       "engine.builtin", "engine.session.chat_response", "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
     ("engine ops", ("engine.ops",)),
     # the layers wire projections, caches and collectives to the ops (the vision tower is layers the model calls)
     ("engine layers", ("engine.layers", "engine.vision")),
-    ("engine model", ("engine.model", "engine.numerics", "engine.decode_step", "engine.probe_tape")),
+    ("engine model", ("engine.model", "engine.numerics", "engine.decode")),
     # the checkpoint: tensor table, shard slices, files, loading that builds a model, counts and plans from the table
-    ("engine weights", ("engine.weights", "engine.census", "engine.plan")),
+    ("engine weights", ("engine.weights",)),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches
-    ("engine session", ("engine.session", "engine.segments", "engine.session_images", "engine.session_state", "engine.snapshot", "engine.sampling", "engine.batch",
-                        "engine.session_interventions", "engine.transcript")),
+    ("engine session", ("engine.session",)),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # filler, task text and pictures for experiments (nothing below them in workbench)

@@ -58,7 +58,7 @@ def test_run_streams_text_and_saves_a_snapshot(tmp_path, capsys):
 
 def test_run_compile_on_records_through_the_decode_step(tmp_path, capsys, monkeypatch):
     """`--compile on` with `--trace`: greedy text equal to `--compile off`, every decode step recorded."""
-    from engine import decode_step
+    from engine.decode import step as decode_step
     from workbench import open_trace
 
     monkeypatch.setattr(decode_step, "BACKEND", "aot_eager")  # dynamo's tracing without inductor's minutes

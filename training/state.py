@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fileio import fsync_dir
+from engine.io.files import fsync_dir
 from engine.weights.write import owned
 
 LATEST = "latest.json"

@@ -43,10 +43,10 @@ _EXPORTS = {
     "chart_picture": "workbench.pictures", "draw_shape": "workbench.shape_pictures",
     "draw_digit": "workbench.shape_pictures",
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
-    "ConversationTrace": "workbench.conversation_trace",
     "intervene": "workbench.interventions", "effects": "workbench.causal_effects", "Effects": "workbench.causal_effects",
     "load_intervention_spec": "workbench.interventions",
     "attribution": "workbench.attribution",
+    "ConversationTrace": "workbench.conversation_trace",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from engine import atomic_dir
+from engine.io import atomic_dir
 from engine.errors import InputError
 from engine.session import Session
 from workbench.analysis.read_comparison import next_token_kl, read_changes, relative_difference, summarize_reads

@@ -186,7 +186,7 @@ def answer_style_of(model: str | Path) -> str:
     names an unknown style is an error that names the file."""
     from engine.builtin import model_dir
     from engine.errors import CheckpointError
-    from engine.fileio import read_limited
+    from engine.io.files import read_limited
 
     if str(model).startswith("preset:"):
         return "key"

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from workbench.trace.errors import TraceError
-from engine import atomic_dir
+from engine.io import atomic_dir
 from workbench.captures import ENGINES, export_responses, load_capture_model
 from workbench.trace import TraceError
 from workbench.trace.export import FORMATS, export_trace, parse_layers

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.errors import InputError
-from engine.fileio import file_kind
+from engine.io.files import file_kind
 
 FORMAT = "k3-workbench-logits"
 HEADER_LIMIT = 16 << 20  # a header naming one tensor per sequence fits many times over

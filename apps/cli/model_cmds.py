@@ -10,9 +10,9 @@ import torch
 
 from apps.cli import logits_file
 from engine import get_preset, load_config, load_model
-from engine import inputs as engine_inputs
+from engine.io import inputs as engine_inputs
 from engine.builtin import model_dir
-from engine.census import census, human, human_bytes
+from engine.weights.census import census, human, human_bytes
 from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.interventions import InterventionPlan, parse_interventions

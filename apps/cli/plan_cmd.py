@@ -4,7 +4,7 @@
 
 Prints weights by dtype, KDA state, MLA and indexer caches, activation and workspace estimates and
 a runtime reserve per GPU, then the verdict (fits, or the shortfall and the smallest GPU count that
-would fit); exits 1 when it does not fit. The maths lives in `engine.plan`.
+would fit); exits 1 when it does not fit. The maths lives in `engine.weights.plan`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import re
 
 from engine.errors import InputError
-from engine.plan import format_plan, plan_memory, smallest_fitting
+from engine.weights.plan import format_plan, plan_memory, smallest_fitting
 from engine.presets import PRESETS
 from engine.weights.load import parse_model_path
 from apps.cli.model_cmds import DTYPES

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
-from engine.chat_response import ResponseReader
+from engine.session.chat_response import ResponseReader
 from engine.errors import InputError
-from engine.inputs import read_prompt_file
+from engine.io.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from engine.session import Session
-from engine.snapshot import check_target as check_snapshot_target
-from engine.transcript import read_transcript
+from engine.session.snapshot import check_target as check_snapshot_target
+from engine.session.transcript import read_transcript
 from workbench import intervene, load_intervention_spec
 from workbench.sessions import FAMILIES, recorded_session
 from workbench.trace import check_trace_target
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="decode through the compiled step (engine.decode_step): auto = on CUDA only; on a CPU the "
+                   help="decode through the compiled step (engine.decode.step): auto = on CUDA only; on a CPU the "
                         "first use compiles for minutes (cached on disk afterwards)")
     p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
     p.add_argument("--trace", type=Path, help="record the session into this trace directory")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from apps.cli.model_cmds import DTYPES
 from engine.errors import InputError
-from engine.fileio import read_limited
+from engine.io.files import read_limited
 
 KEY_ENV = "K3WB_API_KEY"
 MIN_KEY_CHARS = 16

@@ -61,9 +61,9 @@ def find_models(extra: list[str] | None = None, search: list[Path] | None = None
 
 
 def generate_answer(session: Any, max_new: int, temperature: float) -> tuple[int, str]:
-    """Generate until the chat format says the answer ended (`engine.chat_response`), as `workbench run`
+    """Generate until the chat format says the answer ended (`engine.session.chat_response`), as `workbench run`
     does; returns (tokens generated, the answer's text)."""
-    from engine.chat_response import ResponseReader
+    from engine.session.chat_response import ResponseReader
 
     reader = None
     generated, text = 0, []

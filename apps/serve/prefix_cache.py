@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.session import Session
-from engine.transcript import RenderedChat
+from engine.session.transcript import RenderedChat
 
 
 def state_bytes(session: Session) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError
-from engine.transcript import TranscriptMessage, parse_messages
+from engine.session.transcript import TranscriptMessage, parse_messages
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256

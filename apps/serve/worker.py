@@ -28,9 +28,9 @@ from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest, StopMatcher
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from engine.session import Session
-from engine.transcript import RenderedChat, append_rendered, render_messages
+from engine.session.transcript import RenderedChat, append_rendered, render_messages
 
 Event = tuple
 

@@ -149,7 +149,7 @@ class GatedMLA(nn.Module):
 
     @property
     def host_finished_probes(self) -> tuple[ProbePoint, ...]:
-        """Points whose decode-step payload `finish_probe` completes on the host (`engine.probe_tape`)."""
+        """Points whose decode-step payload `finish_probe` completes on the host (`engine.decode.probe_tape`)."""
         return (self.probe_dense_mass,)
 
     def finish_probe(self, point: ProbePoint, data: Mapping[str, torch.Tensor], start: int, cache: MLACache) -> None:
@@ -163,7 +163,7 @@ class GatedMLA(nn.Module):
 
     def _static_step(self, x: torch.Tensor, cache: MLACache | None, start: torch.Tensor,
                      key_start: torch.Tensor | None, p: _Projected) -> torch.Tensor:
-        """The decode step's form (`engine.decode_step`): `start` is a device tensor, the cache is read
+        """The decode step's form (`engine.decode.step`): `start` is a device tensor, the cache is read
         whole at its capacity with invisible slots masked, so shapes never change and no device
         value reaches the host. Listening probes collect (`ProbePoint.collecting`): the selection, and
         for `dsa.dense_mass` the query, which `finish_probe` measures on the host when the listener's

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
-from engine.fileio import read_limited, require_regular
+from engine.io.files import read_limited, require_regular
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from engine import atomic_dir
+from engine.io import atomic_dir
 from engine.config import ModelConfig
 from engine.config_io import config_to_hf
 from engine.errors import InputError
-from engine.fileio import parse_json
+from engine.io.files import parse_json
 from engine.tokenizer import NUM_SPECIAL, write_byte_level_tokenizer
 from engine.weights.names import TensorSpec, checkpoint_tensors
 from engine.weights.random_init import RandomSource, storage_dtype
@@ -61,7 +61,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
             conv weights, o_norm and the router bias stay fp32).
         tokenizer: also write the byte-level tokenizer files (when vocab = 256 bytes + 256 specials).
         overwrite: replace a checkpoint this function wrote (nothing else): built in a temporary beside
-            it and swapped in by `engine.atomic_dir`, so a kill at any moment keeps one whole
+            it and swapped in by `engine.io.atomic_dir`, so a kill at any moment keeps one whole
             checkpoint; files the user added to the old one are carried into the new one.
         vision: write the vision tower's tensors when the config has one (False: a text-only export,
             whose config.json still carries the vision_config).

@@ -7,9 +7,9 @@ import torch
 
 from tests.helpers import assert_close
 from engine import load_model
-from engine.batch import BatchSession
+from engine.session.batch import BatchSession
 from engine.errors import InputError
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from engine.session import Session
 
 

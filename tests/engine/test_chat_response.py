@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_response import ResponseReader
+from engine.session.chat_response import ResponseReader
 from engine.errors import InputError
 from engine.tokenizer import Message, Tokenizer
 

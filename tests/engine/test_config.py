@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import config_to_hf, get_preset, parse_config
-from engine.census import census
+from engine.weights.census import census
 from engine.errors import ConfigError
 from engine.model import KimiForCausalLM
 

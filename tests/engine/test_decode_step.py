@@ -1,4 +1,4 @@
-"""The static-shape decode step (engine.decode_step): equal to the eager forward, one graph when compiled.
+"""The static-shape decode step (engine.decode.step): equal to the eager forward, one graph when compiled.
 
 Compiling with inductor takes minutes on this CPU, so only one test does it (K3.1); the
 no-graph-break check for every variant traces with dynamo's "eager" backend (same tracing,
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tests.helpers import assert_close
-from engine import decode_step, load_model
-from engine.decode_step import DecodeStep, decode_forward, static_capacity
+from engine import load_model
+from engine.decode import step as decode_step
+from engine.decode.step import DecodeStep, decode_forward, static_capacity
 from engine.cache import MLACache
 from engine.ops.dsa import masked
 from engine.ops.dsa.masked import masked_indexer_topk, pruned_top_slots, score_rank

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import load_model
-from engine.decode_step import DecodeStep, decode_forward
+from engine.decode.step import DecodeStep, decode_forward
 from engine.layers.fused import FusedLinears, fused_groups
 from engine.session import Session
 from engine.weights.write import owned

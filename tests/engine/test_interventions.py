@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from engine import decode_step, load_model
-from engine.decode_step import DecodeStep
+from engine import load_model
+from engine.decode import step as decode_step
+from engine.decode.step import DecodeStep
 from engine.errors import InputError
 from engine.interventions import DsaHide, InterventionPlan, parse_interventions, to_json
 from engine.layers import kda as kda_layer

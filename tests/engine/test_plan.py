@@ -9,7 +9,7 @@ from engine import load_model
 from engine.cache import KDAState, state_bytes
 from engine.errors import ConfigError, InputError
 from engine.parallel.mesh import ParallelContext
-from engine.plan import GiB, plan_memory
+from engine.weights.plan import GiB, plan_memory
 from engine.presets import get_preset
 from apps.cli import main
 from apps.cli.plan_cmd import parse_bytes, parse_tokens

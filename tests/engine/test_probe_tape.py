@@ -1,4 +1,4 @@
-"""The decode step's probe tape (`engine.probe_tape`), without a model.
+"""The decode step's probe tape (`engine.decode.probe_tape`), without a model.
 
 - Steps recorded with one layout reach each listening point as one emission: fields concatenated along
   the declared `n` dimension, positions and per-row step tags in order; one step alone comes unstacked.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import engine.probe_tape as probe_tape
-from engine.probe_tape import ProbeTape, collected_payloads
+import engine.decode.probe_tape as probe_tape
+from engine.decode.probe_tape import ProbeTape, collected_payloads
 from engine.probes import ProbeContext, ProbePoint
 
 

@@ -200,10 +200,10 @@ def _rows_by_point(seen: list) -> dict:
 
 
 def test_decode_step_tape_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
-    """The static decode step hands a listener its steps in bulk (`engine.probe_tape`): the rows, their
+    """The static decode step hands a listener its steps in bulk (`engine.decode.probe_tape`): the rows, their
     step tags and positions equal the eager forward's one emission per step; the tape is delivered
     when full, when generation ends, before the next prefill, and on detach."""
-    import engine.probe_tape as probe_tape
+    import engine.decode.probe_tape as probe_tape
 
     model = load_model("preset:tiny:k3.1", seed=3)
 
@@ -228,7 +228,7 @@ def test_decode_step_tape_delivers_the_eager_rows_in_bulk(monkeypatch) -> None:
     monkeypatch.setattr(probe_tape, "BACKLOG_STEPS", 3)
     eager = run(False, True)
     static = run("static", True)
-    from engine.decode_step import DecodeStep
+    from engine.decode.step import DecodeStep
     DecodeStep.of(model).copy_out = True  # as on CUDA: the packed payloads are cloned off the graph's outputs
     copied = run("static", True)
     assert _rows_by_point(copied).keys() == _rows_by_point(static).keys()

@@ -10,7 +10,7 @@ import torch
 from tests.helpers import assert_close
 from engine import load_model
 from engine.errors import InputError
-from engine.sampling import SamplingParams, filter_logits, make_generator, sample
+from engine.session.sampling import SamplingParams, filter_logits, make_generator, sample
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 

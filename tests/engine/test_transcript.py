@@ -16,7 +16,7 @@ from engine import load_model
 from engine.errors import ImageError, InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
-from engine.transcript import parse_messages, read_transcript
+from engine.session.transcript import parse_messages, read_transcript
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def _png_bytes(im: Image.Image) -> bytes:
     ("text_segment", "not an image segment"), ("bad_name", "thumbnails.x"), ("bad_dtype", "uint8"),
 ])
 def test_snapshot_thumbnails_are_checked_on_read(model, tokenizer, images, tmp_path, case, match):
-    from engine.snapshot import STATE_FILE
+    from engine.session.snapshot import STATE_FILE
     from engine.vision.thumbnail import MAX_THUMBNAIL_BYTES
 
     s = Session(model, tokenizer, prefill_chunk=64)

@@ -21,7 +21,7 @@ from apps.cli import main
 from engine import get_preset, load_model
 from engine.config_io import config_to_hf, parse_config
 from engine.errors import ConfigError, InputError
-from engine.fileio import MAX_JSON_DEPTH, parse_json
+from engine.io.files import MAX_JSON_DEPTH, parse_json
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from engine.weights.random_init import MAX_SEED, RandomSource

@@ -22,16 +22,16 @@ import pytest
 import torch
 
 from engine.errors import InputError
-from engine.snapshot import read_snapshot, write_snapshot
+from engine.session.snapshot import read_snapshot, write_snapshot
 from workbench.trace.errors import TraceError
-from engine.atomic_dir import recover
+from engine.io.atomic_dir import recover
 from workbench.trace.export import MANIFEST, export_trace, is_export
 from k3testing.synthetic import Dims, Policy, write_synthetic_trace
 
 ZYGOTE = textwrap.dedent(r"""
     import os, sys
     import torch
-    from engine.snapshot import write_snapshot
+    from engine.session.snapshot import write_snapshot
     from workbench.trace.export import export_trace
 
     def snapshots(path):
@@ -143,7 +143,7 @@ def _enospc(*args, **kwargs):
 def test_disk_full_during_a_snapshot_save_keeps_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "snap"
     write_snapshot(path, {"gen": 0, "tensors": {"x": torch.zeros(4)}})
-    monkeypatch.setattr("engine.snapshot.save_file", _enospc)
+    monkeypatch.setattr("engine.session.snapshot.save_file", _enospc)
     with pytest.raises(InputError, match="No space left on device; the previous snapshot there is kept"):
         write_snapshot(path, {"gen": 1, "tensors": {"x": torch.ones(4)}}, overwrite=True)
     assert read_snapshot(path)["gen"] == 0 and _leftovers(path) == []

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from engine import load_model
 from engine.errors import InputError
 from engine.session import Session
-from engine.snapshot import read_snapshot
+from engine.session.snapshot import read_snapshot
 from engine.tokenizer import Tokenizer
 from tests.hardening.conftest import bounded
 

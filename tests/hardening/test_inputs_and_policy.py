@@ -8,7 +8,7 @@ import os
 import pytest
 
 from engine.errors import InputError
-from engine.inputs import read_id_lists
+from engine.io.inputs import read_id_lists
 from workbench.recorders.policy import load_policy
 
 
@@ -45,7 +45,7 @@ def test_token_id_file_that_is_missing_a_directory_or_binary(tmp_path):
 
 
 def test_the_cli_reads_ids_through_the_checked_reader(tmp_path):
-    from engine.inputs import read_sequences as cli_reader  # what `workbench logits` calls
+    from engine.io.inputs import read_sequences as cli_reader  # what `workbench logits` calls
     f = tmp_path / "ids.json"
     f.write_text(json.dumps([[1, 2 ** 70]]))
     with pytest.raises(InputError, match="is not a token id"):
@@ -90,7 +90,7 @@ def test_a_good_policy_file_and_a_non_utf8_one(tmp_path):
 
 
 def test_prompt_files(tmp_path):
-    from engine.inputs import read_prompt_file
+    from engine.io.inputs import read_prompt_file
     f = tmp_path / "p.txt"
     f.write_text("héllo")
     assert read_prompt_file(f) == "héllo"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import InputError, NumericsError
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.session.sampling import SamplingParams, make_generator, sample
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -50,7 +50,7 @@ def test_tiny_temperatures_sample_the_best_token_without_nan(temperature, top_p,
 
 def test_ordinary_temperatures_take_the_unchanged_path():
     # bit-identical to logits / temperature, so seeded runs recorded before the change still replay
-    from engine.sampling import filter_logits
+    from engine.session.sampling import filter_logits
     logits = torch.randn(500, generator=torch.Generator().manual_seed(1)) * 10
     for t in (0.01, 0.7, 1.0, 3.0):
         assert torch.equal(filter_logits(logits, t, 0, 1.0), logits.float() / t)

@@ -129,7 +129,7 @@ def test_a_sparse_session_json_is_not_read_whole(tmp_path):
 
 
 def test_a_session_with_too_many_segments_is_refused(tmp_path):
-    from engine.segments import MAX_SEGMENTS
+    from engine.session.segments import MAX_SEGMENTS
     path = _trace(tmp_path)
     session = json.loads((path / "session.json").read_text())
     session["segments"] = [{"id": i, "kind": "turn", "start": 0, "end": 0} for i in range(MAX_SEGMENTS + 1)]
@@ -213,7 +213,7 @@ def test_a_snapshot_token_tensor_longer_than_its_metadata_says_is_refused_before
     from engine import load_model
     from engine.errors import InputError
     from engine.session import Session
-    from engine.snapshot import read_snapshot
+    from engine.session.snapshot import read_snapshot
     from engine.tokenizer import Tokenizer
     import torch
     model = load_model("preset:tiny", seed=2)

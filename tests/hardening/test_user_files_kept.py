@@ -27,9 +27,9 @@ import torch
 from apps.cli import build_parser, main
 from apps.cli import run_cmd
 from engine import get_preset
-from engine.atomic_dir import PARTIAL_MARKER
+from engine.io.atomic_dir import PARTIAL_MARKER
 from engine.errors import InputError
-from engine.snapshot import is_snapshot, read_snapshot, write_snapshot
+from engine.session.snapshot import is_snapshot, read_snapshot, write_snapshot
 from engine.weights.write import check_checkpoint_target, is_written_checkpoint, write_checkpoint
 from workbench.compare import Comparison, check_comparison_target, is_comparison
 from workbench.trace import TraceWriter, check_trace_target, open_trace
@@ -229,7 +229,8 @@ def test_recovery_keeps_user_directories_that_look_like_leftovers(tmp_path):
 
 ZYGOTE = textwrap.dedent(r"""
     import os, signal, sys, time
-    from engine import atomic_dir, get_preset
+    from engine import get_preset
+    from engine.io import atomic_dir
     from engine.weights.random_init import RandomSource
     from engine.weights.write import write_checkpoint
 

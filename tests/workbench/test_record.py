@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 import workbench
-from engine import decode_step, load_model
+from engine import load_model
+from engine.decode import step as decode_step
 from engine.probes import probe_points
 from engine.session import Session
 from engine.tokenizer import Tokenizer

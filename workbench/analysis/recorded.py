@@ -21,7 +21,7 @@ import pandas as pd
 import pyarrow as pa
 
 from engine.errors import InputError
-from engine.fileio import parse_json
+from engine.io.files import parse_json
 
 SETTINGS_KEY = "k3wb.recorded"
 

@@ -14,7 +14,7 @@ What a capture does not hold is absent, and `session.json` says so under `captur
 DSA dense mass, router weights and entropy; indexer top-k when the engine returned none).
 
 Crash safety: the trace is written into a temporary directory beside the target and renamed into
-place only when complete (`engine.atomic_dir`); a failure removes it, so no half-written trace is left.
+place only when complete (`engine.io.atomic_dir`); a failure removes it, so no half-written trace is left.
 An existing target is replaced only with `overwrite` and only when it is a trace this command wrote.
 """
 
@@ -28,7 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine import atomic_dir
+from engine.io import atomic_dir
 from engine.builtin import model_dir
 from engine.config import ModelConfig
 from engine.config_io import load_config

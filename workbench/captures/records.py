@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.errors import InputError
-from engine.fileio import read_limited
+from engine.io.files import read_limited
 from workbench.captures.arrays import RowArray, flat_array, npy_array
 
 ENGINES = ("vllm", "sglang")

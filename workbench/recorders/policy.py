@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputError
-from engine.fileio import read_limited
+from engine.io.files import read_limited
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.segments import MAX_SEGMENTS
+from engine.session.segments import MAX_SEGMENTS
 from workbench.trace.errors import TraceCorruptError
 
 MAX_POSITIONS = 2 ** 31 - 1  # positions are int32 in every table

@@ -14,7 +14,7 @@ export is written to a temporary directory next to the target and moved into pla
 complete; an existing non-empty target is refused unless `overwrite=True` and it holds a previous
 export and nothing else (its `export.json` lists every file); a trace or any other directory is
 never replaced. The old export is set aside, the new one renamed in, then the old one deleted
-(`engine.atomic_dir`), so a crash keeps one whole export at the path.
+(`engine.io.atomic_dir`), so a crash keeps one whole export at the path.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from engine import atomic_dir
-from engine.fileio import parse_json
+from engine.io import atomic_dir
+from engine.io.files import parse_json
 from workbench.trace.bounds import MAX_LAYERS, SessionBounds
 from workbench.trace.errors import TraceError
 from workbench.trace.reader import Trace, open_trace

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.fileio import file_kind, fsync_dir
+from engine.io.files import file_kind, fsync_dir
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$", re.ASCII)  # ASCII: int() also reads other scripts' digits
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine.fileio import parse_json, read_limited
+from engine.io.files import parse_json, read_limited
 from workbench.trace.bounds import check_session
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS, TableSpec

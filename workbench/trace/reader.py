@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine.fileio import process_alive
+from engine.io.files import process_alive
 from workbench.analysis.recorded import SETTINGS_KEY, settings_of_session, with_settings
 from workbench import signals
 from workbench.trace import part_checks

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.errors import EngineError
-from engine.fileio import parse_json
+from engine.io.files import parse_json
 from workbench.trace.arrow_limits import BoundsError, read_bounded
 from workbench.trace import Trace
 from workbench.trace.bounds import MAX_DENSE_CELLS

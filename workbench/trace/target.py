@@ -17,7 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from engine import atomic_dir
+from engine.io import atomic_dir
 from workbench.trace.effects_table import EFFECTS_FILE
 from workbench.trace.errors import TraceError
 from workbench.trace.schema import IMAGES_DIR, SESSION_FILE, TABLES, TOKENS_FILE

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.segments import MAX_SEGMENTS
+from engine.session.segments import MAX_SEGMENTS
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
 from workbench.trace.errors import TraceError
 from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic, write_json_atomic,

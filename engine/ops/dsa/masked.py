@@ -1,6 +1,6 @@
 """DSA indexer top-k for the decode step: one masked pass over a static-size key buffer.
 
-The decode step (`engine.decode_step`) keeps its caches at a fixed capacity, so the indexer scores
+The decode step (`engine.decode.step`) keeps its caches at a fixed capacity, so the indexer scores
 every slot of the buffer and masks the ones a query cannot see (later positions, slots not yet
 written, left padding). Nothing depends on the data: no host synchronisation, no branch on the
 scores, the same shapes at every step, so the step compiles into one graph (and one CUDA graph).

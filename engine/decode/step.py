@@ -20,7 +20,7 @@ session uses it for decode when
 `model.runtime.compile` resolves on. Listening probe points collect inside the step
 (`ProbePoint.collecting`: their tensors become graph outputs, packed into one buffer per dtype with a
 constant layout, `decode_forward_probed`) and are kept after it, with positions known on the host, on the model's
-`ProbeTape` (one record per step, delivered in bulk to each point's sink: `engine.probe_tape`);
+`ProbeTape` (one record per step, delivered in bulk to each point's sink: `engine.decode.probe_tape`);
 a step whose listener asks for a field declared `eager` (measured with host decisions inside the
 layer: the KDA effective rank, half-lives) runs the eager forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
@@ -41,7 +41,7 @@ from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
 from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
-from engine.probe_tape import Layout, ProbeTape, collected_payloads
+from engine.decode.probe_tape import Layout, ProbeTape, collected_payloads
 from engine.probes import ProbePoint
 
 MIN_CAPACITY = 1024
@@ -80,7 +80,7 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, state: Model
 def decode_forward_probed(model: torch.nn.Module, input_ids: torch.Tensor, state: ModelState, start: torch.Tensor,
                           points: tuple[ProbePoint, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
     """`decode_forward`, and what the collecting `points` kept, packed into one buffer per dtype with its
-    layout (`engine.probe_tape.collected_payloads`; a constant of the compiled graph)."""
+    layout (`engine.decode.probe_tape.collected_payloads`; a constant of the compiled graph)."""
     logits = decode_forward(model, input_ids, state, start)
     buffers, layout = collected_payloads(points)
     return logits, buffers, layout

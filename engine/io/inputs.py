@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError
-from engine.fileio import parse_json, read_limited
+from engine.io.files import parse_json, read_limited
 
 MAX_TOKEN_ID = 2 ** 31 - 1  # ids are int32 in traces; no vocabulary comes near
 _MAX_FILE_BYTES = 1 << 30

@@ -18,9 +18,9 @@ import torch
 from engine.cache import ModelState
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
-from engine.sampling import SamplingParams
-from engine.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumbnails_from_tensors
-from engine.snapshot import prefix_hash
+from engine.session.sampling import SamplingParams
+from engine.session.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumbnails_from_tensors
+from engine.session.snapshot import prefix_hash
 from engine.vision.thumbnail import encode_thumbnail
 
 MAX_STEP = 2 ** 31 - 1  # forward steps are int32 in traces
@@ -53,7 +53,7 @@ def session_state_dict(session: Any, *, thumbnails: bool = True) -> dict[str, An
         "sampling": session.sampling.to_json(),
         # snapshot format v1 calls the deployment record "record"
         "record": session.deployment.to_json(),
-        # which interventions were active over which positions (`engine.session_interventions`)
+        # which interventions were active over which positions (`engine.session.interventions`)
         "interventions": list(getattr(session, "intervention_log", [])),
     }
 

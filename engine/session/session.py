@@ -41,19 +41,19 @@ import torch
 from tqdm import tqdm
 
 from engine.cache import KDAState, ModelState
-from engine.decode_step import DecodeStep
+from engine.decode.step import DecodeStep
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
-from engine.sampling import SamplingParams, make_generator, sample
-from engine.segments import Segment
-from engine.session_interventions import activate as activate_interventions
-from engine.session_state import model_fingerprint, restore, session_state_dict
-from engine.snapshot import read_snapshot, write_snapshot
+from engine.session.sampling import SamplingParams, make_generator, sample
+from engine.session.segments import Segment
+from engine.session.interventions import activate as activate_interventions
+from engine.session.state import model_fingerprint, restore, session_state_dict
+from engine.session.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
-from engine.transcript import TranscriptMessage, append_rendered, parse_messages, render_messages
+from engine.session.transcript import TranscriptMessage, append_rendered, parse_messages, render_messages
 from engine.vision import ImageSource
-from engine.session_images import PreparedImage, prepare_image
+from engine.session.images import PreparedImage, prepare_image
 
 Observer = Callable[[str, dict], None]
 PROGRESS_MIN_TOKENS = 8192
@@ -249,7 +249,7 @@ class Session:
 
     def append_messages(self, messages: "Sequence[dict] | Sequence[TranscriptMessage]", *,
                         image_root: str | Path | None = None, add_generation_prompt: bool = False) -> list[Segment]:
-        """A conversation in the OpenAI messages format (`engine.transcript`): one segment per message,
+        """A conversation in the OpenAI messages format (`engine.session.transcript`): one segment per message,
         plus one per image. Every message is checked and every image preprocessed before anything
         changes (InputError naming the message and field). Local image paths must lie inside
         `image_root` (none allowed without it); `data:` URLs always work."""
@@ -470,7 +470,7 @@ class Session:
             self.deliver_probes()
 
     def deliver_probes(self) -> None:
-        """Hand listeners the decode steps' probe emissions still held on the tape (`engine.probe_tape`).
+        """Hand listeners the decode steps' probe emissions still held on the tape (`engine.decode.probe_tape`).
         Generation calls it when it ends and every other forward before it runs; a listener that wants
         them sooner calls `ProbePoint.deliver` (as a recorder's flush does)."""
         step = getattr(self.model, "_decode_step", None)
@@ -520,7 +520,7 @@ class Session:
     def state_dict(self) -> dict[str, Any]:
         """Everything a continuation needs: `tensors` (token ids, sampler RNG, last logits, every
         layer's state; the tensors themselves, not copies) and JSON values (model identity, prefix
-        hash, segments, sampling, step, deployment record). `engine.snapshot` writes it to disk.
+        hash, segments, sampling, step, deployment record). `engine.session.snapshot` writes it to disk.
 
         Image segments are kept (their `image` dict, with the pixel hash) but never their pixels:
         an image must be prefilled before a snapshot is taken (InputError otherwise). Their
@@ -540,7 +540,7 @@ class Session:
         Refuses (InputError) a state of another model or other weights, a token prefix other than
         `expect_tokens`, and any tensor whose name or shape the config does not imply: restoring
         KDA state for the wrong prefix silently produces garbage, so it is never allowed. Every
-        check runs before any field changes (`engine.session_state.restore`).
+        check runs before any field changes (`engine.session.state.restore`).
         """
         r = restore(state, self.model, dtype=self.dtype, device=self.device, expect_tokens=expect_tokens)
         self.state, self.tokens, self.segments = r.layers, r.tokens, r.segments
@@ -568,7 +568,7 @@ class Session:
         return other
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write a snapshot (`snapshot.json` + `state.safetensors`) atomically; see `engine.snapshot`."""
+        """Write a snapshot (`snapshot.json` + `state.safetensors`) atomically; see `engine.session.snapshot`."""
         if not isinstance(path, (str, os.PathLike)):
             raise InputError(f"path= must be a str or path, got {type(path).__name__}")
         return write_snapshot(Path(path), self.state_dict(), overwrite=overwrite)

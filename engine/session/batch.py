@@ -19,7 +19,7 @@ import torch
 
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.session.sampling import SamplingParams, make_generator, sample
 
 
 @dataclass

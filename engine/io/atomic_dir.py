@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import EngineError
-from engine.fileio import file_kind, process_alive
+from engine.io.files import file_kind, process_alive
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 # inside a directory still being built; removed just before it is renamed into place (by then the

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 from urllib.parse import unquote, urlsplit
 
 from engine.errors import InputError
-from engine.fileio import read_limited
-from engine.session_images import PreparedImage, prepare_image
+from engine.io.files import read_limited
+from engine.session.images import PreparedImage, prepare_image
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}

@@ -5,7 +5,7 @@ This module only does file I/O. What a snapshot holds is the session's business
 every tensor's shape); here a state dict is written and read back: its `tensors` entry (name ->
 tensor) goes to `state.safetensors`, every other entry (JSON values) to `snapshot.json` beside
 `format` and `version`. Writing is atomic (a temporary directory renamed into place, the old one
-set aside first and deleted last, `engine.atomic_dir`), so a crash at any point leaves the last
+set aside first and deleted last, `engine.io.atomic_dir`), so a crash at any point leaves the last
 good snapshot loadable; the next save or load recovers it and removes stale temporaries.
 `overwrite` replaces only a snapshot (recognised by `snapshot.json`'s `format`), never anything else,
 and files the user added to a snapshot directory are carried into the new one.
@@ -29,9 +29,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from engine import atomic_dir
+from engine.io import atomic_dir
 from engine.errors import InputError
-from engine.fileio import parse_json, read_limited, require_regular
+from engine.io.files import parse_json, read_limited, require_regular
 
 FORMAT = "k3-workbench-snapshot"
 VERSION = 1
