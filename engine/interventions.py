@@ -37,7 +37,6 @@ none set the layers pay one `is None` check.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -45,6 +44,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.io.files import parse_json
 
 # "all", or the ids named
 Selection = Union[str, tuple[int, ...]]
@@ -201,10 +201,7 @@ def parse_entry(entry: Any, index: int = 0) -> Intervention:
 def parse_interventions(spec: Any) -> tuple[Intervention, ...]:
     """A spec (JSON text, a list of objects, or dataclasses already) -> dataclasses; [] -> ()."""
     if isinstance(spec, (str, bytes)):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"intervention spec is not valid JSON: {exc}") from None
+        spec = parse_json(spec, "intervention spec", InputError)
     if isinstance(spec, Mapping) or not isinstance(spec, (list, tuple)):
         raise InputError(f"an intervention spec is a JSON list of objects, got {type(spec).__name__}")
     return tuple(item if isinstance(item, tuple(_CLASSES.values())) else parse_entry(item, i)

@@ -12,12 +12,12 @@ positions) in its trace's session.json under "interventions".
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from engine.errors import InputError
+from engine.io.files import parse_json, read_limited
 from engine.interventions import Intervention, check_interventions, parse_interventions, to_json
 
 # a spec is a short list of objects: anything larger is not one
@@ -34,10 +34,7 @@ def load_intervention_spec(path: str | Path) -> list[Any]:
         raise InputError(f"{path}: cannot read the intervention spec ({exc.strerror or exc})") from None
     if size > MAX_SPEC_BYTES:
         raise InputError(f"{path}: {size} bytes is too large for an intervention spec (at most {MAX_SPEC_BYTES})")
-    try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: not a JSON intervention spec ({exc})") from None
+    spec = parse_json(read_limited(path, "an intervention spec", InputError, MAX_SPEC_BYTES), str(path), InputError)
     if not isinstance(spec, list):
         raise InputError(f"{path}: an intervention spec is a JSON list of objects, got {type(spec).__name__}")
     return spec
@@ -65,10 +62,7 @@ def resolve(session: Any, *interventions: Any) -> tuple[Intervention, ...]:
         if isinstance(item, Path) or (isinstance(item, str) and not item.lstrip().startswith("[")):
             entries += load_intervention_spec(item)
         elif isinstance(item, str):
-            try:
-                entries += json.loads(item)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"intervention spec is not valid JSON: {exc}") from None
+            entries += parse_json(item, "intervention spec", InputError)
         elif isinstance(item, (list, tuple)):
             entries += list(item)
         else:

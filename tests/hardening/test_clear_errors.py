@@ -297,3 +297,24 @@ def test_wrong_types_at_other_public_entry_points(model, tokenizer) -> None:
         session.save(None)
     with pytest.raises(InputError, match="path= must be"):
         Session.load(123, model, tokenizer)
+
+
+def test_deep_json_in_the_newer_readers_is_one_error(tmp_path) -> None:
+    """Intervention specs (text and file) and a trace's session.json seen by the import and lock checks:
+    100k-deep nesting is a clear error (or "not ours"), never a RecursionError."""
+    from engine.errors import InputError
+    from engine.interventions import parse_interventions
+    from workbench.captures.importer import _is_imported_trace
+    from workbench.interventions import load_intervention_spec
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(InputError, match="nested deeper"):
+        parse_interventions(deep)
+    spec = tmp_path / "spec.json"
+    spec.write_text(deep)
+    with pytest.raises(InputError, match="nested deeper"):
+        load_intervention_spec(spec)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    (trace / "session.json").write_text("{\"a\":" * 100_000 + "1" + "}" * 100_000)
+    assert _is_imported_trace(trace) is False

@@ -56,7 +56,7 @@ def test_segments_resolve_and_bad_names_change_nothing(model, tmp_path):
     from workbench.interventions import resolve
     assert resolve(s, spec)[0].at == 41  # the segment's last position
     spec.write_text("[{")
-    with pytest.raises(InputError, match="spec.json: not a JSON intervention spec"):
+    with pytest.raises(InputError, match="spec.json: not valid JSON"):
         resolve(s, spec)
 
 

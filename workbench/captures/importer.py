@@ -20,7 +20,6 @@ An existing target is replaced only with `overwrite` and only when it is a trace
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -29,10 +28,11 @@ import numpy as np
 import torch
 
 from engine.io import atomic_dir
+from engine.io.files import parse_json, read_limited
 from engine.builtin import model_dir
 from engine.config import ModelConfig
 from engine.config_io import load_config
-from engine.errors import InputError
+from engine.errors import EngineError, InputError
 from engine.presets import get_preset
 from engine.probes import Marks, Sample
 from engine.tokenizer import Tokenizer
@@ -80,8 +80,10 @@ def _written_by_import(name: str) -> bool:
 
 def _is_imported_trace(path: Path) -> bool:
     try:
-        return "capture" in json.loads((path / SESSION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        session = parse_json(read_limited(path / SESSION_FILE, "a trace's session.json", TraceError, 16 << 20),
+                             str(path / SESSION_FILE), TraceError)
+        return isinstance(session, dict) and "capture" in session
+    except (OSError, ValueError, EngineError):
         return False
 
 

@@ -11,13 +11,13 @@ dies, so a crash never leaves a trace locked.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import stat
 from pathlib import Path
 
 from engine.io import atomic_dir
+from engine.io.files import parse_json
 from workbench.trace.effects_table import EFFECTS_FILE
 from workbench.trace.errors import TraceError
 from workbench.trace.schema import IMAGES_DIR, SESSION_FILE, TABLES, TOKENS_FILE
@@ -95,9 +95,9 @@ def _busy_error(path: Path) -> TraceError:
     pid = None
     try:
         with open(path / SESSION_FILE, "rb") as f:
-            writer = json.loads(f.read(1 << 20)).get("writer")
+            writer = parse_json(f.read(1 << 20), "session.json", TraceError).get("writer")
         pid = writer.get("pid") if isinstance(writer, dict) else None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TraceError):
         pass
     who = f"another process (pid {pid})" if isinstance(pid, int) else "another process"
     return TraceError(f"{path} is being recorded by {who}; one writer per trace: wait for it to finish or choose "
