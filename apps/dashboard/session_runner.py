@@ -24,6 +24,7 @@ from apps.dashboard.components.panes import AlertText, alert_text, set_text, tex
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.uploads import (BROWSER_MAX_FILE_SIZE, IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper,
                                     UploadError, classify_upload)
+from apps.dashboard.what_if import RerunBase, WhatIfPanel, keep_branch_points
 
 PRESETS = ["preset:tiny", "preset:demo"]
 ANSWER_CHARS = 300  # of the answer shown in the status line (the trace holds every token)
@@ -119,6 +120,9 @@ class SessionRunner(pn.viewable.Viewer):
         self.alert = AlertText("", alert_type="info", visible=False, sizing_mode="stretch_width")
         self.doc_list = text_pane("", sizing_mode="stretch_width")
         self._list_documents()
+        # the last session's branch points and model config, published once its recording closed
+        self._rerun_base: tuple[RerunBase | None, Any] = (None, None)
+        self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _uploaded(self, event: param.parameterized.Event) -> None:
@@ -224,6 +228,7 @@ class SessionRunner(pn.viewable.Viewer):
         from engine import EngineError
         from workbench.sessions import recorded_session
 
+        self._rerun_base = (None, None)
         try:
             with recorded_session(model_name, trace, prefill_chunk=chunk, progress=False,
                                   loader=load_cached_model) as run:
@@ -237,7 +242,12 @@ class SessionRunner(pn.viewable.Viewer):
                         session.append(payload, name=name)
                 if prompt.strip():
                     session.append(prompt, role="user" if chat else None, name="prompt")
+                base = keep_branch_points(session, trace)
                 generated, answer = generate_answer(session, max_new, temperature)
+                tokens = session.tokens[len(base.end.tokens):]
+                base.opening, base.answer = tuple(tokens[:-generated]), tuple(tokens[-generated:])
+            # published after the recording closed: a rerun's forward passes are never recorded into it
+            self._rerun_base = (base, session.config) if generated else (None, None)
             self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}"
                                      + (f"; answer: {answer[:ANSWER_CHARS]}" if answer.strip() else ""))
         except (EngineError, workbench.TraceError, OSError, ValueError) as exc:
@@ -256,6 +266,7 @@ class SessionRunner(pn.viewable.Viewer):
             self.running = False
         elif self.running and self._thread is not None and not self._thread.is_alive():
             self.running = False
+        self.what_if.poll()
 
     def __panel__(self) -> pn.viewable.Viewable:
         clear = pn.widgets.Button(label="Clear documents", width=140)
@@ -271,5 +282,5 @@ class SessionRunner(pn.viewable.Viewer):
             pn.pane.Markdown(f"Documents and images (text, PNG, JPEG, WebP; up to "
                              f"{self.max_upload_bytes // 1024:,} KB each)"),
             self.dropper, self.doc_list, clear,
-            pn.Row(self.generate_button, self.stop_button), self.alert,
+            pn.Row(self.generate_button, self.stop_button), self.alert, self.what_if,
             sizing_mode="stretch_width", css_classes=["k3-runner"])

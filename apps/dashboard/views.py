@@ -18,10 +18,12 @@ from typing import Any, Callable, Mapping
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.dsa_map import DSAMemoryMap
+from apps.dashboard.components.effects import EffectsView
 from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from workbench.analysis.views import VIEW_REDUCERS, Reducer
+from workbench.analysis.views.effects_view import EffectsReducer
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,4 @@ register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(st
 register_view(ViewSpec("health", VIEW_REDUCERS["health"],
                        lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
 register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
+register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state)))

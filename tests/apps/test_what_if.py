@@ -1,0 +1,119 @@
+"""The effects view on a trace the real demo wrote, and drive mode's "what if" reruns on the tiny preset
+(no browser: widgets set, outputs asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.dashboard.app import DashboardConfig, create_app
+from apps.dashboard.follower import DashboardState
+from apps.dashboard.session_runner import SessionRunner
+from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, SUPPRESS_KDA
+from workbench.trace.effects_table import read_effects
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def demo_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trace `workbench demo --headless` wrote with the trained model (short context: its causal check
+    writes effects.parquet)."""
+    trace = tmp_path_factory.mktemp("demo") / "demo"
+    done = subprocess.run([sys.executable, "-m", "workbench", "demo", "--headless", "--tokens", "1024",
+                           "--trace", str(trace)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return trace
+
+
+def test_effects_view_shows_the_demos_causal_check(demo_trace: Path) -> None:
+    table = read_effects(demo_trace)
+    assert table is not None and len(table)
+    page = create_app(DashboardConfig(trace=demo_trace, root=demo_trace.parent), session_args={})
+    dash = page.dashboard
+    try:
+        data = dash.state.sync().view("effects")
+        assert {g.check for g in data.grids} == set(table["check_name"])
+        needle = next(g for g in data.grids if g.check == "needle")
+        assert needle.columns[-1] == "all" and needle.rows == ("dsa.hide · needle",)
+        cell = needle.cells[0][-1]
+        row = table[(table["check_name"] == "needle") & (table["layer"] == "all")].iloc[0]
+        assert cell.effect == pytest.approx(row["effect"]) and cell.control_mean == pytest.approx(row["control_mean"])
+        assert cell.within_control == (abs(row["effect"]) <= max(abs(row["control_min"]), abs(row["control_max"])))
+        view = dash.view("effects")
+        assert view in dash.views() and "k3-has-data" in view.drawn_marker.object
+        assert "control mean" in view.table.object and "all layers" in view.table.object
+    finally:
+        dash.close()
+
+
+def _wait(runner: SessionRunner, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (runner.running or runner.what_if.running) and time.monotonic() < deadline:
+        runner.poll()
+        time.sleep(0.05)
+    assert not runner.running and not runner.what_if.running, "did not finish in time"
+
+
+@pytest.fixture(scope="module")
+def driven(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("drive")
+    runner = SessionRunner(state=DashboardState(None), runs_dir=str(tmp / "runs"), max_new_tokens=4, temperature=0.0,
+                           prefill_chunk=64)
+    runner.dropper.value = {"notes.txt": "The vault code is 4-7-1-9. " * 6, "other.txt": "Rain fell all day. " * 6}
+    runner.prompt = "What is the vault code?"
+    trace = runner.generate()
+    _wait(runner)
+    assert not runner.message.startswith("error:"), runner.message
+    yield runner, trace
+    runner.state.close()
+
+
+def test_what_if_reruns_the_last_answer(driven) -> None:
+    runner, trace = driven
+    panel = runner.what_if
+    base, _ = runner._rerun_base
+    assert base is not None and base.answer and panel.param.segment.objects[0].startswith("notes.txt [")
+    assert panel.param.layer.objects == ["all", "2", "5"]  # tiny: DSA layers 2 and 5
+    panel.segment = panel.param.segment.objects[0]
+    panel.layer = "all"
+    assert panel.rerun()
+    _wait(runner)
+    result = panel.last
+    assert result is not None and not panel.message.startswith("error:"), panel.message
+    assert result.fork_at == len(base.end.tokens)  # the kept prefix: no re-prefill of the documents
+    assert len(result.plain) == len(result.intervened) == len(base.answer)
+    assert "answer, intervened" in panel.answers.object and "difference" in panel.tokens.object
+    rows = read_effects(trace)
+    assert rows is not None and "what if: notes.txt hidden from DSA every layer" in set(rows["check_name"])
+    row = rows[rows["check_name"] == "what if: notes.txt hidden from DSA every layer"].iloc[0]
+    assert row["effect"] == pytest.approx(result.change) and row["controls"] == 2
+
+    # KDA: writes suppressed from the segment's start on (the fork kept there); experts banned in one layer
+    panel.action = SUPPRESS_KDA
+    assert panel.param.layer.objects[0] == "all" and "2" not in panel.param.layer.objects
+    panel.layer = panel.param.layer.objects[1]
+    assert panel.rerun()
+    _wait(runner)
+    assert not panel.message.startswith("error:"), panel.message
+    assert panel.last.rerun.op == "kda.suppress_writes" and panel.last.fork_at == base.segments[0].start
+    panel.action = BAN_EXPERTS
+    panel.experts = "not experts"
+    assert not panel.rerun() and panel.message.startswith("error: experts")
+    panel.experts = "0, 1"
+    assert panel.rerun()
+    _wait(runner)
+    assert not panel.message.startswith("error:"), panel.message
+    assert panel.last.rerun.experts == [0, 1]
+    assert len(set(read_effects(trace)["check_name"])) == 3
+
+    panel.action = HIDE_DSA
+    panel.segment = panel.param.segment.objects[1]
+    panel.layer = "2"
+    assert panel.rerun()
+    _wait(runner)
+    assert panel.last.rerun.spec[0]["layers"] == [2]
