@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
 from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, SUPPRESS_KDA
-from workbench.trace.effects_table import read_effects
+from workbench.trace.effects_table import EFFECTS_FILE, effect_row, read_effects, write_effects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,6 +48,24 @@ def test_effects_view_shows_the_demos_causal_check(demo_trace: Path) -> None:
         view = dash.view("effects")
         assert view in dash.views() and "k3-has-data" in view.drawn_marker.object
         assert "control mean" in view.table.object and "all layers" in view.table.object
+    finally:
+        dash.close()
+
+
+def test_effects_view_marks_chance_and_survives_a_bad_table(demo_trace: Path, tmp_path: Path) -> None:
+    trace = shutil.copytree(demo_trace, tmp_path / "copy")
+    write_effects(trace, [effect_row("sweep", "4-7-1-9", "dsa.hide", effect=-0.05, controls=[-0.1, 0.02], plain=-0.2,
+                                     segment="other", span=(0, 16), layer=2)])
+    page = create_app(DashboardConfig(trace=trace, root=trace.parent), session_args={})
+    dash = page.dashboard
+    try:
+        sweep = next(g for g in dash.state.sync().view("effects").grids if g.check == "sweep")
+        assert sweep.cells[0][0].within_control  # |-0.05| <= |-0.1|: a random span did as much
+        assert "k3-within-control" in dash.view("effects").table.object
+        (trace / EFFECTS_FILE).write_bytes(b"not parquet")
+        data = dash.state.sync().view("effects")
+        assert not data.grids and "not a readable Parquet effects table" in data.note
+        assert "not a readable Parquet" in dash.view("effects").summary.object
     finally:
         dash.close()
 

@@ -53,12 +53,12 @@ class EffectsData:
     note: str = ""  # why there is nothing to show ("" when there is)
 
 
-def _finite(value: Any) -> float:
+def as_float(value: Any) -> float:
+    """A table value as a float (NaN when it is null or not a number)."""
     try:
-        v = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return math.nan
-    return v
 
 
 def row_label(record: dict) -> str:
@@ -79,20 +79,20 @@ def _column_key(name: str) -> tuple[int, int, str]:
 
 
 def effect_cell(record: dict) -> EffectCell:
-    effect = _finite(record.get("effect"))
-    low, high = _finite(record.get("control_min")), _finite(record.get("control_max"))
+    effect = as_float(record.get("effect"))
+    low, high = as_float(record.get("control_min")), as_float(record.get("control_max"))
     bound = max(abs(low), abs(high)) if math.isfinite(low) and math.isfinite(high) else math.inf
-    controls = record.get("controls")
-    return EffectCell(effect, _finite(record.get("control_mean")), low, high,
-                      int(controls) if isinstance(controls, (int, float)) and math.isfinite(controls) else 0,
-                      _finite(record.get("plain")), not math.isfinite(effect) or abs(effect) <= bound)
+    controls = as_float(record.get("controls"))
+    return EffectCell(effect, as_float(record.get("control_mean")), low, high,
+                      int(controls) if math.isfinite(controls) else 0,
+                      as_float(record.get("plain")), not math.isfinite(effect) or abs(effect) <= bound)
 
 
 def effects_grids(table: Any) -> tuple[EffectsGrid, ...]:
     """The effects table (pandas, `read_effects`) as one grid per check."""
     grids = []
     for check in dict.fromkeys(table["check_name"].astype(str)):
-        records = table[table["check_name"].astype(str) == check].to_dict("records")[:MAX_ROWS_PER_CHECK * 64]
+        records = table[table["check_name"].astype(str) == check].to_dict("records")
         rows = list(dict.fromkeys(row_label(r) for r in records))[:MAX_ROWS_PER_CHECK]
         columns = sorted({str(r.get("layer")) for r in records}, key=_column_key)
         cells: dict[tuple[str, str], EffectCell] = {}
