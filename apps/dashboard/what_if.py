@@ -176,6 +176,23 @@ class RerunResult:
         return float(sum(self.intervened) - sum(self.plain))
 
 
+def answer_text(tokenizer: Any, context: list[int], ids: list[int]) -> str:
+    """An answer's text as the runner shows it: the response the chat tags delimit (as `generate_answer`
+    reads it), or the plain decoding without a tokenizer."""
+    from engine.session.chat_response import ResponseReader
+
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    reader = ResponseReader.after(tokenizer, context)
+    parts = []
+    for token in ids:
+        parts.append(reader.feed(token))
+        if reader.done:
+            break
+    parts.append(reader.finish())
+    return "".join(parts)
+
+
 def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
     """Run the rerun and its controls from the kept forks (`workbench.effects`: plain and intervened)."""
     import workbench
@@ -199,7 +216,9 @@ def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
     found = effects(rerun.spec)
     controls = tuple(float(effects(spec).target_logprob_change) for spec in rerun.controls)
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
-    return RerunResult(rerun, text(found.plain.answer), text(found.intervened.answer),
+    context = list(base.end.tokens) + opening
+    return RerunResult(rerun, answer_text(tokenizer, context, found.plain.answer),
+                       answer_text(tokenizer, context, found.intervened.answer),
                        tuple(text([t]) for t in base.answer), tuple(map(float, found.plain.target_logprobs)),
                        tuple(map(float, found.intervened.target_logprobs)), controls, found.fork_at)
 
