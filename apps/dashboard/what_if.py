@@ -34,6 +34,10 @@ BAN_EXPERTS = "ban experts (MoE layer)"
 ACTIONS = [HIDE_DSA, SUPPRESS_KDA, BAN_EXPERTS]
 # forks kept at segment starts for KDA reruns: each holds the state up to its start, so they are capped
 MAX_SEGMENT_FORKS = 8
+# the segment-start forks together hold at most this much model state (each is a full copy of the
+# state at its point: at long contexts or full model sizes only the first few fit); the fork before
+# the answer is always kept
+FORK_BUDGET_BYTES = 1 << 30
 CONTROLS = 2  # random same-size controls per rerun (seeded: a rerun is deterministic)
 CONTROL_SEED = 0
 # generated tokens per rerun branch, at most: the answer is scored in full whatever its length
@@ -56,20 +60,31 @@ class RerunBase:
         kept = [p for p in self.starts if p <= position]
         if not kept:
             raise ValueError(f"no branch point kept at or before position {position}; KDA reruns are offered for "
-                             f"the first {MAX_SEGMENT_FORKS} segments")
+                             f"the first {MAX_SEGMENT_FORKS} segments whose forks fit in "
+                             f"{FORK_BUDGET_BYTES >> 20} MiB of state")
         at = max(kept)
         return at, self.starts[at]
 
+
+
+def state_bytes(session: Any) -> int:
+    """Bytes of model state a fork of `session` copies (its caches' rows in use)."""
+    return sum(t.numel() * t.element_size() for t in session.state.to_tensors().values())
 
 
 def keep_branch_points(session: Any, trace: Path) -> RerunBase:
     """Prefill `session` (recorded as usual) segment by segment, keeping a fork at each of the first
     segments' starts and one at the end: the branch points of later reruns."""
     base = RerunBase(trace=trace, segments=tuple(session.segments))
+    kept_bytes = 0
     for seg in list(session.segments)[:MAX_SEGMENT_FORKS]:
         if seg.start >= session.length:
             session.prefill(until=seg.start)
+            cost = state_bytes(session)
+            if kept_bytes + cost > FORK_BUDGET_BYTES:
+                break
             base.starts[seg.start] = session.fork()
+            kept_bytes += cost
     session.prefill()
     base.end = session.fork()
     base.starts.setdefault(len(session.tokens), base.end)

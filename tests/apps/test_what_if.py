@@ -136,3 +136,23 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     assert panel.rerun()
     _wait(runner)
     assert panel.last.rerun.spec[0]["layers"] == [2]
+
+
+def test_segment_forks_stay_within_their_memory_budget(monkeypatch, tmp_path) -> None:
+    """Each kept fork copies the whole state: past the budget no more segment-start forks are kept
+    (the fork before the answer always is), and a KDA rerun past them says why."""
+    from engine import load_model
+    from engine.session import Session
+    from apps.dashboard import what_if
+
+    from engine.tokenizer import Tokenizer
+
+    model = load_model("preset:tiny")
+    session = Session(model, Tokenizer.byte_level())
+    for i in range(4):
+        session.append(f"document {i}: " + "words " * 40, role="user")
+    monkeypatch.setattr(what_if, "FORK_BUDGET_BYTES", 1)
+    base = what_if.keep_branch_points(session, tmp_path / "t")
+    assert base.end is not None and base.starts == {len(session.tokens): base.end}
+    with pytest.raises(ValueError, match="fit in"):
+        base.base_for(0)
