@@ -47,6 +47,24 @@ def demo_session(model, tokenizer, tokens: int) -> tuple[Session, tuple[int, int
     return session, needle, words.key
 
 
+def decode_switch_cost(session: Session, ask, steps: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per decode token from forks of one prefilled context, interleaved: no intervention set
+    against one set that the decode never reaches (every layer still checks it)."""
+    far = len(session.tokens) + 4 * steps + 64
+    times: dict[str, list[float]] = {"none": [], "set, not reached": []}
+    for _ in range(repeats):
+        for label, spent in times.items():
+            branch = session.fork()
+            ask(branch)
+            branch.prefill()
+            if label != "none":
+                branch.set_interventions([{"op": "kda.suppress_writes", "positions": [far, far + 1], "layers": "all"}])
+            stamps = [time.perf_counter() for _ in branch.generate(max_new_tokens=steps, temperature=0.0)]
+            if len(stamps) > 1:  # the first token includes the question's prefill
+                spent.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {label: min(spent) for label, spent in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:demo")
@@ -55,6 +73,8 @@ def main() -> int:
     p.add_argument("--kda", choices=("heads", "layers", "none"), default="heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode tokens per branch when timing the switch")
+    p.add_argument("--decode-repeats", type=int, default=5, help="interleaved repeats when timing the switch")
     args = p.parse_args()
 
     model, tokenizer = load_with_tokenizer(args.model)
@@ -78,6 +98,11 @@ def main() -> int:
     print(f"context {len(session.tokens)} tokens (prefill {context_s:.1f} s); needle at {list(needle)}")
     print(hidden.summary())
 
+    switch = decode_switch_cost(session, ask, args.decode_steps, args.decode_repeats)
+    print("\ndecode step, best of {} interleaved runs of {} tokens: ".format(args.decode_repeats, args.decode_steps)
+          + "; ".join(f"{label} {ms:.2f} ms/token" for label, ms in switch.items())
+          + f"; ratio {switch['set, not reached'] / switch['none']:.3f}")
+
     t0 = time.perf_counter()
     frame = workbench.attribution(base, [("needle", *needle)], continuation=ask, target=target,
                                   kda=None if args.kda == "none" else args.kda, controls=args.controls,
@@ -93,6 +118,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"tokens": len(session.tokens), "needle": list(needle),
                                          "context_prefill_s": context_s, "sweep_s": sweep_s,
+                                         "decode_ms_per_token": switch,
                                          "rows": json.loads(frame.to_json(orient="records"))}, indent=1))
     return 0
 
