@@ -185,6 +185,7 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
     forced: list[torch.Tensor] = []
     for intervened in (False, True):
         branch = session.fork()
+        branch.progress = False  # a rerun of a few tokens: no progress bar per branch
         if intervened:
             branch.set_interventions(items)
         _continue(branch, continuation, role)
