@@ -154,6 +154,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
             return StreamingResponse(_stream(job, events, config.model_id, req.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-store"})
         content: list[str] = []
+        reasoning: list[str] = []
         try:
             while True:
                 event = await next_event()
@@ -161,6 +162,8 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                     return Response(status_code=499)
                 if event[0] == "delta":
                     content.append(event[1])
+                elif event[0] == "reasoning":
+                    reasoning.append(event[1])
                 elif event[0] == "error":
                     return _json_error(RequestError(event[2], status=event[1], param=event[3], kind="server_error"))
                 elif event[0] == "done":
@@ -168,7 +171,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                     return JSONResponse(completion_body(
                         request_id, config.model_id, "".join(content), _finish(info["finish_reason"]),
                         usage(info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"]),
-                        {"k3": _k3_info(info)}))
+                        {"k3": _k3_info(info)}, reasoning="".join(reasoning) or None))
         except BaseException:
             job.cancelled.set()
             raise
@@ -203,6 +206,8 @@ async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage:
             event = await events.get()
             if event[0] == "delta":
                 yield _sse(chunk_body(rid, model_id, {"content": event[1]}))
+            elif event[0] == "reasoning":  # the field vLLM and SGLang stream a reasoning model's thinking in
+                yield _sse(chunk_body(rid, model_id, {"reasoning_content": event[1]}))
             elif event[0] == "error":
                 yield _sse(error_body(RequestError(event[2], status=event[1], kind="server_error")))
                 return

@@ -9,9 +9,10 @@ same size have identical media ids (a state keyed by ids alone would answer abou
 A request that matches no conversation starts a fresh one (and a fresh trace).
 
 `ReplyMemory` keeps the exact token ids of every reply this server generated, keyed by what came
-before it and the text the client received: when the client sends that reply back in its next
-turn, the request is rendered with the ids the model produced (the K3 format's think/response tags
-and all), not a re-encoding of the text, so it extends the cached state token for token.
+before it and the text the client received (the response only: the tags and the thinking are not in
+it, and it may be empty): when the client sends that reply back in its next turn, the request is
+rendered with the ids the model produced (the K3 format's think/response tags and all), not a
+re-encoding of the text, so it extends the cached state token for token.
 """
 
 from __future__ import annotations

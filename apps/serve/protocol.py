@@ -127,9 +127,14 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def completion_body(request_id: str, model: str, content: str, finish_reason: str, usage_: dict,
-                    extra: dict[str, Any]) -> dict[str, Any]:
+                    extra: dict[str, Any], reasoning: str | None = None) -> dict[str, Any]:
+    """A whole reply: `content` is the response text only; the thinking (when the model wrote any) is
+    `reasoning_content`, as vLLM and SGLang return it for reasoning models."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+            "choices": [{"index": 0, "message": message,
                          "finish_reason": finish_reason, "logprobs": None}],
             "usage": usage_, **extra}
 
@@ -143,30 +148,3 @@ def chunk_body(request_id: str, model: str, delta: dict[str, Any], finish_reason
     if usage_ is not None:
         out["usage"] = usage_
     return out
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string and holds back what might begin one, so a client
-    never receives part of a stop string."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        """The text that may be sent now; sets `stopped` when a stop string appeared."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[:min(hits)], ""
-            return out
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = ("" if self.stopped else self.pending), ""
-        return out

@@ -3,16 +3,17 @@ cached prefix (`prefix_cache`), recorded into its conversation's trace, streamed
 
 The HTTP side (`apps.serve.app`) never touches the model; it submits a `Job` and reads the events
 the job emits, in order: `("start", info)` once the request rendered (its tokens are known), then
-`("delta", text)` for streamed text, then `("done", info)`; or `("error", status, message, param)`
-at any point. A job whose client went away has `cancelled` set: it is skipped if still queued,
-and its generation stops after the current token otherwise. The queue is bounded (`submit` returns
-False when full: the client gets 429). An exception inside one request ends that request (and
-drops its conversation, whose state is then unknown), never the thread.
+`("delta", text)` for streamed response text and `("reasoning", text)` for streamed thinking (the
+chat format's sections, read by `engine.session.chat_response.ResponseReader`: the scaffold tags
+never reach the client, and generation stops where the response ends), then `("done", info)`; or
+`("error", status, message, param)` at any point. A job whose client went away has `cancelled` set:
+it is skipped if still queued, and its generation stops after the current token otherwise. The queue
+is bounded (`submit` returns False when full: the client gets 429). An exception inside one request
+ends that request (and drops its conversation, whose state is then unknown), never the thread.
 """
 
 from __future__ import annotations
 
-import codecs
 import os
 import queue
 import secrets
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Collection
 
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
-from apps.serve.protocol import ChatRequest, StopMatcher
+from apps.serve.protocol import ChatRequest
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
+from engine.session.chat_response import RESPONSE, ResponseReader
 from engine.session.sampling import SamplingParams
 from engine.session import Session
 from engine.session.transcript import RenderedChat, append_rendered, render_messages
@@ -184,10 +186,9 @@ class EngineWorker:
         conv.turns += 1
         for old in self.cache.put(conv):
             self._close(old, "complete")
-        if result["finish_reason"] != "cancelled" and result["content"]:
-            ids = self._gen_prompt + result["ids"]
-            if not result["ids"] or result["ids"][-1] != self.tokenizer.end_of_msg_id:
-                ids += self._tail
+        if result["finish_reason"] != "cancelled" and result["ids"]:
+            # keyed by the text the client received (the response only): that is what it sends back
+            ids = self._gen_prompt + result["ids"] + result["closing"]
             self.replies.remember(chat.ids[:len(chat.ids) - len(self._gen_prompt)], result["content"], ids)
         usage = {"prompt_tokens": len(chat.ids), "completion_tokens": len(result["ids"]), "cached_tokens": cached}
         job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns,
@@ -199,17 +200,28 @@ class EngineWorker:
         session = conv.session
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 max_new_tokens=req.max_tokens)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        matcher = StopMatcher(req.stop)
+        reader: ResponseReader | None = None
         pieces: list[str] = []
+        thoughts: list[str] = []
         ids: list[int] = []
         finish, ttft = "length", None
+
+        def relay(text: str, thinking: str) -> None:
+            if thinking:
+                thoughts.append(thinking)
+                job.emit(("reasoning", thinking))
+            if text:
+                pieces.append(text)
+                job.emit(("delta", text))
+
         turn_ctx = conv.trace.turn(job.request_id) if conv.trace is not None else _NoTurn(job.request_id)
         with turn_ctx as turn:
             append_rendered(session, chat, skip=len(session.tokens))
             for tok in session.generate(params=params, add_generation_prompt=False):
                 if ttft is None:
                     ttft = time.perf_counter() - started
+                if reader is None:  # the sections the rendered prompt leaves open (think, for a K3 prompt)
+                    reader = ResponseReader.after(self.tokenizer, session.tokens[:tok.position], stop_strings=req.stop)
                 ids.append(tok.id)
                 go_on = not job.cancelled.is_set()
                 if self.channel is not None:  # only rank 0 knows whether its client is still there
@@ -217,24 +229,36 @@ class EngineWorker:
                 if not go_on:
                     finish = "cancelled"
                     break
-                if tok.id in self._stop_ids:
+                text = reader.feed(tok.id)
+                relay(text, reader.take_thinking(final=reader.done))
+                if reader.done or tok.id in self._stop_ids:
                     finish = "stop"
                     break
-                text = matcher.feed(decoder.decode(self.tokenizer.encoding.decode_single_token_bytes(tok.id)))
-                if text:
-                    pieces.append(text)
-                    job.emit(("delta", text))
-                if matcher.stopped:
-                    finish = "stop"
-                    break
-            if finish == "length":
-                rest = matcher.feed(decoder.decode(b"", final=True)) + matcher.flush()
-                if rest:
-                    pieces.append(rest)
-                    job.emit(("delta", rest))
+            if reader is not None and finish != "cancelled":
+                relay(reader.finish(), reader.take_thinking(final=True))
             turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=len(ids),
                         finish_reason=finish, ttft_s=ttft)
-        return {"content": "".join(pieces), "ids": ids, "finish_reason": finish, "ttft_s": ttft}
+        closing = self._closing_ids(ids, reader) if finish != "cancelled" else []
+        return {"content": "".join(pieces), "reasoning": "".join(thoughts), "ids": ids, "closing": closing,
+                "finish_reason": finish, "ttft_s": ttft}
+
+    def _closing_ids(self, ids: list[int], reader: ResponseReader | None) -> list[int]:
+        """The ids that close what the reply left open (its sections, then the assistant message), so the
+        reply a client sends back renders as a complete message that extends the cached state exactly."""
+        tok = self.tokenizer
+        if ids and ids[-1] == tok.end_of_msg_id:
+            return []
+        closing: list[int] = []
+        sections = list(reader.sections) if reader is not None else []
+        if reader is not None and reader.done and ids and ids[-1] == tok.close_id and sections[-1:] == [RESPONSE]:
+            # the reply stopped on the `<|close|>` that ends the response: finish that tag
+            closing += tok.encode(RESPONSE) + [tok.sep_id]
+            sections.pop()
+        for name in reversed(sections):
+            if name == "message":  # the message frame's own closing tag follows
+                break
+            closing += tok.section_tag(name, False)
+        return closing + self._tail
 
 
 def _end_job(channel: RankChannel | None, exc: BaseException) -> None:

@@ -16,9 +16,9 @@ answer. `ResponseReader` follows the tags token by token:
     print(reader.finish())
 
 Text is shown inside the `response` section, and outside every section (a plain-text continuation);
-thinking and the tags themselves are not. The answer is done at the `<|close|>` that ends the
-response, at `<|end_of_msg|>`, or when the shown text reaches one of `stop_strings` (the stop string
-and what follows it are not shown).
+thinking and the tags themselves are not (`take_thinking` hands the thinking text over separately).
+The answer is done at the `<|close|>` that ends the response, at `<|end_of_msg|>`, or when the shown
+text reaches one of `stop_strings` (the stop string and what follows it are not shown).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from engine.errors import InputError
 from engine.tokenizer import Tokenizer
 
 RESPONSE = "response"
+THINK = "think"
 # tokens looked back through for the sections a context leaves open: the current turn's tags lie
 # after the previous message's `<|end_of_msg|>`, and a generation prompt is a dozen tokens
 _LOOKBACK = 1 << 16
@@ -58,6 +59,8 @@ class ResponseReader:
         self._tag_opens = False
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # shown text not yet returned: it may be the start of a stop string
+        self._thought_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._thought = ""  # text written inside `think`, not yet taken by `take_thinking`
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
 
     @classmethod
@@ -85,15 +88,27 @@ class ResponseReader:
         if self.done:
             return ""
         was_showing = self.showing and self._tag is None
+        was_thinking = bool(self.sections) and self.sections[-1] == THINK and self._tag is None
         ends = self._follow(token_id)
         if ends:
             self.done = True
             return self._release(final=True)
-        if not (was_showing and self._tag is None and token_id not in self.tokenizer.special_ids):
+        plain = self._tag is None and token_id not in self.tokenizer.special_ids
+        if not (was_showing and plain):
             self.hidden_tokens += 1
+            if was_thinking and plain:
+                self._thought += self._thought_decoder.decode(self._bytes(token_id))
             return ""
         self._held += self._decoder.decode(self._bytes(token_id))
         return self._release(final=False)
+
+    def take_thinking(self, final: bool = False) -> str:
+        """The text written inside `think` since the last call (not shown by `feed`; `final` also
+        releases a partial character held back)."""
+        if final:
+            self._thought += self._thought_decoder.decode(b"", final=True)
+        out, self._thought = self._thought, ""
+        return out
 
     def finish(self) -> str:
         """The text still held back (a partial character, a possible stop-string start)."""

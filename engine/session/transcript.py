@@ -184,9 +184,11 @@ def parse_messages(raw: Any, *, image_root: Path | None = None, where: str = "me
                 raise InputError(f"{_where(i, 'tool_calls')}: only assistant messages call tools")
             texts.append(_tool_calls_text(msg["tool_calls"], i))
         text = "\n".join(texts) if texts else None
-        if not text and not images:
+        # an assistant reply may be empty text: a reasoning model's whole answer can be its thinking,
+        # which clients keep apart and send back as "" content
+        if not text and not images and not (role == "assistant" and text is not None):
             raise InputError(f"{_where(i, 'content')}: the message is empty (no text, no image)")
-        out.append(TranscriptMessage(i, role, text or None, tuple(images)))
+        out.append(TranscriptMessage(i, role, text if text or role == "assistant" else None, tuple(images)))
     return out
 
 
@@ -255,7 +257,7 @@ def render_messages(model: Any, tokenizer: Any, messages: Sequence[TranscriptMes
     images: list[tuple[int, int, str]] = []
     for m in messages:
         head, tail = tokenizer.message_frame(m.role)
-        known = replies(ids, m.text) if replies is not None and m.role == "assistant" and m.text else None
+        known = replies(ids, m.text) if replies is not None and m.role == "assistant" and m.text is not None else None
         if known is not None:
             pieces.append(ChatPiece(list(known), m.role, m.label))
             ids.extend(known)

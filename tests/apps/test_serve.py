@@ -17,10 +17,11 @@ from starlette.testclient import TestClient
 
 from apps.dashboard.host_guard import HostPolicy
 from apps.serve.app import AppConfig, create_app
-from apps.serve.protocol import StopMatcher
+from apps.serve.protocol import completion_body
 from apps.serve.server import Server
-from apps.serve.worker import ServeOptions
+from apps.serve.worker import EngineWorker, ServeOptions
 from engine.session import Session
+from engine.session.chat_response import ResponseReader
 from workbench import open_trace
 from workbench.sessions import load_with_tokenizer
 
@@ -119,9 +120,11 @@ def test_three_turns_reuse_the_prefix_and_match_a_cold_prefill(server, client, t
                                                 stream=True, stream_options={"include_usage": True})
         text, first = "", None
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
                 first = first or time.perf_counter() - started
-                text += chunk.choices[0].delta.content
+            if delta is not None and delta.content:
+                text += delta.content
             if chunk.usage is not None:
                 cached.append(chunk.usage.prompt_tokens_details.cached_tokens)
         ttft.append(first)
@@ -230,12 +233,70 @@ def test_a_full_queue_answers_429(tiny) -> None:
         srv.stop()
 
 
-def test_stop_strings_are_cut_and_never_half_sent() -> None:
-    m = StopMatcher(("END",))
-    sent = m.feed("abc E") + m.feed("N") + m.feed("Dxyz")
-    assert sent == "abc " and m.stopped
-    m = StopMatcher(("END",))
-    assert m.feed("abc EN") + m.feed("d") + m.flush() == "abc ENd" and not m.stopped
+DEMO = "builtin:demo"  # a trained K3 model: its answers carry the chat format's think/response tags
+SCAFFOLD = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response")
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory: pytest.TempPathFactory):
+    from engine.builtin import ROOT
+
+    if not (ROOT / "demo" / "config.json").exists():
+        pytest.skip("builtin:demo not installed (train it: training/README.md)")
+    model, tokenizer = load_with_tokenizer(DEMO)
+    srv = Server(model, tokenizer, ServeOptions(model_name=DEMO, trace_root=None, max_queue=4),
+                 AppConfig(model_id=DEMO, hosts=HostPolicy.for_server("127.0.0.1"), max_body_bytes=1 << 20,
+                           max_tokens=256), port=0)
+    srv.start_in_thread()
+    yield srv, model, tokenizer
+    srv.stop()
+
+
+def test_a_k3_answer_reaches_the_client_without_its_chat_scaffold(demo_server) -> None:
+    srv, model, tokenizer = demo_server
+    c = openai.OpenAI(base_url=srv.url, api_key="unused-on-loopback", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "The vault code is 4-7-1-9.\nWhat is the vault code?"}]
+    whole = c.chat.completions.create(model=DEMO, messages=messages, max_tokens=24, temperature=0)
+    content = whole.choices[0].message.content
+    assert content and not any(tag in content for tag in SCAFFOLD), content
+    # the demo closes its (empty) think section at once: no reasoning to report
+    assert whole.choices[0].message.model_extra.get("reasoning_content") is None
+    chunks = list(c.chat.completions.create(model=DEMO, messages=messages, max_tokens=24, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == content
+    if ":" in content:  # a stop string ends the reply inside the response (the stop string not sent)
+        cut = c.chat.completions.create(model=DEMO, messages=messages, max_tokens=24, temperature=0, stop=[":"])
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == content[:content.index(":")]
+    # three turns, each sending back the stripped reply: the server continues from its exact ids
+    cached = []
+    for turn in range(3):
+        reply = c.chat.completions.create(model=DEMO, messages=messages, max_tokens=8, temperature=0)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"Turn {turn + 2}: the code again?"}]
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+    conv = next(cv for cv in srv.worker.cache._items.values() if cv.turns == 3)
+    warm = conv.session
+    assert warm.tokens.count(tokenizer.end_of_msg_id) >= 5  # every earlier reply was closed as a whole message
+    cold = Session(model, tokenizer)
+    cold.append(ids=warm.tokens[:warm.length], name="all")
+    cold.prefill()
+    torch.testing.assert_close(warm.last_logits, cold.last_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_thinking_goes_to_reasoning_content_and_the_response_ends_the_reply(tiny) -> None:
+    model, tokenizer = tiny
+    worker = EngineWorker(model, tokenizer, ServeOptions(model_name=MODEL))
+    reader = ResponseReader.after(tokenizer, tokenizer.chat_prompt([]))
+    ids = (tokenizer.encode("pondering 4719") + tokenizer.section_tag("think", False)
+           + tokenizer.section_tag("response", True) + tokenizer.encode("It is 4719.") + [tokenizer.close_id])
+    shown = "".join(reader.feed(i) for i in ids) + reader.finish()
+    assert shown == "It is 4719." and reader.take_thinking(final=True) == "pondering 4719" and reader.done
+    # what the server remembers for the reply: the response tag finished, then the message closed
+    closing = worker._closing_ids(ids, reader)
+    assert closing == tokenizer.encode("response") + [tokenizer.sep_id] + tokenizer.message_frame("assistant")[1]
+    body = completion_body("id", MODEL, shown, "stop", {}, {}, reasoning="pondering 4719")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is 4719.",
+                                             "reasoning_content": "pondering 4719"}
 
 
 class _IdleWorker:
