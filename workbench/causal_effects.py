@@ -20,6 +20,7 @@ a prefill of the document.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -151,9 +152,23 @@ def _forced_logprobs(branch: Any, tokens: list[int], keep: bool = True) -> torch
     return torch.log_softmax(torch.cat(rows), -1)
 
 
+def _record_branch(branch: Any, continuation: Continuation | str | Sequence[int] | None, role: str, trace: Path,
+                   max_new_tokens: int, temperature: float, seed: int) -> None:
+    """Record the DSA reads of the branch's continuation and answer into `trace`, on a fork of its own:
+    the branch itself goes on unrecorded, so its scores are the same with or without recording."""
+    from workbench.recorders.recorder import record
+
+    copy = branch.fork()
+    copy.progress = False
+    with record(copy, trace=trace, signals=["dsa"], overwrite=True):
+        _continue(copy, continuation, role)
+        for _ in copy.generate(max_new_tokens, temperature=temperature, seed=seed, add_generation_prompt=False):
+            pass  # a generator: the answer is decoded (and recorded) as it is consumed
+
+
 def effects(session: Any, *interventions: Any, continuation: Continuation | str | Sequence[int] | None = None,
             target: str | Sequence[int] | None = None, role: str = "user", max_new_tokens: int = 16,
-            temperature: float = 0.0, seed: int = 0) -> Effects:
+            temperature: float = 0.0, seed: int = 0, record_to: tuple[Path, Path] | None = None) -> Effects:
     """Run the continuation with and without `interventions` from one shared prefix; see the module doc.
 
     Args:
@@ -165,6 +180,9 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
         target: the answer to score (text or ids), e.g. the needle's value.
         max_new_tokens, temperature, seed: the answers' generation (greedy by default; sampled with
             the same seed on both branches otherwise: deterministic).
+        record_to: (plain trace, intervened trace): each branch's continuation and answer are also
+            recorded there (DSA selections only; an existing trace there is replaced), so the two
+            branches' reads can be compared (the DSA difference view). None: nothing is recorded.
 
     Returns:
         `Effects`. InputError (before anything runs) for a bad intervention, and when the session has
@@ -188,6 +206,9 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
         branch.progress = False  # a rerun of a few tokens: no progress bar per branch
         if intervened:
             branch.set_interventions(items)
+        if record_to is not None:
+            _record_branch(branch, continuation, role, Path(record_to[int(intervened)]), max_new_tokens,
+                           temperature, seed)
         _continue(branch, continuation, role)
         branch.prefill()  # once per branch: the answer and both scorings fork from here
         runner = branch.fork()

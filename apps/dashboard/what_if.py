@@ -11,7 +11,9 @@ such a rerun continues from the fork at its start: a partial prefill, never the 
 intervention, both answers generated greedily, and the same for random same-size controls (a random
 span of the context, or as many random experts), so the change is shown beside what chance gives.
 The result is written into the trace's effects table (`workbench.trace.effects_table`), where the
-effects view shows it.
+effects view shows it. The intervention's two branches (not the controls) are also recorded, DSA
+selections only, into two small traces beside the session's trace (`what_if_traces`), and their DSA
+difference (the side-by-side dashboard's view, on these two traces) is shown below the table.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 import panel as pn
 import param
 
+from apps.dashboard.components.dsa_diff import diff_summary, layers_table
+from apps.dashboard.components.figures import HeatFigure
 from apps.dashboard.components.panes import AlertText, HTMLText, alert_text, html_table, set_text, text_pane
 
 HIDE_DSA = "hide it from DSA layers"
@@ -42,6 +46,8 @@ CONTROLS = 2  # random same-size controls per rerun (seeded: a rerun is determin
 CONTROL_SEED = 0
 # generated tokens per rerun branch, at most: the answer is scored in full whatever its length
 MAX_RERUN_TOKENS = 64
+# position bins of the branches' DSA difference heat map (a rerun covers only the answer's few queries)
+DIFF_BINS = 200
 
 
 @dataclass
@@ -185,6 +191,7 @@ class RerunResult:
     intervened: tuple[float, ...]
     control_changes: tuple[float, ...]  # each control's change of the total, nats
     fork_at: int
+    dsa_traces: tuple[Path, Path] | None = None  # the branches' DSA recordings (plain, intervened)
 
     @property
     def change(self) -> float:
@@ -208,8 +215,16 @@ def answer_text(tokenizer: Any, context: list[int], ids: list[int]) -> str:
     return "".join(parts)
 
 
+def what_if_traces(trace: Path) -> tuple[Path, Path]:
+    """Where a rerun records its plain and intervened branches: beside the session's trace, not inside it,
+    so rewriting or replacing the session's trace never touches them (each rerun replaces them)."""
+    folder = trace.parent / f"{trace.name}.what-if"
+    return folder / "plain", folder / "intervened"
+
+
 def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
-    """Run the rerun and its controls from the kept forks (`workbench.effects`: plain and intervened)."""
+    """Run the rerun and its controls from the kept forks (`workbench.effects`: plain and intervened;
+    the intervention's branches recorded into `what_if_traces`)."""
     import workbench
 
     tokenizer = base.end.tokenizer
@@ -219,23 +234,38 @@ def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
         if opening:
             branch.append(ids=opening, name="assistant", kind="turn", role="assistant")
 
-    def effects(spec: list[dict]) -> Any:
+    def effects(spec: list[dict], record_to: tuple[Path, Path] | None = None) -> Any:
         session = base.end
         if rerun.op == "kda.suppress_writes":
             # effects() prefills its session up to the first suppressed position: a fork of the kept
             # branch point does that, so the kept one stays at its segment's start for later reruns
             session = base.base_for(_first_position(spec))[1].fork()
         return workbench.effects(session, *spec, continuation=continuation, target=list(base.answer),
-                                 max_new_tokens=min(len(base.answer), MAX_RERUN_TOKENS))
+                                 max_new_tokens=min(len(base.answer), MAX_RERUN_TOKENS), record_to=record_to)
 
-    found = effects(rerun.spec)
+    traces = what_if_traces(Path(base.trace))
+    traces[0].parent.mkdir(parents=True, exist_ok=True)
+    found = effects(rerun.spec, record_to=traces)
     controls = tuple(float(effects(spec).target_logprob_change) for spec in rerun.controls)
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
     context = list(base.end.tokens) + opening
     return RerunResult(rerun, answer_text(tokenizer, context, found.plain.answer),
                        answer_text(tokenizer, context, found.intervened.answer),
                        tuple(text([t]) for t in base.answer), tuple(map(float, found.plain.target_logprobs)),
-                       tuple(map(float, found.intervened.target_logprobs)), controls, found.fork_at)
+                       tuple(map(float, found.intervened.target_logprobs)), controls, found.fork_at, traces)
+
+
+def branch_diff(result: RerunResult, extent: int) -> Any:
+    """The DSA difference of the rerun's two recorded branches (`DSADiffData`: A = plain, B = intervened),
+    or None when the rerun recorded none."""
+    from workbench.analysis.views import DSADiffReducer, RecordingMapData, ViewOptions
+    from workbench.trace import open_trace
+
+    if result.dsa_traces is None:
+        return None
+    plain, intervened = result.dsa_traces
+    reducer = DSADiffReducer(intervened, shown_as="intervened branch")
+    return reducer.reduce(open_trace(plain), ViewOptions(bins=DIFF_BINS), RecordingMapData(extent=max(1, extent)))
 
 
 def effect_rows(base: RerunBase, result: RerunResult) -> list[dict]:
@@ -292,6 +322,13 @@ class WhatIfPanel(pn.viewable.Viewer):
         self.answers = text_pane("", sizing_mode="stretch_width", css_classes=["k3-what-if-answers"])
         self.tokens = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-what-if-tokens"])
         self.last: RerunResult | None = None
+        # the branches' DSA difference, drawn as the side-by-side dashboard draws two traces'
+        self.last_diff: Any = None
+        self.diff_summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-what-if-dsa-diff-summary"])
+        self.diff_heat = HeatFigure("Share of queries whose DSA reads changed (plain vs intervened)", "query position",
+                                    "DSA layer", "share changed", palette="inferno", height=200)
+        self.diff_heat.mapper.update(low=0.0, high=1.0)
+        self.diff_table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-what-if-dsa-diff"])
 
     def refresh(self) -> None:
         """Offer the segments and layers of the runner's last session (event loop)."""
@@ -359,7 +396,8 @@ class WhatIfPanel(pn.viewable.Viewer):
         try:
             result = run_rerun(base, rerun)
             write_effects(base.trace, effect_rows(base, result))
-            self._outcome = ("done", result)
+            diff = branch_diff(result, len(base.end.tokens) + len(base.opening) + len(base.answer))
+            self._outcome = ("done", (result, diff))
         except (EngineError, TraceError, OSError, ValueError) as exc:
             self._outcome = ("error", f"error: {exc}")
         except Exception as exc:  # a bug: still tell the user, and keep the server alive
@@ -383,12 +421,22 @@ class WhatIfPanel(pn.viewable.Viewer):
         self.running = False
         self.button.disabled = self._base is None
         if kind == "done":
-            self.last = value
+            value, diff = value
+            self.last, self.last_diff = value, diff
             set_text(self.answers, result_text(value))
             self.tokens.object = token_table(value)
+            self._show_diff(diff)
             self.message = f"written to {value.rerun.description!r} in the trace's effects table"
         else:
             self.message = value
+
+    def _show_diff(self, diff: Any) -> None:
+        if diff is None:
+            return
+        plain = self.last.dsa_traces[0] if self.last is not None and self.last.dsa_traces else ""
+        set_text(self.diff_summary, diff_summary(diff, f"plain branch ({plain})"))
+        self.diff_heat.update(diff.heat)
+        self.diff_table.object = layers_table(diff.layers) if diff.layers else ""
 
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Column(
@@ -398,4 +446,6 @@ class WhatIfPanel(pn.viewable.Viewer):
             pn.widgets.Select.from_param(self.param.layer, label="Layer"),
             pn.widgets.TextInput.from_param(self.param.experts, label="Experts to ban"),
             self.button, self.alert, self.answers, self.tokens,
+            pn.pane.Markdown("#### DSA reads: plain vs intervened"), self.diff_summary, self.diff_heat.figure,
+            self.diff_table,
             sizing_mode="stretch_width", css_classes=["k3-what-if"])

@@ -14,7 +14,7 @@ import pytest
 from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
-from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, SUPPRESS_KDA
+from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, SUPPRESS_KDA, what_if_traces
 from workbench.trace.effects_table import EFFECTS_FILE, effect_row, read_effects, write_effects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +111,7 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     assert rows is not None and "what if: notes.txt hidden from DSA every layer" in set(rows["check_name"])
     row = rows[rows["check_name"] == "what if: notes.txt hidden from DSA every layer"].iloc[0]
     assert row["effect"] == pytest.approx(result.change) and row["controls"] == 2
+    _branch_reads_differ_where_hidden(panel, trace, result.rerun.span)
 
     # KDA: writes suppressed from the segment's start on (the fork kept there); experts banned in one layer
     panel.action = SUPPRESS_KDA
@@ -136,6 +137,29 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     assert panel.rerun()
     _wait(runner)
     assert panel.last.rerun.spec[0]["layers"] == [2]
+
+
+def _branch_reads_differ_where_hidden(panel, trace: Path, span: tuple[int, int]) -> None:
+    """The rerun recorded both branches' DSA reads beside the trace; the panel's difference view shows
+    queries that read the hidden span in the plain branch and could not in the intervened one."""
+    from workbench.trace import open_trace
+
+    tables = [open_trace(path).table("dsa_topk", columns=["layer", "position", "selected"]).to_pandas()
+              for path in what_if_traces(trace)]
+    assert all(len(t) for t in tables)
+
+    def in_span(selected) -> bool:
+        return any(span[0] <= int(k) < span[1] for k in selected)
+
+    plain, intervened = ({(int(r.layer), int(r.position)): in_span(r.selected) for r in t.itertuples()}
+                         for t in tables)
+    read_then_hidden = [key for key, hit in plain.items() if hit and key in intervened and not intervened[key]]
+    assert read_then_hidden and not any(intervened.values())
+    diff = panel.last_diff
+    assert diff is not None and diff.queries and diff.heat is not None
+    changed = {int(r["layer"]) for r in diff.layers if r["changed_share"] > 0}
+    assert {layer for layer, _ in read_then_hidden} <= changed
+    assert "k3-dsa-diff" in panel.diff_table.object and "intervened branch" in panel.diff_summary.object
 
 
 def test_segment_forks_stay_within_their_memory_budget(monkeypatch, tmp_path) -> None:
