@@ -91,9 +91,7 @@ class Comparison:
         """
         out = Path(out)
         check_comparison_target(out, overwrite=overwrite)
-        tmp = None
-        try:
-            tmp = atomic_dir.make_temp(out)
+        with atomic_dir.building(out, "comparison", InputError, is_comparison) as tmp:
             for name, frame in (("layers.parquet", self.layers), ("kl.parquet", self.kl),
                                 ("reads.parquet", self.reads)):
                 pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp / name)
@@ -102,12 +100,6 @@ class Comparison:
                                             encoding="utf-8")
             atomic_dir.carry_over(out, tmp, _FILES.__contains__)
             atomic_dir.replace(tmp, out)
-        except OSError as exc:
-            kept = "the previous comparison there is kept" if is_comparison(out) else "nothing was written"
-            raise InputError(f"cannot write the comparison to {out}: {exc.strerror or exc}; {kept}") from None
-        finally:
-            if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
-                atomic_dir.remove_ours(tmp)
         return out
 
 

@@ -20,8 +20,9 @@ import os
 import re
 import shutil
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from engine.errors import EngineError
 from engine.io.files import file_kind, process_alive
@@ -50,6 +51,25 @@ def make_temp(path: Path) -> Path:
     tmp.mkdir()  # fails on anything else at that name: never ours to delete
     (tmp / PARTIAL_MARKER).write_bytes(b"")
     return tmp
+
+
+@contextmanager
+def building(path: Path, what: str, error: type[Exception], previous_kept: Callable[[Path], bool]) -> Iterator[Path]:
+    """A partial directory beside `path` to write `what` into; the block moves it into place (`replace`).
+
+    An OSError (disk full, permissions) becomes one `error` line saying what is still at `path`; the
+    partial directory is removed unless the block renamed it into place.
+    """
+    tmp = None
+    try:
+        tmp = make_temp(path)
+        yield tmp
+    except OSError as exc:
+        kept = f"the previous {what} there is kept" if previous_kept(path) else "nothing was written"
+        raise error(f"cannot write the {what} to {path}: {exc.strerror or exc}; {kept}") from None
+    finally:
+        if tmp is not None and tmp.is_dir():
+            remove_ours(tmp)
 
 
 def remove_ours(p: Path) -> None:

@@ -76,9 +76,7 @@ def write_snapshot(path: Path, state: dict[str, Any], *, overwrite: bool = False
     check_target(path, overwrite=overwrite)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state["tensors"].items()}
     meta = {"format": FORMAT, "version": VERSION, **{k: v for k, v in state.items() if k != "tensors"}}
-    tmp = None
-    try:
-        tmp = atomic_dir.make_temp(path)
+    with atomic_dir.building(path, "snapshot", InputError, is_snapshot) as tmp:
         save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:  # the marker: written last
             f.write(json.dumps(meta, indent=1))
@@ -86,11 +84,6 @@ def write_snapshot(path: Path, state: dict[str, Any], *, overwrite: bool = False
             os.fsync(f.fileno())
         atomic_dir.carry_over(path, tmp, _written_here)
         atomic_dir.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None and tmp.is_dir():  # made by this call (a name already taken raises before it is set)
-            atomic_dir.remove_ours(tmp)
-        kept = "the previous snapshot there is kept" if is_snapshot(path) else "nothing was saved"
-        raise InputError(f"cannot save snapshot to {path}: {exc.strerror or exc}; {kept}") from None
     return path
 
 

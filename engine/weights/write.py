@@ -69,18 +69,10 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
     out = Path(out_dir)
     check_checkpoint_target(out, overwrite=overwrite)
     source = source or RandomSource(config, seed, float_dtype)
-    tmp = None
-    try:
-        tmp = atomic_dir.make_temp(out)
+    with atomic_dir.building(out, "checkpoint", InputError, is_written_checkpoint) as tmp:
         _write_files(config, tmp, seed, shards, float_dtype, source, tokenizer, vision)
         atomic_dir.carry_over(out, tmp, _own_files(out))
         atomic_dir.replace(tmp, out)
-    except OSError as exc:  # disk full, permissions: one line saying what is still there
-        kept = "the previous checkpoint there is kept" if is_written_checkpoint(out) else "nothing was written"
-        raise InputError(f"cannot write the checkpoint to {out}: {exc.strerror or exc}; {kept}") from None
-    finally:
-        if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
-            atomic_dir.remove_ours(tmp)
     return out
 
 

@@ -221,9 +221,7 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
     out = Path(out)
     atomic_dir.recover(out, is_export)
     foreign = _prepare_target(out, trace.path, overwrite)
-    tmp = None
-    try:
-        tmp = atomic_dir.make_temp(out)
+    with atomic_dir.building(out, "export", TraceError, is_export) as tmp:
         manifest = {"source": str(trace.path), "format": fmt, "schema_version": trace.session.get("schema_version"),
                     "status": trace.status,
                     "layers": None if layers is None else list(layers),
@@ -238,8 +236,7 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
                     if piece.num_rows:
                         sink.write(piece)
             except TraceError as exc:
-                kept = "the previous export there is kept" if is_export(out) else "nothing was written"
-                raise type(exc)(f"{exc}; export aborted, {kept}") from None
+                raise _aborted(exc, out) from None
             finally:
                 sink.close(spec.arrow_schema)
             manifest["tables"][name] = {"file": file, "rows": sink.rows}
@@ -249,17 +246,10 @@ def export_trace(source: str | Path | Trace, out: str | Path, fmt: str = "parque
         try:
             _copy_thumbnails(trace, tmp)
         except TraceError as exc:
-            kept = "the previous export there is kept" if is_export(out) else "nothing was written"
-            raise type(exc)(f"{exc}; export aborted, {kept}") from None
+            raise _aborted(exc, out) from None
         manifest["files"] = sorted(p.name for p in tmp.iterdir() if p.name != atomic_dir.PARTIAL_MARKER) + [MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _move_into_place(tmp, out, foreign)
-    except OSError as exc:  # disk full, permissions: one line saying what is still there
-        kept = "the previous export there is kept" if is_export(out) else "nothing was written"
-        raise TraceError(f"cannot write the export to {out}: {exc.strerror or exc}; {kept}") from None
-    finally:
-        if tmp is not None and tmp.is_dir():  # made by this call; gone once renamed into place
-            atomic_dir.remove_ours(tmp)
     return manifest
 
 
@@ -284,6 +274,12 @@ def _copy_thumbnails(trace: Trace, tmp: Path) -> None:
 def is_export(path: Path) -> bool:
     """Whether `path` is a complete export (its manifest, written last, is there)."""
     return (Path(path) / MANIFEST).is_file()
+
+
+def _aborted(exc: TraceError, out: Path) -> TraceError:
+    """`exc` as it stops an export, saying what is still at `out`."""
+    kept = "the previous export there is kept" if is_export(out) else "nothing was written"
+    return type(exc)(f"{exc}; export aborted, {kept}")
 
 
 def _move_into_place(tmp: Path, out: Path, foreign: list[Path]) -> None:
