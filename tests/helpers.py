@@ -74,6 +74,28 @@ def nan_poisoned_empty() -> Iterator[None]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def decode_logits(model, ids: list[int], prompt: int, mode: bool | str, *, spec=None,
+                  chunk: int = 16) -> torch.Tensor:
+    """Chunked prefill of `prompt` tokens (under the intervention `spec` when given), then one session
+    decode step per remaining token in decode-step `mode`; logits [n, V]."""
+    from engine.session import Session
+
+    model.runtime.compile = mode
+    try:
+        s = Session(model, prefill_chunk=chunk)
+        if spec is not None:
+            s.set_interventions(spec)
+        s.append(ids=ids[:prompt])
+        out = [s.prefill(return_logits=True)]
+        for t in ids[prompt:]:
+            s.tokens.append(t)
+            s._forward([t], "decode", False)
+            out.append(s.last_logits[None])
+        return torch.cat(out)
+    finally:
+        model.runtime.compile = "auto"
+
+
 def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
     """Run `benchmarks/<script>` as a user would (its own process, from the repository root); its stdout.
     Fails the test with the end of its stderr when it exits non-zero."""

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import assert_close
+from tests.helpers import assert_close, decode_logits
 from engine import load_model
 from engine.decode import step as decode_step
 from engine.decode.step import DecodeStep, decode_forward, static_capacity
@@ -33,22 +33,6 @@ def models():
 
 def ids_of(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def decode_logits(model, ids: list[int], prompt: int, mode: bool | str) -> torch.Tensor:
-    """Prefill `prompt` tokens, then feed the rest through session decode steps; logits [n, V]."""
-    model.runtime.compile = mode
-    try:
-        s = Session(model, prefill_chunk=16)
-        s.append(ids=ids[:prompt])
-        out = [s.prefill(return_logits=True)]
-        for t in ids[prompt:]:
-            s.tokens.append(t)
-            s._forward([t], "decode", False)
-            out.append(s.last_logits[None])
-        return torch.cat(out)
-    finally:
-        model.runtime.compile = "auto"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

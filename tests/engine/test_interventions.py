@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import load_model
+from tests.helpers import decode_logits
 from engine.decode import step as decode_step
 from engine.decode.step import DecodeStep
 from engine.errors import InputError
@@ -56,19 +57,7 @@ def full_forward(model, ids: list[int], spec) -> torch.Tensor:
 
 def session_logits(model, ids: list[int], spec, prompt: int, mode: bool | str, chunk: int = 16) -> torch.Tensor:
     """Chunked prefill of `prompt` tokens under `spec`, then one decode step per remaining token."""
-    model.runtime.compile = mode
-    try:
-        s = Session(model, prefill_chunk=chunk)
-        s.set_interventions(spec)
-        s.append(ids=ids[:prompt])
-        out = [s.prefill(return_logits=True)]
-        for t in ids[prompt:]:
-            s.tokens.append(t)
-            s._forward([t], "decode", False)
-            out.append(s.last_logits[None])
-        return torch.cat(out)
-    finally:
-        model.runtime.compile = "auto"
+    return decode_logits(model, ids, prompt, mode, spec=spec, chunk=chunk)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
