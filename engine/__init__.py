@@ -11,8 +11,7 @@ Names are imported lazily, so `import engine.errors` (e.g. by trace readers) doe
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy import lazy_attributes
 
 _EXPORTS = {
     "CheckpointError": "engine.errors", "ConfigError": "engine.errors", "EngineError": "engine.errors",
@@ -27,9 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())

@@ -33,8 +33,7 @@ Names are imported lazily: reading a trace does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy import lazy_attributes
 
 _EXPORTS = {
     "record": "workbench.recorders", "RecordPolicy": "workbench.recorders", "load_policy": "workbench.recorders",
@@ -52,9 +51,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())

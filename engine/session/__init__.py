@@ -13,8 +13,7 @@ so `engine.session.segments` stays importable without torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy import lazy_attributes
 
 _EXPORTS = {
     "Session": "engine.session.session", "GeneratedToken": "engine.session.session",
@@ -24,9 +23,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'engine.session' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())
