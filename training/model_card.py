@@ -103,8 +103,8 @@ def run_text(run_info: dict) -> str:
     """The card's training paragraph for one run from random init (`training.demo_model`)."""
     stages = run_info["stages"]
     return (f"`{run_info.get('command', '')}` (commit {run_info.get('commit', '')[:12] or 'unknown'}), seed "
-            f"{run_info['seed']}, {sum(s['steps'] for s in stages)} steps, {_tokens(stages) / 1e6:.1f}M tokens, on a "
-            f"2-core CPU.\n{_MEASURED}\n\nSchedule (DeepSeek V3.2's order for the sparse layers):\n{_stage_lines(stages)}")
+            f"{run_info['seed']}, {sum(s['steps'] for s in stages)} steps, {_tokens(stages) / 1e6:.1f}M tokens, on "
+            f"{run_info.get('hardware', 'a 2-core CPU')}.\n{_MEASURED}\n\nSchedule (DeepSeek V3.2's order for the sparse layers):\n{_stage_lines(stages)}")
 
 
 def run_chain(step_dir: Path) -> list[dict]:
