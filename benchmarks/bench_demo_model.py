@@ -1,19 +1,21 @@
-"""Held-out needle accuracy of the trained demo model: lengths x depths, sparse (as trained) vs dense.
+"""Needle accuracy of the trained demo model with 95% intervals: in-world and held-out wording, by length.
 
-    python benchmarks/bench_demo_model.py --model builtin:demo                  # 2K..128K, one table
-    python benchmarks/bench_demo_model.py --model DIR --lengths 2048,8192 --samples 8,4
-    python benchmarks/bench_demo_model.py --json rows.json --markdown BENCH.md   # also keep the table
+    python benchmarks/bench_demo_model.py                                        # the shipped table's cells
+    python benchmarks/bench_demo_model.py --cells in-world:2048x24,held-out:2048x24 --json rows.json
+    python benchmarks/bench_demo_model.py --render rows.json --markdown INTERVALS.md   # table from kept rows
+    python benchmarks/bench_demo_model.py --compare engine/builtin/demo/intervals.json --json new.json
+    python benchmarks/bench_demo_model.py --by-depth --lengths 2048,8192 --samples 8,4   # depths, sparse vs dense
 
-Runs the real path: `engine.load_model` on the checkpoint directory (MXFP4 experts), a `Session`
-with chunked prefill, then the expected assistant response teacher-forced (`Session.feed`): the
-answer is exactly right when every one of its tokens is the argmax after its prefix, which is when
-greedy decoding would produce it. The same prompts are run with DSA sparse and with
-`model.runtime.dsa_force_dense`, side by side.
+The default runs `training.interval_table`: cells of (world, length, prompts), each prompt a real
+`Session` on the checkpoint as written (MXFP4 experts, chunked prefill) with the expected response
+teacher-forced; a value is right when greedy decoding after the prefilled key would produce it.
+In-world prompts use the trained wording with fresh keys, values and filler; held-out prompts use
+`workbench.retrieval_text.HELD_OUT` (filler, key names and needle and question wording the training
+generator never produces). Each cell gets a 95% Wilson interval, and the DSA reads of the value's
+tokens beside chance. `--compare` prints, per world, this model's pooled rate beside a kept table's.
 
-While the answer tokens run, a sink on every DSA layer's `dsa.topk` probe counts the answer tokens
-whose selected keys include at least one needle token, beside the exact chance of that for random
-picks (`workbench.analysis.chance`). Prompts come from `workbench.retrieval_text.HELD_OUT`: filler, key
-names and needle wording the training generator never produces.
+`--by-depth` is the older view: held-out prompts by length x depth, DSA sparse (as trained) beside
+`model.runtime.dsa_force_dense`, with the needle reads beside chance.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from engine import load_model  # noqa: E402
 from engine.builtin import is_builtin, resolve_builtin  # noqa: E402
 from engine.session import Session  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
+from training import interval_table  # noqa: E402
 from training.tasks import HELD_OUT, answer_ids, needle_prompt  # noqa: E402
 from workbench.retrieval_text import answer_style_of  # noqa: E402
 from workbench.analysis.chance import chance_of_hit, format_read  # noqa: E402
@@ -109,8 +112,77 @@ def _best_layer(results: list[dict], span: str) -> tuple[int, float, float] | No
     return best
 
 
+DEFAULT_CELLS = ("in-world:2048x24,held-out:2048x24,in-world:8192x24,held-out:8192x24,"
+                 "in-world:32768x24,held-out:32768x24,in-world:131072x8")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--by-depth" in argv:
+        argv.remove("--by-depth")
+        return by_depth_main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:demo")
+    p.add_argument("--cells", default=DEFAULT_CELLS, help="WORLD:LENGTHxPROMPTS,... (worlds: in-world, held-out)")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=99)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
+    p.add_argument("--render", type=Path, default=None,
+                   help="run nothing: write --markdown from the rows an earlier run wrote with --json")
+    p.add_argument("--compare", type=Path, default=None, help="rows of another model (its intervals.json): "
+                   "print both worlds' pooled rates side by side")
+    p.add_argument("--by-depth", action="store_true", help="the older table: lengths x depths, sparse vs dense")
+    args = p.parse_args(argv)
+    title = f"`benchmarks/bench_demo_model.py` on `{args.model}` (seed {args.seed})"
+    if args.render:
+        if args.markdown is None:
+            p.error("--render needs --markdown")
+        args.markdown.write_text(interval_table.markdown(json.loads(args.render.read_text()), title))
+        return 0
+    try:
+        cells = interval_table.parse_cells(args.cells)
+    except ValueError as exc:
+        p.error(str(exc))
+    torch.set_num_threads(args.threads)
+    path = resolve_builtin(args.model) if is_builtin(args.model) else Path(args.model)
+    model = load_model(path)
+    tok = Tokenizer.for_model(path, model.config.vocab_size)
+    style = answer_style_of(path)
+    print(f"model {path} (DSA top-k {model.config.dsa.topk}, answers in the {style!r} style); value right given "
+          "the key, 95% Wilson intervals", flush=True)
+    rows = interval_table.run_cells(model, tok, cells, seed=args.seed, prefill_chunk=args.prefill_chunk,
+                                    style=style, log=lambda line: print(line, flush=True))
+    print()
+    print(interval_table.markdown(rows, title))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(interval_table.markdown(rows, title))
+    if args.compare:
+        print(comparison_lines(interval_table.compare(rows, json.loads(args.compare.read_text())), args.compare))
+    return 0
+
+
+def comparison_lines(verdict: dict, base: Path) -> str:
+    """Per world: this model's pooled rate and interval beside the base's, then the verdict."""
+    lines = [f"compared with {base} (pooled over the lengths both measured):"]
+    for world in interval_table.WORLDS:
+        if world not in verdict:
+            lines.append(f"  {world}: no common lengths")
+            continue
+        v = verdict[world]
+        (k, n, lo, hi), (bk, bn, blo, bhi) = v["new"], v["base"]
+        lines.append(f"  {world}: this {k}/{n} = {k / n:.0%} ({lo:.0%}-{hi:.0%}), base {bk}/{bn} = {bk / bn:.0%} "
+                     f"({blo:.0%}-{bhi:.0%}); better: {'yes' if v['better'] else 'no'}, "
+                     f"not worse: {'yes' if v['not_worse'] else 'no'}")
+    lines.append(f"beats the base (better held-out, not worse in-world): {'yes' if verdict['beats'] else 'no'}")
+    return "\n".join(lines)
+
+
+def by_depth_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description="held-out needle accuracy by length x depth, sparse vs dense")
     p.add_argument("--model", default="builtin:demo")
     p.add_argument("--lengths", default="2048,8192,32768,65536,131072")
     p.add_argument("--samples", default="8,6,4,2,1", help="prompts per depth for each length")
