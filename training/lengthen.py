@@ -54,6 +54,7 @@ from training.image_tasks import image_accuracy
 from training.model_card import chain_loss_name, eval_table, image_line, run_chain, write_model_card
 from training.model_setup import load_checkpoint_weights, trainable_model, trained_demo_config
 from training.tasks import batch
+from training.natural_text import mixed_world
 from training.wording import row_world
 from workbench.retrieval_text import ANSWER_STYLES, TRAIN
 
@@ -74,7 +75,7 @@ DEFAULT_STAGES = "120x2x2048,110x1x4096,80x1x8192"
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "stream": STREAM, "gaps": False, "first_weight": None,
                    "answer_style": "key", "close_weight": None, "copy_weight": None,
                    "copy_heads": "mixture", "copy_first_only": False, "image_every": 0, "image_batch": 8,
-                   "image_length": 256, "tower_lr_scale": 0.1}
+                   "image_length": 256, "tower_lr_scale": 0.1, "natural_share": 0.0, "chat_share": 0.5}
 
 
 def parse_stages(text: str) -> list[Stage]:
@@ -213,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-batch", type=int, default=8, help="image questions per image batch")
     p.add_argument("--image-length", type=int, default=256, help="tokens per image-question row")
     p.add_argument("--tower-lr-scale", type=float, default=0.1, help="the tower's rate as a share of the main rate")
+    p.add_argument("--natural-share", type=float, default=0.0,
+                   help="rows whose filler is natural English text, their facts worded afresh or as in chat "
+                        "(training.natural_text); 0: none")
+    p.add_argument("--chat-share", type=float, default=0.5,
+                   help="of the natural rows, those whose needles are told and asked as a chat user would")
     p.add_argument("--loss-name", type=str, default="loss_lengthen.csv",
                    help="this run's loss curve's file name beside the checkpoint")
     p.add_argument("--save-every", type=int, default=20)
@@ -268,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                      "close_weight": args.close_weight, "copy_weight": args.copy_weight,
                      "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only,
                      "image_every": args.image_every, "image_batch": args.image_batch,
-                     "image_length": args.image_length, "tower_lr_scale": args.tower_lr_scale})
+                     "image_length": args.image_length, "tower_lr_scale": args.tower_lr_scale,
+                     "natural_share": args.natural_share, "chat_share": args.chat_share})
 
     step = 0
     metrics: dict = {"evals": []}
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
                mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
     gen = torch.Generator()
-    worlds = row_world(args.varied_share, args.gaps)
+    worlds = (mixed_world(args.varied_share, args.natural_share, args.gaps, args.chat_share) if args.natural_share
+              else row_world(args.varied_share, args.gaps))
     model.runtime.dsa_force_dense = False
     during = [int(x) for x in args.eval_during.split(",") if x]
     ema = None

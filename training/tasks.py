@@ -260,7 +260,9 @@ def build(tok: Tokenizer, world: World, rng: random.Random, length: int, *, kind
         elif len(kinds) > 1:
             kinds = kinds[:-1]
     budget = max(0, length - fixed)
-    text = filler(world, rng, budget + 64)[:budget]
+    # a world may bring its own filler (`training.natural_text.NaturalWorld`: natural sentences)
+    own = getattr(world, "filler_text", None)
+    text = (own(rng, budget + 64) if own is not None else filler(world, rng, budget + 64))[:budget]
 
     ids: list[int] = list(head)
     weights: list[float] = [W_CONTEXT] * len(head)
