@@ -42,7 +42,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # filler, task text and pictures for experiments (nothing below them in workbench)
-    ("workbench text", ("workbench.text", "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures")),
+    ("workbench text", ("workbench.text", "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures",
+                        "workbench.task_templates")),
     # pure functions over trace arrays (and the recorded settings tables carry); they never open a trace
     ("workbench analysis", ("workbench.analysis",)),
     # the trace store and the signal families, whose tables the store reads and writes

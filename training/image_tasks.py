@@ -38,24 +38,13 @@ from workbench.shape_pictures import ATTRIBUTE_VALUES, Picture, draw_picture
 from training.model_setup import trained_demo_vision_config
 from training.tasks import TRAIN, W_ANSWER, W_CONTEXT, W_KEY, W_SCAFFOLD, answer_ids
 from workbench.retrieval_text import filler, response_text
+from workbench.task_templates import PICTURE_QUESTIONS, PICTURE_SYSTEMS
 
 W_IMAGE = 0.0    # image positions: the next id is a placeholder, never generated
 
-QUESTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "shape": {
-        "colour": ("What colour is the shape?", "Which colour is the shape in the image?",
-                   "What colour is the shape in the picture?"),
-        "shape": ("What shape is drawn?", "Which shape is in the picture?", "What shape do you see in the image?"),
-        "position": ("Where is the shape?", "Where in the image is the shape?",
-                     "In which part of the picture is the shape?"),
-    },
-    "digit": {
-        "digit": ("Which digit is drawn?", "What digit is shown in the image?", "Which number is in the picture?"),
-        "colour": ("What colour is the digit?", "Which colour is the digit drawn in?"),
-    },
-}
-SYSTEMS = ("You are a helpful assistant.", "You answer questions about pictures briefly.",
-           "Look at the image and answer in a few words.")
+# the trained questions and system lines live in workbench, where the templates that ask them at inference do
+QUESTIONS = PICTURE_QUESTIONS
+SYSTEMS = PICTURE_SYSTEMS
 LAYOUTS = ("bare", "system", "document")
 
 
@@ -315,9 +304,9 @@ def image_accuracy(model: KimiForCausalLM, tok: Tokenizer, n: int, seed: int, *,
                 if len({im.grid for im in images}) != 1:
                     raise ValueError("swap_images needs pictures of one size")
                 images = images[1:] + images[:1]
-            logits = forward_with_images(model, ids, images, mask)
+            logits = forward_with_images(model, ids.to(model.lm_head.weight.device), images, mask)
             for b, (s, seq) in enumerate(group):
-                pred = logits[b, s.prompt_len - 1: len(seq) - 1].argmax(-1)
+                pred = logits[b, s.prompt_len - 1: len(seq) - 1].argmax(-1).cpu()
                 ok = bool(torch.equal(pred, torch.tensor(seq[s.prompt_len:])))
                 a = s.questions[0].attribute
                 row = by.setdefault(a, {"correct": 0, "total": 0, "chance": 1 / ATTRIBUTE_VALUES[a]})

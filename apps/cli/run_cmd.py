@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
+from apps.cli.run_task import add_task_args, free_form_notice, prepare_task, resolve_card_defaults, run_task
 from engine.session.chat_response import ResponseReader
 from engine.errors import InputError
 from engine.io.inputs import read_prompt_file
@@ -46,11 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "included (default: the response text only; generation stops where the response ends either way)")
     p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
                    help="an image before the prompt (repeatable, in order; --chat: one user message, images then text)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="most tokens to generate (default: the model card's, 48 for builtin:demo; else 128)")
     p.add_argument("--intervene", type=Path, metavar="SPEC_JSON",
                    help="run with interventions on what the layers read, remember and route: a JSON list such as "
                         '[{"op": "dsa.hide", "segment": "prompt", "layers": "all"}] (engine.interventions)')
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (model card default 1.0)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model card's "
+                   "generation_config.json, greedy for builtin:demo; 1.0 where the card says nothing)")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed = same tokens)")
@@ -73,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
     p.add_argument("--overwrite-trace", action="store_true",
                    help="deprecated: the same as --overwrite for --trace")
+    add_task_args(p)
     add_parallel_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -99,7 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # read and parsed before the model loads; layers, heads and experts are checked once it has
     args.interventions = [load_intervention_spec(args.intervene)] if args.intervene is not None else []
     args.transcript = read_transcript(args.messages) if args.messages is not None else None  # checked before loading
-    if prompt is None and args.load is None and not args.image and args.transcript is None:
+    args.task_prompt = prepare_task(args, prompt)  # a bad template input fails before the model loads
+    card = resolve_card_defaults(args)
+    if prompt is None and args.load is None and not args.image and args.transcript is None \
+            and args.task_prompt is None:
         raise InputError("give --prompt TEXT or --prompt-file FILE (or --image FILE, or --load SNAPSHOT)")
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
@@ -107,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError("--system is empty")
     if any(not s for s in args.stop):
         raise InputError("--stop takes non-empty text")
+    args.notice = free_form_notice(card) if args.task_prompt is None else None
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
@@ -174,6 +182,24 @@ def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw:
     return reader
 
 
+def _append_prompt(session: Session, args: argparse.Namespace, prompt: str | None) -> None:
+    """The free-form prompt: a replayed conversation, the system turn, the images and the text. A bad
+    image fails here, before anything ran (and the trace keeps what it has)."""
+    if args.transcript is not None:
+        session.append_messages(args.transcript)
+    if args.system is not None:
+        session.append(args.system, role="system", name="system")
+    chat = args.chat or args.system is not None
+    if chat and (args.image or prompt is not None):  # one user message: the images, then the text
+        session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
+                               name="prompt")
+    else:
+        for path in args.image:
+            session.append(image=path, name=path.name)
+        if prompt is not None:
+            session.append(prompt, name="prompt")
+
+
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
     families = record_families(args.record) if args.trace is not None else FAMILIES
     if ctx.is_leader:
@@ -184,23 +210,16 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
                           parallel=ctx, device=ctx.device) as run:
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
-        # a bad image fails here, before anything ran (and the trace keeps what it has)
-        if args.transcript is not None:
-            session.append_messages(args.transcript)
-        if args.system is not None:
-            session.append(args.system, role="system", name="system")
-        chat = args.chat or args.system is not None
-        if chat and (args.image or prompt is not None):  # one user message: the images, then the text
-            session.append_message("user", prompt, images=args.image, image_names=[p.name for p in args.image],
-                                   name="prompt")
-        else:
-            for path in args.image:
-                session.append(image=path, name=path.name)
-            if prompt is not None:
-                session.append(prompt, name="prompt")
         out = sys.stdout if ctx.is_leader else io.StringIO()
-        with intervene(session, *args.interventions):  # segment names resolve to the prompt's segments
-            stream_answer(session, params, out, raw=args.raw, stop_strings=args.stop, chat=chat and ctx.is_leader)
+        if args.task_prompt is not None:
+            run_task(session, args.task_prompt, args, out)
+        else:
+            _append_prompt(session, args, prompt)
+            if args.notice and ctx.is_leader:  # once, before the answer: what this model can and cannot answer
+                print(args.notice, file=sys.stderr, flush=True)
+            with intervene(session, *args.interventions):  # segment names resolve to the prompt's segments
+                stream_answer(session, params, out, raw=args.raw, stop_strings=args.stop,
+                              chat=(args.chat or args.system is not None) and ctx.is_leader)
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)
         write_dashboard_summaries(args.trace)
