@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from training.tasks import DRILL_SHARE
+from workbench.task_templates import card_files
 
 
 def eval_table(rows: list[dict]) -> str:
@@ -170,3 +171,25 @@ def write_model_card(out: Path, config, run_info: dict, rows: list[dict], size: 
         data_text=data_text({**run_info, "stages": stages}), longest=max(s["length"] for s in stages),
         images_section=images_section, images_limit=images_limit)
     (out / "MODEL_CARD.md").write_text(card)
+    write_prompting_files(out, params, pictures=images is not None)
+
+
+def prompting_notice(params: int, pictures: bool, name: str = "this checkpoint") -> str:
+    """The card's one line on what the model can and cannot answer (`workbench.task_templates.card_of`
+    shows it before a free-form prompt)."""
+    tasks = "finding a code or number in your documents when asked in its trained wording"
+    if pictures:
+        tasks = f"two tasks: {tasks}, and the colour, shape, position or digit of a simple 64x64 picture"
+    else:
+        tasks = f"one task: {tasks}"
+    return (f"{name} is a {params / 1e6:.1f}M-parameter model trained only on {tasks}; "
+            "free-form questions get confident nonsense.")
+
+
+def write_prompting_files(out: Path, params: int, pictures: bool) -> None:
+    """generation_config.json (greedy: the model answers in its trained format only when decoded
+    greedily after the prefilled key) and prompting.json (its task templates and notice) beside the card."""
+    tasks = ("find-fact", "picture") if pictures else ("find-fact",)
+    for name, data in card_files(tasks, prompting_notice(params, pictures), temperature=0.0,
+                                 max_new_tokens=48).items():
+        (out / name).write_text(json.dumps(data, indent=1) + "\n")

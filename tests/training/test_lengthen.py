@@ -150,3 +150,7 @@ def test_a_chain_of_continuations_exports_with_a_card_naming_every_run(base, tmp
     assert "untrained" in card and "{" not in card
     assert {"loss_len-a.csv", "loss_len-b.csv"} <= {p.name for p in out.iterdir()}  # (the base fixture has none)
     assert load_model(out).vision is not None
+    from workbench.task_templates import card_of
+
+    prompting = card_of(out)   # the card's prompting defaults ship beside it (the tower is untrained: no pictures)
+    assert (prompting.temperature, prompting.tasks) == (0.0, ("find-fact",)) and "one task" in prompting.notice
