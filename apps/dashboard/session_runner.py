@@ -8,12 +8,18 @@ data path for both modes. Stop asks the session to stop after its current step.
 
 Nothing in the recording thread touches Panel or Bokeh objects: it leaves its outcome in a slot
 that `poll()` (called from the dashboard's periodic callback, on the event loop) applies.
+
+A task template (`task_form.py`) asks a trained model what it was trained to answer, in its trained
+wording; the model's card (`workbench.task_templates.card_of`) picks the task and the sampling
+defaults whenever the model changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,7 @@ import param
 
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.follower import DashboardState
+from apps.dashboard.task_form import FREE_FORM, TaskForm, sample_picture
 from apps.dashboard.uploads import (BROWSER_MAX_FILE_SIZE, IMAGE_SUFFIXES, TEXT_SUFFIXES, BoundedFileDropper,
                                     UploadError, classify_upload)
 from apps.dashboard.what_if import RerunBase, WhatIfPanel, keep_branch_points
@@ -81,6 +88,27 @@ def generate_answer(session: Any, max_new: int, temperature: float) -> tuple[int
     return generated, "".join(text)
 
 
+@dataclass(frozen=True)
+class TemplatedQuestion:
+    """A templated run as the form built it, handed to the recording thread."""
+
+    task: Any                          # `workbench.task_templates.TaskPrompt`
+    images: list[tuple[str, bytes]]    # the picture sent with a picture question, (name, bytes)
+    judged_by: str                     # what the answer is judged against, in words ("the value you typed")
+
+
+def answer_status(task: Any, answer: Any, judged_by: str, max_new: int) -> str:
+    """The status line's answer of a templated run: 'answer: greenhouse alarm: 3-8-2-5 (right: the value
+    you typed)'; wrong answers say what was expected, an unfinished response says so."""
+    text = f"answer: {answer.text[:ANSWER_CHARS]}"
+    if task.expected is None:
+        return text + ("" if answer.closed else f" (the response did not end within {max_new} new tokens)")
+    if answer.correct:
+        return f"{text} (right: {judged_by})"
+    why = "" if answer.closed else f"; the response did not end within {max_new} new tokens"
+    return f"{text} (wrong: {judged_by} is {task.expected}{why})"
+
+
 class SessionRunner(pn.viewable.Viewer):
     """Model picker, prompt box, document upload, Generate/Stop: a recorded session in a thread."""
 
@@ -123,6 +151,16 @@ class SessionRunner(pn.viewable.Viewer):
         # the last session's branch points and model config, published once its recording closed
         self._rerun_base: tuple[RerunBase | None, Any] = (None, None)
         self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK)
+        self.tasks = TaskForm()
+        self.tasks.sample_button.on_click(lambda _: self.add_sample_picture())
+        self.tasks.param.watch(self._task_changed, "task")
+        self._documents_to_tasks()
+        self._samples: dict[str, tuple[dict[str, str], str]] = {}  # sample picture name -> (what was drawn, kind)
+        # Panel caps a text area at 5,000 characters by default: long pasted prompts are the point here
+        self.free_form_inputs = pn.Column(
+            pn.widgets.TextAreaInput.from_param(self.param.prompt, label="Prompt", height=90, max_length=1 << 20),
+            pn.widgets.Checkbox.from_param(self.param.chat, label="Chat message"),
+            sizing_mode="stretch_width", visible=self.tasks.task == FREE_FORM)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _uploaded(self, event: param.parameterized.Event) -> None:
@@ -156,11 +194,44 @@ class SessionRunner(pn.viewable.Viewer):
         if event.new:
             self.message = "error: " + event.new[-1]
 
+    @param.depends("model", watch=True)
+    def _model_changed(self) -> None:
+        """The new model's card sets the task, the temperature and the new tokens (greedy and 48 for
+        `builtin:demo`); a card that cannot be read is an error message and leaves free-form chat."""
+        from engine import EngineError
+        from workbench.task_templates import answer_style, card_of
+
+        try:
+            card, style = card_of(self.model), answer_style(self.model)
+        except (EngineError, OSError, ValueError) as exc:
+            self.tasks.set_card(None)
+            self.message = f"error: {exc}"
+            return
+        self.tasks.set_card(card, style)
+        self.temperature = float(card.temperature)
+        self.max_new_tokens = int(min(max(card.max_new_tokens, 1), self.param.max_new_tokens.bounds[1]))
+
+    def _task_changed(self, event: param.parameterized.Event) -> None:
+        self.free_form_inputs.visible = event.new == FREE_FORM
+
+    def add_sample_picture(self) -> None:
+        """Add a 64 x 64 picture of the kind the model was trained on to the uploads (for the picture task)."""
+        n = len(self._samples) + 1
+        payload, drawn, kind = sample_picture(self.tasks.attribute, seed=n)
+        name = f"sample picture {n} ({', '.join(drawn.values())}).png"
+        self._samples[name] = (drawn, kind)
+        self.documents = self.documents + [[name, payload]]
+        self.message = f"added {name}"
+
+    @param.depends("documents", watch=True)
+    def _documents_to_tasks(self) -> None:
+        self.tasks.documents = [(n, p) for n, p in self.documents if isinstance(p, str)]
+
     @param.depends("documents", watch=True)
     def _list_documents(self) -> None:
         set_text(self.doc_list, "\n".join(f"{name} (image, {len(p) // 1024:,} KB)" if isinstance(p, bytes) else
                                           f"{name} ({len(p):,} chars)" for name, p in self.documents) or
-                 "(no documents: only the prompt is sent)")
+                 "(no documents uploaded)")
 
     @param.depends("message", watch=True)
     def _show_message(self) -> None:
@@ -183,7 +254,12 @@ class SessionRunner(pn.viewable.Viewer):
         if self.running:
             self.message = "error: a session is already running; stop it first"
             return None
-        if not self.prompt.strip() and not self.documents:
+        try:
+            templated = self._templated()
+        except ValueError as exc:  # engine's InputError is a ValueError: a field of the form names the problem
+            self.message = f"error: {exc}"
+            return None
+        if templated is None and not self.prompt.strip() and not self.documents:
             self.message = "error: write a prompt or upload a document"
             return None
         if not _RUN_LOCK.acquire(blocking=False):
@@ -200,7 +276,7 @@ class SessionRunner(pn.viewable.Viewer):
         self.state.follow(trace)
         self.state.start()
         args = (self.model, list(self.documents), self.prompt, self.chat, self.max_new_tokens, self.temperature,
-                self.prefill_chunk, trace)
+                self.prefill_chunk, trace, templated)
         self._thread = threading.Thread(target=self._run_locked, args=args, name="session-runner", daemon=True)
         try:
             self._thread.start()
@@ -208,6 +284,24 @@ class SessionRunner(pn.viewable.Viewer):
             _RUN_LOCK.release()
             raise
         return trace
+
+    def _templated(self) -> TemplatedQuestion | None:
+        """The chosen template's question (None for free-form); InputError naming a bad field."""
+        from engine.errors import InputError
+        from workbench.task_templates import picture_task
+
+        task = self.tasks.task_prompt()
+        if task is None:
+            return None
+        if task.task == "find-fact":
+            return TemplatedQuestion(task, [], self.tasks.verdict_source())
+        images = [(n, p) for n, p in self.documents if isinstance(p, bytes)][-1:]  # trained on one picture
+        if not images:
+            raise InputError("a picture question needs a picture: upload one or press 'Use a sample picture'")
+        drawn, kind = self._samples.get(images[0][0], ({}, None))
+        if kind is not None:  # a sample picture: its question is worded for its kind, its answer known
+            task = dataclasses.replace(picture_task(self.tasks.attribute, kind), expected=drawn.get(self.tasks.attribute))
+        return TemplatedQuestion(task, images, f"the sample picture's {self.tasks.attribute}")
 
     def _run_locked(self, *args: Any) -> None:
         try:
@@ -223,8 +317,9 @@ class SessionRunner(pn.viewable.Viewer):
                 self.message = "stopping after the current step …"
 
     def _run(self, model_name: str, documents: list, prompt: str, chat: bool, max_new: int, temperature: float,
-             chunk: int, trace: Path) -> None:
+             chunk: int, trace: Path, templated: TemplatedQuestion | None = None) -> None:
         import workbench
+        from apps.dashboard import templated_run
         from engine import EngineError
         from workbench.sessions import recorded_session
 
@@ -235,21 +330,30 @@ class SessionRunner(pn.viewable.Viewer):
                 session = run.session
                 with self._lock:
                     self._session = session
-                for name, payload in documents:
-                    if isinstance(payload, bytes):
-                        session.append(image=payload, name=name)
-                    else:
-                        session.append(payload, name=name)
-                if prompt.strip():
-                    session.append(prompt, role="user" if chat else None, name="prompt")
+                if templated is not None:
+                    templated_run.append_context(session, templated.task, templated.images)
+                else:
+                    for name, payload in documents:
+                        if isinstance(payload, bytes):
+                            session.append(image=payload, name=name)
+                        else:
+                            session.append(payload, name=name)
+                    if prompt.strip():
+                        session.append(prompt, role="user" if chat else None, name="prompt")
                 base = keep_branch_points(session, trace)
-                generated, answer = generate_answer(session, max_new, temperature)
+                if templated is not None:
+                    found = templated_run.answer(session, templated.task, max_new, temperature)
+                    generated = found.generated
+                    answer_line = answer_status(templated.task, found, templated.judged_by, max_new)
+                else:
+                    generated, answer = generate_answer(session, max_new, temperature)
+                    answer_line = f"answer: {answer[:ANSWER_CHARS]}" if answer.strip() else ""
                 tokens = session.tokens[len(base.end.tokens):]
                 base.opening, base.answer = tuple(tokens[:-generated]), tuple(tokens[-generated:])
             # published after the recording closed: a rerun's forward passes are never recorded into it
             self._rerun_base = (base, session.config) if generated else (None, None)
             self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}"
-                                     + (f"; answer: {answer[:ANSWER_CHARS]}" if answer.strip() else ""))
+                                     + (f"; {answer_line}" if answer_line else ""))
         except (EngineError, workbench.TraceError, OSError, ValueError) as exc:
             self._outcome = ("error", f"error: {exc}")
         except Exception as exc:  # a bug: still tell the user, and keep the server alive
@@ -274,13 +378,12 @@ class SessionRunner(pn.viewable.Viewer):
         return pn.Column(
             pn.pane.Markdown("### Drive a session"),
             pn.widgets.Select.from_param(self.param.model, label="Model"),
-            # Panel caps a text area at 5,000 characters by default: long pasted prompts are the point here
-            pn.widgets.TextAreaInput.from_param(self.param.prompt, label="Prompt", height=90, max_length=1 << 20),
-            pn.widgets.Checkbox.from_param(self.param.chat, label="Chat message"),
+            self.tasks, self.free_form_inputs,
             pn.Row(pn.widgets.IntInput.from_param(self.param.max_new_tokens, label="New tokens", width=110),
                    pn.widgets.FloatInput.from_param(self.param.temperature, label="Temperature", width=110)),
             pn.pane.Markdown(f"Documents and images (text, PNG, JPEG, WebP; up to "
                              f"{self.max_upload_bytes // 1024:,} KB each)"),
             self.dropper, self.doc_list, clear,
+            self.tasks.notice, self.tasks.use_template,
             pn.Row(self.generate_button, self.stop_button), self.alert, self.what_if,
             sizing_mode="stretch_width", css_classes=["k3-runner"])

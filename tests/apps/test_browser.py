@@ -40,6 +40,8 @@ def test_live_drive_session(tmp_path: Path, artifacts: Path) -> None:
             first_paint = browser.open(url(config), wait_for=".k3-view-session canvas")
             browser.wait_views()
             heap_start = browser.js_heap()
+            # the task templates' choice heads the drive panel; a random-weight preset's card lists none
+            assert browser.page.locator(".k3-task-form select").first.input_value() == "Free-form chat"
             # a long prompt (byte-level tokenizer: ~24K tokens) so the prefill spans many flushes
             prompt = " ".join(f"Line {i}: the vault log notes crate {i * 7 % 997}." for i in range(600))
             browser.page.locator(".k3-runner textarea").first.fill(prompt)
