@@ -119,7 +119,12 @@ class TaskForm(pn.viewable.Viewer):
         from workbench.task_templates import find_facts
 
         names = [n for n, _ in self.documents]
-        self._found = {fact_label(f, names): f for f in find_facts(self.documents)}
+        self._found = {}
+        for fact in find_facts(self.documents):
+            label = fact_label(fact, names)
+            if label in self._found:  # the same fact twice in one document: each sentence its own choice
+                label = f"{label} #{sum(k.startswith(label) for k in self._found) + 1}"
+            self._found[label] = fact
         self.param.fact.objects = [TYPED, *self._found]
         if self.fact not in self.param.fact.objects:
             self.fact = TYPED

@@ -130,3 +130,34 @@ def test_ask_about_a_sample_picture(tmp_path: Path) -> None:
     snap = runner.state.sync()
     assert [s["name"] for s in snap.session.segments][:2] == ["system", name]      # the note is not sent
     runner.state.close()
+
+
+def test_status_line_says_right_wrong_or_unfinished() -> None:
+    from types import SimpleNamespace
+
+    from apps.dashboard.session_runner import answer_status
+
+    task = SimpleNamespace(expected="3-8-2-5")
+    right = SimpleNamespace(text="greenhouse alarm: 3-8-2-5", correct=True, closed=True)
+    assert answer_status(task, right, "the value you typed", 48) == \
+        "answer: greenhouse alarm: 3-8-2-5 (right: the value you typed)"
+    wrong = SimpleNamespace(text="greenhouse alarm: 3-8-2-2-2", correct=False, closed=False)
+    assert answer_status(task, wrong, "the value you typed", 8) == ("answer: greenhouse alarm: 3-8-2-2-2 (wrong: the "
+                                                                   "value you typed is 3-8-2-5; the response did not "
+                                                                   "end within 8 new tokens)")
+    unknown = SimpleNamespace(expected=None)
+    assert answer_status(unknown, SimpleNamespace(text="colour: red", correct=None, closed=True), "", 48) == \
+        "answer: colour: red"
+
+
+def test_the_same_fact_twice_is_two_choices_and_a_typed_value_is_judged_as_typed(tmp_path: Path) -> None:
+    runner = _runner(tmp_path)
+    runner.dropper.value = {"a.txt": f"{FACT} Some words. {FACT}"}
+    labels = runner.tasks.param.fact.objects[1:]
+    assert labels == ["greenhouse alarm: 3-8-2-5 (a.txt)", "greenhouse alarm: 3-8-2-5 (a.txt) #2"]
+    runner.tasks.fact = labels[1]
+    assert runner.tasks.picked.start > runner.tasks._found[labels[0]].start
+    assert runner.tasks.verdict_source() == "the value in your document"
+    runner.tasks.value = "1-1-1-1"
+    assert runner.tasks.verdict_source() == "the value you typed"
+    assert runner.tasks.task_prompt().documents[0][1].endswith("The code that opens the greenhouse alarm is 1-1-1-1.")
