@@ -10,7 +10,6 @@ import random
 import time
 from pathlib import Path
 
-import pytest
 
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
