@@ -10,7 +10,6 @@ import random
 import time
 from pathlib import Path
 
-
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
 from apps.dashboard.task_form import FIND_FACT, FREE_FORM, PICTURE, TYPED
