@@ -95,16 +95,19 @@ class TemplatedQuestion:
     task: Any                          # `workbench.task_templates.TaskPrompt`
     images: list[tuple[str, bytes]]    # the picture sent with a picture question, (name, bytes)
     judged_by: str                     # what the answer is judged against, in words ("the value you typed")
+    chance: int = 0                    # values a uniform guess picks from (a picture attribute's), 0: negligible
 
 
-def answer_status(task: Any, answer: Any, judged_by: str, max_new: int) -> str:
+def answer_status(task: Any, answer: Any, judged_by: str, max_new: int, chance: int = 0) -> str:
     """The status line's answer of a templated run: 'answer: greenhouse alarm: 3-8-2-5 (right: the value
-    you typed)'; wrong answers say what was expected, an unfinished response says so."""
+    you typed)'; wrong answers say what was expected, an unfinished response says so. With `chance`, a
+    right answer is shown beside how often a uniform guess among that many values is right."""
     text = f"answer: {answer.text[:ANSWER_CHARS]}"
     if task.expected is None:
         return text + ("" if answer.closed else f" (the response did not end within {max_new} new tokens)")
     if answer.correct:
-        return f"{text} (right: {judged_by})"
+        guess = f"; a guess is right 1 time in {chance}" if chance else ""
+        return f"{text} (right: {judged_by}{guess})"
     why = "" if answer.closed else f"; the response did not end within {max_new} new tokens"
     return f"{text} (wrong: {judged_by} is {task.expected}{why})"
 
@@ -288,6 +291,7 @@ class SessionRunner(pn.viewable.Viewer):
     def _templated(self) -> TemplatedQuestion | None:
         """The chosen template's question (None for free-form); InputError naming a bad field."""
         from engine.errors import InputError
+        from workbench.shape_pictures import ATTRIBUTE_VALUES
         from workbench.task_templates import picture_task
 
         task = self.tasks.task_prompt()
@@ -301,7 +305,8 @@ class SessionRunner(pn.viewable.Viewer):
         drawn, kind = self._samples.get(images[0][0], ({}, None))
         if kind is not None:  # a sample picture: its question is worded for its kind, its answer known
             task = dataclasses.replace(picture_task(self.tasks.attribute, kind), expected=drawn.get(self.tasks.attribute))
-        return TemplatedQuestion(task, images, f"the sample picture's {self.tasks.attribute}")
+        return TemplatedQuestion(task, images, f"the sample picture's {self.tasks.attribute}",
+                                 ATTRIBUTE_VALUES.get(self.tasks.attribute, 0))
 
     def _run_locked(self, *args: Any) -> None:
         try:
@@ -344,7 +349,8 @@ class SessionRunner(pn.viewable.Viewer):
                 if templated is not None:
                     found = templated_run.answer(session, templated.task, max_new, temperature)
                     generated = found.generated
-                    answer_line = answer_status(templated.task, found, templated.judged_by, max_new)
+                    answer_line = answer_status(templated.task, found, templated.judged_by, max_new,
+                                                templated.chance)
                 else:
                     generated, answer = generate_answer(session, max_new, temperature)
                     answer_line = f"answer: {answer[:ANSWER_CHARS]}" if answer.strip() else ""

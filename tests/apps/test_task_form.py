@@ -124,7 +124,8 @@ def test_ask_about_a_sample_picture(tmp_path: Path) -> None:
     assert runner.generate() is not None
     _wait(runner)
     colour = runner._samples[name][0]["colour"]
-    assert runner.message.endswith(f"answer: colour: {colour} (right: the sample picture's colour)"), runner.message
+    assert runner.message.endswith(f"answer: colour: {colour} (right: the sample picture's colour; a guess is right "
+                                   "1 time in 6)"), runner.message
     snap = runner.state.sync()
     assert [s["name"] for s in snap.session.segments][:2] == ["system", name]      # the note is not sent
     runner.state.close()
