@@ -21,6 +21,7 @@ Gradients flow through the engine's own layers (`engine.model.KimiForCausalLM`, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -35,12 +36,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
+from training import device as device_io
 from training import state as state_io
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
 from training.image_tasks import forward_with_images, image_accuracy, image_batch
 from training.model_card import image_line, write_model_card
-from training.model_setup import export, trainable_model, trained_demo_config
+from training.model_setup import DEMO_SIZES, export, trainable_model
 from training.tasks import DRILL_SHARE, batch, key_weight_at
 from training.wording import row_world
 from workbench.retrieval_text import ANSWER_STYLES
@@ -124,7 +126,7 @@ def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 # Options added after the first shipped run; a state saved before them ran with these values.
 OPTION_DEFAULTS = {"stage_spec": DEFAULT_STAGES, "varied_share": 0.0, "gaps": False, "drill_share": DRILL_SHARE,
                    "first_weight": None, "answer_style": "key", "image_every": 0, "image_batch": 8,
-                   "image_length": 256, "tower_from": 0, "tower_lr_scale": 0.1}
+                   "image_length": 256, "tower_from": 0, "tower_lr_scale": 0.1, "size": "demo"}
 
 LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "lr", "tokens_per_s",
                 "expert_max_load"]
@@ -165,8 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="step from which the projector trains, and the tower at --tower-lr-scale of its rate; "
                         "before it both stay at their seeded init (a tower trained from the start collapses)")
     p.add_argument("--tower-lr-scale", type=float, default=0.1)
+    p.add_argument("--size", choices=sorted(DEMO_SIZES), default="demo",
+                   help="demo: trained_demo_config (6 layers, hidden 128); gpu: gpu_demo_config (9 layers, hidden 256)")
+    p.add_argument("--device", choices=device_io.DEVICES, default="cpu",
+                   help="where the model, batches and optimizer states live (auto: CUDA when visible)")
+    p.add_argument("--precision", choices=device_io.PRECISIONS, default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on the CPU")
+    p.add_argument("--image-eval", type=int, default=96,
+                   help="held-out image questions in the final evaluation (half as many in the quick ones)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds of training after which the run saves and stops (the schedule is not replanned)")
     args = p.parse_args(argv)
 
+    device = device_io.resolve_device(args.device)
+    bf16 = device_io.uses_bf16(device, args.precision)
+    device_io.prepare(device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     state_dir = args.state or args.out.with_name(args.out.name + ".state")
@@ -175,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     options = {"stage_spec": args.stages, "varied_share": args.varied_share, "gaps": args.gaps,
                "drill_share": args.drill_share, "first_weight": args.first_weight, "answer_style": args.answer_style,
                "image_every": args.image_every, "image_batch": args.image_batch, "image_length": args.image_length,
-               "tower_from": args.tower_from, "tower_lr_scale": args.tower_lr_scale}
+               "tower_from": args.tower_from, "tower_lr_scale": args.tower_lr_scale, "size": args.size}
     total = sum(s.steps for s in stages)
     images_on = args.image_every > 0
-    config = trained_demo_config(args.topk, vision=images_on)
+    config = DEMO_SIZES[args.size](args.topk, vision=images_on)
     tok = Tokenizer.byte_level()
-    model = trainable_model(config, args.seed)
+    model = trainable_model(config, args.seed).to(device)   # seeded on the CPU: the same init on every device
+    model.runtime.kernels = "reference"   # the pure-torch ops everywhere: no Triton kernel in a graph that trains
     distill = IndexerDistill(model)
     balance = ExpertBalance(model)
 
@@ -222,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {resumed} at step {step}/{total}", flush=True)
     log, writer = state_io.open_loss_log(state_dir / "loss.csv", step,
                                          LOSS_COLUMNS + (["image_loss"] if images_on else []))
-    run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:]), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
+    run_info = {"command": "python -m training.demo_model " + " ".join(sys.argv[1:] if argv is None else argv), "seed": args.seed, "scale": args.scale, "topk": args.topk, "lr": args.lr,
                 "indexer_lr": args.indexer_lr, "stages": [asdict(s) for s in stages], "commit": _git_commit(),
                 **options}
+    if device.type != "cpu":
+        run_info["hardware"] = device_io.describe(device, bf16)
     # no draw at all when no row is reworded, so the first shipped run's batches are unchanged
     worlds = None if args.varied_share <= 0 else row_world(args.varied_share, args.gaps)
 
@@ -235,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     ema_tps = None
     last_image = float("nan")   # the log line shows the latest image batch's loss
+    amp = device_io.autocast(device, bf16)
+    started = time.perf_counter()
     while step < total:
         _, stage = stage_at(stages, step)
         t0 = time.perf_counter()
@@ -246,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         distill.active = stage.phase in ("warmup", "sparse")
         distill.sparse = stage.phase == "sparse"
         distill.rows = query_rows(weights, 64, gen) if distill.active else None
+        ids, weights = ids.to(device), weights.to(device)
         for q in index_params.values():
             q.requires_grad_(distill.active)
         for q in main_params.values():
@@ -269,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         image_value = float("nan")
         n_tokens = ids.numel()
         if warmup:
-            with torch.no_grad():
+            with torch.no_grad(), amp:
                 model(ids)
             kl = distill.take()
             assert kl is not None
@@ -278,13 +299,16 @@ def main(argv: list[str] | None = None) -> int:
             opt_index.step()
             opt_index.zero_grad(set_to_none=True)
         else:
-            logits = model(ids)
-            loss, answer_value = weighted_loss(logits, ids, weights)
-            kl = distill.take()
+            with amp:
+                logits = model(ids)
+                loss, answer_value = weighted_loss(logits, ids, weights)
+                kl = distill.take()
+            del logits
             total_loss = loss + (kl if kl is not None else 0.0)
             total_loss.backward()
             if image_step:
-                image_value, image_kl, n_image = image_loss_step(model, tok, distill, gen, args, step, stage.phase)
+                image_value, image_kl, n_image = image_loss_step(model, tok, distill, gen, args, step, stage.phase,
+                                                                 amp)
                 kl = kl if image_kl is None else (image_kl if kl is None else kl + image_kl)
                 last_image = image_value
                 n_tokens += n_image
@@ -326,6 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         if step == args.stop_after:
             print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
             return 0
+        if args.time_limit is not None and time.perf_counter() - started > args.time_limit and step < total:
+            state_io.save(state_dir, step, model, optimizers, {**run_info, "metrics": metrics})
+            print(f"stopping at step {step}/{total}: --time-limit {args.time_limit:.0f} s reached; exporting what "
+                  "is trained (run again to resume the schedule)", flush=True)
+            # the record and the card list the steps actually trained
+            run_info = {**run_info, "stages": stages_done(run_info["stages"], step), "planned_stages": run_info["stages"],
+                        "stopped_early": f"step {step} of {total} (--time-limit {args.time_limit:.0f} s)"}
+            break
         if step % args.eval_every == 0 or step == total:
             distill.active = False  # quick evals are plain forwards
             rows = needle_accuracy(model, tok, lengths=(stage.length,), depths=(0.1, 0.5, 0.9),
@@ -334,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             metrics["evals"].append({"step": step, "rows": rows})
             print(f"eval step {step} (held-out needle, in-memory fp32 model): {summary(rows)}", flush=True)
             if images_on:
-                pictures = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
-                control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
+                n_images = max(1, args.image_eval // 2)
+                pictures = image_accuracy(model, tok, n_images, seed=1, vision=config.vision)
+                control = image_accuracy(model, tok, n_images, seed=1, vision=config.vision, swap_images=True)
                 metrics["evals"][-1].update(image=pictures, image_swapped=control)
                 print(f"eval step {step}: held-out image questions {image_line(pictures, control)}", flush=True)
     bar.close()
@@ -347,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def image_loss_step(model, tok: Tokenizer, distill: IndexerDistill, gen: torch.Generator, args, step: int,
-                    phase: str) -> tuple[float, torch.Tensor | None, int]:
+                    phase: str, amp=None) -> tuple[float, torch.Tensor | None, int]:
     """Forward + backward of step `step`'s batch of image questions (gradients add to the text
     batch's): read densely in the dense phase, sparse in the sparse phase with the indexer learning
     its KL target on these rows too. Returns (its loss, its indexer KL (already backpropagated, for
@@ -357,21 +390,36 @@ def image_loss_step(model, tok: Tokenizer, distill: IndexerDistill, gen: torch.G
     sparse = phase == "sparse"
     distill.active, distill.sparse = sparse, sparse
     distill.rows = query_rows(weights, 64, gen) if sparse else None
-    loss, _ = weighted_loss(forward_with_images(model, ids, images, mask), ids, weights)
-    kl = distill.take()
+    device = model.lm_head.weight.device
+    ids, weights = ids.to(device), weights.to(device)
+    with amp if amp is not None else contextlib.nullcontext():
+        loss, _ = weighted_loss(forward_with_images(model, ids, images, mask), ids, weights)
+        kl = distill.take()
     (loss + (kl if kl is not None else 0.0)).backward()
     return float(loss.detach()), (kl.detach() if kl is not None else None), ids.numel()
 
 
+def stages_done(stages: list[dict], step: int) -> list[dict]:
+    """The stages (as `asdict(Stage)`) cut to the first `step` steps: what a run stopped early trained."""
+    done, acc = [], 0
+    for s in stages:
+        n = min(s["steps"], max(0, step - acc))
+        if n:
+            done.append({**s, "steps": n})
+        acc += s["steps"]
+    return done
+
+
 def export_and_reload(model, config, out: Path, losses: dict[str, Path]):
     """Quantize + write the checkpoint with its loss curves beside it; return (dir, the model reloaded by
-    the engine's loader): every evaluation runs on what users run (MXFP4 experts)."""
+    the engine's loader onto the device `model` trained on): every evaluation runs on what users run
+    (MXFP4 experts)."""
     from engine import load_model
 
     out = export(model, config, out)
     for name, source in losses.items():
         shutil_copy(source, out / name)
-    return out, load_model(out)
+    return out, load_model(out, device=next(model.parameters()).device)
 
 
 def held_out_needle(shipped, tok: Tokenizer, args, style: str = "key") -> list[dict]:
@@ -405,8 +453,9 @@ def finalize(model, config, tok: Tokenizer, args, state_dir: Path, run_info: dic
     rows = held_out_needle(shipped, tok, args, style=run_info.get("answer_style", "key"))
     extra = {}
     if config.vision is not None:
-        extra["held_out_images"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision)
-        extra["held_out_images_swapped"] = image_accuracy(shipped, tok, 96, seed=7, vision=config.vision,
+        n_images = getattr(args, "image_eval", 96)
+        extra["held_out_images"] = image_accuracy(shipped, tok, n_images, seed=7, vision=config.vision)
+        extra["held_out_images_swapped"] = image_accuracy(shipped, tok, n_images, seed=7, vision=config.vision,
                                                           swap_images=True)
         print(f"held-out image questions: {image_line(extra['held_out_images'], extra['held_out_images_swapped'])}",
               flush=True)

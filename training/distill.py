@@ -88,6 +88,7 @@ class IndexerDistill:
 def query_rows(weights: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
     """[B, n] query positions for the indexer loss: half at answer positions, half uniform."""
     B, T = weights.shape
+    weights = weights.cpu()   # drawn with a CPU generator: the same rows whatever device trains
     rows = torch.empty(B, n, dtype=torch.long)
     for b in range(B):
         answer = (weights[b] > 0.2).nonzero().flatten()
@@ -110,7 +111,9 @@ class ExpertBalance:
     def _hook(self, i: int):
         def hook(module, args, output) -> None:
             ids = output[1]
-            self.counts[i] += torch.bincount(ids.flatten().cpu(), minlength=self.counts[i].numel()).float()
+            if self.counts[i].device != ids.device:   # counted where the routes are: no host sync per layer
+                self.counts[i] = self.counts[i].to(ids.device)
+            self.counts[i] += torch.bincount(ids.flatten(), minlength=self.counts[i].numel()).float()
         return hook
 
     def update(self) -> float:

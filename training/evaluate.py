@@ -43,6 +43,7 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
     model's answer style (`answer_parts`); "value given the key" is everything after the prefilled part."""
     was_training = model.training
     model.eval()
+    device = model.lm_head.weight.device   # prompts are built on the host, scored where the model lives
     saved = model.runtime.dsa_force_dense
     rows = []
     try:
@@ -64,9 +65,9 @@ def needle_accuracy(model: KimiForCausalLM, tok: Tokenizer, *, lengths=(1024,), 
                         ids = torch.zeros(len(group), width - 1, dtype=torch.long)
                         for b, (seq, _, _) in enumerate(group):
                             ids[b, : len(seq) - 1] = torch.tensor(seq[:-1])
-                        logits = model(ids)
+                        logits = model(ids.to(device))
                         for b, (seq, plen, meta) in enumerate(group):
-                            pred = logits[b, plen - 1: len(seq) - 1].argmax(-1)
+                            pred = logits[b, plen - 1: len(seq) - 1].argmax(-1).cpu()
                             want = torch.tensor(seq[plen:])
                             correct += int(torch.equal(pred, want))
                             at = meta["value_at"]

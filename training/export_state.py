@@ -27,7 +27,7 @@ from training import state as state_io
 from training.demo_model import DEFAULT_STAGES, OPTION_DEFAULTS, finalize, schedule
 from training.evaluate import summary
 from training.model_card import eval_table
-from training.model_setup import trainable_model, trained_demo_config
+from training.model_setup import DEMO_SIZES, trainable_model, trained_demo_config
 
 INTERIM_NOTE = """> **Interim checkpoint: training step {step} of {total}.** Exported from a training state while
 > the run was still in progress (`python -m training.export_state`), so that the workbench can be wired
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = schedule(scale, info.get("stage_spec", DEFAULT_STAGES))
     total = sum(s.steps for s in stages)
     step = int(info["step"])
-    config = trained_demo_config(topk, vision=int(info.get("image_every", 0)) > 0)
+    config = DEMO_SIZES[info.get("size", "demo")](topk, vision=int(info.get("image_every", 0)) > 0)
     model = trainable_model(config, seed)
     state_io.load(step_dir, model, {})
     model.eval()

@@ -30,12 +30,13 @@ from engine.weights.random_init import RandomSource, storage_dtype
 from engine.weights.write import write_checkpoint
 
 
-def trained_demo_vision_config() -> VisionConfig:
+def trained_demo_vision_config(text_hidden: int = 128) -> VisionConfig:
     """The trained demo's tower: width 64, 2 blocks of 2 heads (head dim 32), 8-px patches and an
     8 x 8 position table, so the 64 x 64 training pictures (`training.image_tasks`) use the table
-    as is and take 4 x 4 = 16 merged tokens; larger images read the table resized, as usual."""
+    as is and take 4 x 4 = 16 merged tokens; larger images read the table resized, as usual.
+    `text_hidden`: the language model's width, which the projector maps to."""
     return VisionConfig(patch_size=8, hidden_size=64, num_layers=2, num_heads=2, qkv_hidden_size=64,
-                        intermediate_size=128, pos_emb_height=8, pos_emb_width=8, text_hidden_size=128)
+                        intermediate_size=128, pos_emb_height=8, pos_emb_width=8, text_hidden_size=text_hidden)
 
 
 def trained_demo_config(topk: int = 64, vision: bool = False) -> ModelConfig:
@@ -47,6 +48,22 @@ def trained_demo_config(topk: int = 64, vision: bool = False) -> ModelConfig:
                       experts=16, top_k=2, shared=1, moe_inter=64, latent=64, dense_inter=256, attn_res=2,
                       max_pos=1048576, expert_format="mxfp4",
                       vision=trained_demo_vision_config() if vision else None)
+
+
+def gpu_demo_config(topk: int = 64, vision: bool = False) -> ModelConfig:
+    """The larger demo that `training.gpu_run` trains in ten minutes on one GPU: 9 layers in the same
+    K3.1 pattern (KDA, KDA, gated DSA/MLA: DSA at layers 3, 6 and 9, 1-indexed), hidden 256, 32
+    latent experts (top-4) + 1 shared, AttnRes blocks of 3, byte-level vocabulary, MXFP4 experts;
+    with `vision`, the demo's tower projecting to width 256. Every expert matrix dimension is a
+    multiple of 32 (MXFP4 blocks) and of 8 (16-byte rows for the grouped GEMM in bf16)."""
+    return _k3_family(vocab_base=256, hidden=256, n_layers=9, full_attn_every=3, heads=4, q_lora=128, kv_lora=128,
+                      nope=48, rope=16, v_dim=64, kda_heads=4, kda_dim=64, idx_heads=4, idx_dim=32, topk=topk,
+                      experts=32, top_k=4, shared=1, moe_inter=128, latent=128, dense_inter=512, attn_res=3,
+                      max_pos=1048576, expert_format="mxfp4",
+                      vision=trained_demo_vision_config(256) if vision else None)
+
+
+DEMO_SIZES = {"demo": trained_demo_config, "gpu": gpu_demo_config}
 
 
 def trainable_model(config: ModelConfig, seed: int) -> KimiForCausalLM:
@@ -105,7 +122,8 @@ class TrainedSource:
     """Tensor source for `write_checkpoint`: the trained model's values, experts quantized to MXFP4."""
 
     def __init__(self, model: KimiForCausalLM, float_dtype: torch.dtype) -> None:
-        self.state = {k: v.detach() for k, v in model.state_dict().items()}
+        # host copies: the checkpoint is written from the CPU whatever device trained the model
+        self.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         self.float_dtype = float_dtype
         self._mx: tuple[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 

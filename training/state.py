@@ -46,7 +46,7 @@ def _optimizer_tensors(name: str, opt: torch.optim.Optimizer, names: dict[int, s
         pname = names[id(p)]
         for key in ("exp_avg", "exp_avg_sq"):
             if key in st:
-                tensors[f"{name}.{pname}.{key}"] = st[key].detach().contiguous()
+                tensors[f"{name}.{pname}.{key}"] = st[key].detach().cpu().contiguous()
         if "step" in st:
             steps[pname] = float(st["step"])
     return tensors, steps
@@ -61,7 +61,8 @@ def save(state_dir: Path, step: int, model: torch.nn.Module, optimizers: dict[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: owned(v.detach()) for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    # saved from host copies, so a state trained on any device loads onto any other
+    save_file({k: owned(v.detach().cpu()) for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
     tensors, steps = {}, {}
     for oname, opt in optimizers.items():
@@ -116,9 +117,10 @@ def load(d: Path, model: torch.nn.Module, optimizers: dict[str, torch.optim.Opti
         steps = info.get("optimizer_steps", {}).get(oname, {})
         for pname, count in steps.items():
             p = params[pname]
+            # the moments live where their parameter does; the step count stays a host scalar (AdamW's default)
             opt.state[p] = {"step": torch.tensor(count),
-                            "exp_avg": moments[f"{oname}.{pname}.exp_avg"].clone(),
-                            "exp_avg_sq": moments[f"{oname}.{pname}.exp_avg_sq"].clone()}
+                            "exp_avg": moments[f"{oname}.{pname}.exp_avg"].to(p.device, copy=True),
+                            "exp_avg_sq": moments[f"{oname}.{pname}.exp_avg_sq"].to(p.device, copy=True)}
     return info
 
 
