@@ -34,6 +34,7 @@ device (the CPU test `tests/training/test_gpu_train_smoke.py`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import shutil
@@ -259,6 +260,8 @@ def make_plan(args, device: torch.device, bf16: bool, cells: Sequence, started: 
     prefill = measure_prefill(args.size, device, (256, 512) if args.smoke else (4096, 16384),
                               repeats=1 if args.smoke else 2)
     evaluation = eval_seconds(cells, prefill)
+    if args.evaluate_builtin:   # builtin:demo is smaller: its cells cost less than the new model's, never more
+        evaluation *= 2
     budget = args.budget_min * 60
     spent = time.perf_counter() - started
     train = budget - spent - evaluation - (0 if args.smoke else EXPORT_SECONDS)
@@ -298,11 +301,11 @@ def write_comparison(out: Path, rows: list[dict], baseline: Path) -> dict:
         text = (f"# Against builtin:demo\n\n{problem}: nothing to compare with.\n\n"
                 "beats builtin:demo on both tables: no (no baseline table)\n")
     else:
+        # the verdicts' definitions are compare's own, quoted so the file cannot drift from the code
+        rule = " ".join(inspect.getdoc(compare).split("\n\n", 1)[-1].split())
         lines = ["# Against builtin:demo", "",
                  "Value right given the key, pooled per world over the lengths both tables measured, with 95% Wilson",
-                 "intervals. Held-out is better when the new rate is higher and its interval's lower end lies above",
-                 "builtin:demo's rate; in-world is not worse when the new interval reaches builtin:demo's rate. The new",
-                 "model beats builtin:demo when held-out is better and in-world is not worse.", "",
+                 f"intervals (`training.interval_table.compare`). {rule}", "",
                  "| world | lengths | new model | 95% interval | builtin:demo | 95% interval | verdict |",
                  "|---|---|---:|---|---:|---|---|"]
         for world in ("in-world", "held-out"):
@@ -321,21 +324,31 @@ def write_comparison(out: Path, rows: list[dict], baseline: Path) -> dict:
     return verdict
 
 
-def evaluate(out: Path, checkpoint: Path, device: torch.device, cells: Sequence, baseline: Path, log=print) -> dict:
-    """The interval table of the written checkpoint (reloaded by the engine's loader) and the comparison."""
+def evaluate(out: Path, checkpoint: Path, device: torch.device, cells: Sequence, baseline: Path, *,
+             evaluate_builtin: bool = False, log=print) -> dict:
+    """The interval table of the written checkpoint (reloaded by the engine's loader) and the comparison
+    with `baseline`, or with builtin:demo measured here on the same prompts when `evaluate_builtin`."""
     from engine import load_model
     from engine.runtime import RuntimeOptions
     from training.interval_table import markdown, run_cells
 
-    # eager decode: the same function as the compiled step users get on CUDA, without compiling for each
-    # of the many short sessions inside the time budget
-    model = load_model(checkpoint, device=device, runtime=RuntimeOptions(compile=False))
-    tok = Tokenizer.byte_level()
-    rows = run_cells(model, tok, cells, log=log)
+    def table(reference) -> list[dict]:
+        # eager decode: the same function as the compiled step users get on CUDA, without compiling for
+        # each of the many short sessions inside the time budget
+        model = load_model(reference, device=device, runtime=RuntimeOptions(compile=False))
+        return run_cells(model, Tokenizer.byte_level(), cells, log=log)
+
+    rows = table(checkpoint)
     text = markdown(rows, f"Interval table: {checkpoint.name} ({out.resolve().name})")
     for d in (out, checkpoint):   # beside the checkpoint too, so shipping the directory ships its table
         (d / "intervals.json").write_text(json.dumps(rows, indent=1) + "\n")
         (d / "INTERVALS.md").write_text(text)
+    if evaluate_builtin:
+        log("the same cells on builtin:demo ...")
+        baseline = out / "builtin-demo-intervals.json"
+        base_rows = table("builtin:demo")
+        baseline.write_text(json.dumps(base_rows, indent=1) + "\n")
+        (out / "BUILTIN-DEMO-INTERVALS.md").write_text(markdown(base_rows, "Interval table: builtin:demo"))
     verdict = write_comparison(out, rows, baseline)
     log((out / "COMPARISON.md").read_text().strip().splitlines()[-1])
     return verdict
@@ -357,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", type=str, default=None, help="interval cells WORLD:LENGTHxPROMPTS,... (default: "
                    "2K/8K/32K both worlds and 128K in-world, 24 prompts each)")
     p.add_argument("--baseline", type=Path, default=SHIPPED_TABLE, help="builtin:demo's interval rows to compare with")
+    p.add_argument("--evaluate-builtin", action="store_true",
+                   help="also run the cells on builtin:demo here (same prompts) and compare with that instead of "
+                        "--baseline; its time comes out of the training's share")
     p.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
@@ -411,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     code = demo_model.main(train_args)
     if code:
         return code
-    verdict = evaluate(out, checkpoint, device, cells, args.baseline)
+    verdict = evaluate(out, checkpoint, device, cells, args.baseline, evaluate_builtin=args.evaluate_builtin)
     shutil.copyfile(plan_file, checkpoint / "plan.json")
     took = time.perf_counter() - started
     print(f"done in {took / 60:.1f} min (budget {args.budget_min:g}): {checkpoint}; "

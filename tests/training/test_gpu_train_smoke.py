@@ -21,8 +21,8 @@ def test_smoke_run_writes_a_loadable_checkpoint_and_reruns_from_its_plan(tmp_pat
     assert gpu_run.main(args) == 0
     ckpt = out / "checkpoint"
     for name in ("config.json", "model.safetensors.index.json", "tiktoken.model", "tokenizer_config.json",
-                 "training.json", "MODEL_CARD.md", "loss.csv", "eval.json", "intervals.json", "INTERVALS.md",
-                 "plan.json"):
+                 "training.json", "MODEL_CARD.md", "generation_config.json", "prompting.json", "loss.csv",
+                 "eval.json", "intervals.json", "INTERVALS.md", "plan.json"):
         assert (ckpt / name).is_file(), name
     for name in ("plan.json", "intervals.json", "INTERVALS.md", "COMPARISON.md", "comparison.json"):
         assert (out / name).is_file(), name
