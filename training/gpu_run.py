@@ -284,6 +284,36 @@ def make_plan(args, device: torch.device, bf16: bool, cells: Sequence, started: 
             "tower_from": 0 if args.smoke else round(TOWER_SHARE * total), "size": args.size}
 
 
+MAX_PLANNED_STEPS = 1_000_000
+
+
+def read_plan(path: Path, size: str, shapes: Sequence[StageShare]) -> dict:
+    """A saved `plan.json`, checked before anything is sized from it: its stages must be `shapes`'
+    batch shapes in order (so no batch larger than the program's own is ever allocated) with 1 to
+    MAX_PLANNED_STEPS steps each; anything else exits naming the file and the problem."""
+    def bad(problem: str) -> SystemExit:
+        return SystemExit(f"{path}: {problem}; remove it to measure and plan again, or pass another --out")
+
+    try:
+        plan = json.loads(path.read_text())
+        stages = [Stage(**s) for s in plan["stages"]]
+        floats = [float(plan[k]) for k in ("train_s", "measure_s")]
+        tower_from = plan["tower_from"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise bad(f"not a plan this program wrote ({type(exc).__name__}: {exc})") from None
+    if plan.get("size") != size:
+        raise bad(f"it plans a {plan.get('size')}-size run, this one is {size}-size")
+    if [(s.phase, s.batch, s.length) for s in stages] != [x.shape for x in shapes]:
+        raise bad("its stages are not this program's stage shapes")
+    if not all(isinstance(s.steps, int) and 1 <= s.steps <= MAX_PLANNED_STEPS for s in stages):
+        raise bad(f"a stage's steps are outside 1..{MAX_PLANNED_STEPS:,}")
+    if not (isinstance(tower_from, int) and 0 <= tower_from <= sum(s.steps for s in stages)) or min(floats) < 0:
+        raise bad("tower_from or a time is out of range")
+    plan["stage_spec"] = stage_spec(stages)   # rebuilt from the checked stages, never taken as written
+    plan["train_s"], plan["measure_s"] = floats
+    return plan
+
+
 def write_comparison(out: Path, rows: list[dict], baseline: Path) -> dict:
     """COMPARISON.md and comparison.json: the new table against builtin:demo's shipped one, pooled per world."""
     from training.interval_table import compare
@@ -397,17 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     plan_file = out / "plan.json"
     if plan_file.is_file():
-        try:
-            plan = json.loads(plan_file.read_text())
-            missing = [k for k in ("stage_spec", "train_s", "measure_s", "tower_from", "size") if k not in plan]
-        except (ValueError, TypeError) as exc:
-            missing = [f"{type(exc).__name__}: {exc}"]
-        if missing:
-            raise SystemExit(f"{plan_file}: not a plan this program wrote (missing or unreadable: {missing}); "
-                             "remove it to measure and plan again, or pass another --out")
-        if plan.get("size") != args.size:
-            raise SystemExit(f"{plan_file} plans a {plan.get('size')}-size run; this one is {args.size}-size: "
-                             "pass another --out")
+        plan = read_plan(plan_file, args.size, SMOKE_PLAN if args.smoke else GPU_PLAN)
         print(f"resuming the plan in {plan_file}: {plan['stage_spec']}", flush=True)
     else:
         plan = make_plan(args, device, bf16, cells, started)

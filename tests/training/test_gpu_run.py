@@ -143,6 +143,14 @@ def test_unreadable_plan_or_baseline_is_named(tmp_path) -> None:
     (out / "plan.json").write_text("{not json")
     with pytest.raises(SystemExit, match="plan.json: not a plan this program wrote"):
         gpu_run.main(["--out", str(out), "--smoke", "--device", "cpu"])
+    plan = {"size": "demo", "train_s": 1.0, "measure_s": 1.0, "tower_from": 0,
+            "stages": [{"phase": s.phase, "steps": 1, "batch": s.batch, "length": s.length} for s in gpu_run.SMOKE_PLAN]}
+    huge = {**plan, "stages": [{**plan["stages"][0], "batch": 10 ** 9}, *plan["stages"][1:]]}
+    for bad, problem in ((huge, "not this program's stage shapes"), ({**plan, "size": "gpu"}, "gpu-size run"),
+                         ({**plan, "tower_from": 99}, "tower_from")):
+        (out / "plan.json").write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=problem):
+            gpu_run.main(["--out", str(out), "--smoke", "--device", "cpu"])
     (tmp_path / "base.json").write_text('[{"world": "held-out"}]')
     verdict = write_comparison(tmp_path, [_row("held-out", 2048, 1, 2)], tmp_path / "base.json")
     assert not verdict["beats"] and "unreadable" in (tmp_path / "COMPARISON.md").read_text()
