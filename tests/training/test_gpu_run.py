@@ -154,3 +154,17 @@ def test_unreadable_plan_or_baseline_is_named(tmp_path) -> None:
     (tmp_path / "base.json").write_text('[{"world": "held-out"}]')
     verdict = write_comparison(tmp_path, [_row("held-out", 2048, 1, 2)], tmp_path / "base.json")
     assert not verdict["beats"] and "unreadable" in (tmp_path / "COMPARISON.md").read_text()
+
+
+def test_time_limit_stops_saves_and_exports_what_was_trained(tmp_path) -> None:
+    from training import demo_model
+
+    out = tmp_path / "ckpt"
+    assert demo_model.main(["--out", str(out), "--state", str(tmp_path / "state"), "--stages", "dense:3x1x128",
+                            "--time-limit", "0", "--eval-every", "1000", "--eval-lengths", "256",
+                            "--eval-samples", "1", "--device", "cpu"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["stopped_early"].startswith("step 1 of 3")
+    assert record["stages"] == [{"phase": "dense", "steps": 1, "batch": 1, "length": 128}]
+    assert record["planned_stages"][0]["steps"] == 3 and "hardware" not in record   # a CPU run reads as before
+    assert json.loads((tmp_path / "state" / "latest.json").read_text())["step"] == 1
