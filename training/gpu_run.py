@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evaluate-builtin", action="store_true",
                    help="also run the cells on builtin:demo here (same prompts) and compare with that instead of "
                         "--baseline; its time comes out of the training's share")
-    p.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="steps between saved training states (default: an eighth of the planned steps, at least "
+                        "25: each save writes weights and moments with an fsync, time the plan does not include)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
     args.size = "demo" if args.smoke else "gpu"
@@ -433,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(args, device, bf16, cells, started)
         write_json_atomic(plan_file, plan)
     train_left = max(1.0, plan["train_s"] - (time.perf_counter() - started - plan["measure_s"]))
+    total_steps = sum(s["steps"] for s in plan["stages"])
     checkpoint = out / "checkpoint"
     train_args = ["--out", str(checkpoint), "--state", str(state), "--size", args.size, "--seed", str(args.seed),
                   "--device", device.type, "--precision", args.precision, "--lr", str(args.lr),
                   "--stages", plan["stage_spec"], *DATA_OPTIONS, "--tower-from", str(plan["tower_from"]),
                   "--image-batch", str(IMAGE_BATCH[args.smoke]), "--image-eval", "4" if args.smoke else "96",
-                  "--save-every", str(args.save_every), "--eval-every", "1000000000", "--eval-samples-during", "1",
+                  "--save-every", str(args.save_every or max(25, math.ceil(total_steps / 8))), "--eval-every", "1000000000", "--eval-samples-during", "1",
                   "--time-limit", f"{train_left:.0f}",
                   "--eval-lengths", "512" if args.smoke else "2048,8192",
                   "--eval-samples", "1" if args.smoke else "4,2",
