@@ -147,10 +147,10 @@ class FoundFact:
 
 # a sentence: up to a terminal mark followed by white space (or the text's end); dashes and dots
 # inside values ("3-8-2-5", "v1.2") stay inside since they are not followed by a space
-_SENTENCE = re.compile(r"[^.!?\n]*(?:[.!?](?=\s|$)|\n|$)")
+_SENTENCE = re.compile(r"(?:[^\n.!?]|[.!?](?!\s|$))*(?:[.!?]+(?=\s|$)|\n|$)")
 _LINK = re.compile(r"\s*(?:\b(?:is|was|reads|read|are|were)\b|:|=)\s*(?:(?:now|still|set to|equal to)\s+)?")
 _VALUE = re.compile(r"\d(?:[\d]|[- ](?=\d))*")
-_WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
+_WORD = re.compile(r"[A-Za-z][A-Za-z0-9'-]*")
 _PREPOSITIONS = {"for", "of", "to", "in", "at", "on", "from", "behind", "inside", "into", "near", "by", "with"}
 _DROP = {"the", "a", "an", "this", "that", "these", "those", "my", "our", "your", "his", "her", "its", "their",
          "new", "current", "and", "or", "remember", "note", "please", "so", "then", "now", "also"}

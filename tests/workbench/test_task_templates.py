@@ -21,10 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_find_facts_links_a_noun_phrase_to_a_code() -> None:
     docs = [("a.txt", "We walked to the harbour. Remember: the alarm code for the greenhouse is 3-8-2-5. "
                       "The office is at 221 Baker street. Version: 3.11 was released."),
-            ("b.txt", "Notes\nwifi password = 4471 9920\nThe trip took 12 hours.")]
+            ("b.txt", "Notes\nwifi password = 4471 9920\nThe trip took 12 hours."),
+            ("c.txt", "Setup. The door code of release v2.1 is 5-5-1-0! Done.")]
     facts = find_facts(docs)
     assert [(f.document, f.key, f.value) for f in facts] == [(0, "greenhouse alarm", "3-8-2-5"),
-                                                             (1, "wifi", "4471 9920")]
+                                                             (1, "wifi", "4471 9920"), (2, "release v2 door", "5-5-1-0")]
+    assert facts[2].sentence == "The door code of release v2.1 is 5-5-1-0!"   # "2.1" does not end the sentence
     first = facts[0]
     assert docs[0][1][first.start:first.end] == first.sentence == \
         "Remember: the alarm code for the greenhouse is 3-8-2-5."
