@@ -3,9 +3,10 @@
 Each prompt is what drive mode and `workbench run --task find-fact` build (`workbench.task_templates`):
 a document of natural prose, not the training filler (docstrings of Python's standard library,
 shuffled per prompt, cut at a line end to the size asked), the user's key and value written into it
-in the trained wording by `fact_task` at a depth, the trained question, the response prefilled
-with the key, greedy decoding up to the response's end (`ask`). A prompt is right when the value is
-exactly the typed one; chance is about zero (a 4-7 character digit code).
+in the trained wording by `fact_task` at a depth (and restated at its end, unless --no-restate), the
+trained question, the response prefilled with the key, greedy decoding up to the response's end
+(`ask`). A prompt is right when the value is exactly the typed one; chance is about zero (a 4-7
+character digit code).
 
     python benchmarks/bench_fact_template.py --prompts 24 --tokens 8192
 """
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=200, help="first document seed")
     p.add_argument("--model", default="builtin:demo")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--restate", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fact also restated at the end of its document (fact_task's default; --no-restate: once)")
     p.add_argument("--json", type=Path, help="also write the rows and the rate here")
     args = p.parse_args(argv)
     import torch
@@ -106,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         key, value, depth, docs = case(i, args.tokens, args.seed)
         session = Session(model, tokenizer)
         started = time.perf_counter()
-        answer = ask(session, fact_task(docs, key, value, depth=depth, style=style))
+        answer = ask(session, fact_task(docs, key, value, depth=depth, style=style, restate=args.restate))
         right += bool(answer.correct)
         rows.append({"seed": args.seed + i, "key": key, "value": value, "depth": depth, "tokens": len(session.tokens),
                      "answer": answer.text, "correct": bool(answer.correct),
                      "seconds": round(time.perf_counter() - started, 2)})
         print(json.dumps(rows[-1]), flush=True)
     lo, hi = wilson(right, args.prompts)
-    print(f"{args.model} find-fact at {args.tokens:,} tokens: {right}/{args.prompts} right "
+    print(f"{args.model} find-fact{'' if args.restate else ' (no restatement)'} at {args.tokens:,} tokens: "
+          f"{right}/{args.prompts} right "
           f"({right / max(1, args.prompts):.0%}, 95% Wilson [{lo:.0%}, {hi:.0%}]; chance ~0)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "right": right, "total": args.prompts, "wilson95": [lo, hi]},

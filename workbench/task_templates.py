@@ -232,6 +232,7 @@ class TaskPrompt:
     expected: str | None                    # the value the answer should hold (None when unknown)
     fact: tuple[int, int, int] | None       # (document, char start, char end) of the fact as sent
     style: str = "key"                      # the answer style (`workbench.retrieval_text.answer_parts`)
+    restated: tuple[int, int, int] | None = None   # (document, char start, char end) of the fact's restatement
 
 
 def _check_field(text: str | None, what: str) -> str:
@@ -276,7 +277,8 @@ def _matches(fact: FoundFact, key: str) -> bool:
 
 
 def fact_task(documents: Sequence[tuple[str, str]], key: str, value: str | None = None, *,
-              found: FoundFact | None = None, depth: float = 0.5, style: str = "key") -> TaskPrompt:
+              found: FoundFact | None = None, depth: float = 0.5, style: str = "key",
+              restate: bool = True) -> TaskPrompt:
     """A find-the-fact question on the user's own `documents` ((name, text) pairs).
 
     - `value` typed (and no `found`): the fact sentence in the trained wording is inserted at the
@@ -286,6 +288,9 @@ def fact_task(documents: Sequence[tuple[str, str]], key: str, value: str | None 
       `key` (the user may have edited it) and `value` or the found value; the other text is untouched.
     - neither: the first fact `find_facts` finds whose sentence holds every word of `key` is
       replaced as with `found`; none is an InputError naming the key.
+    - `restate` (default): the fact is also written once more at the end of its document (unless it
+      already ends it), as the model's training restated facts; `benchmarks/bench_fact_template.py
+      --no-restate` measures the difference (docs/cli.md).
 
     The question is the trained one about `key`; the response is prefilled with `answer_prefix(style,
     key)`. Bad input (empty, multi-line or over-long key or value, a value without digits, a depth
@@ -324,8 +329,17 @@ def fact_task(documents: Sequence[tuple[str, str]], key: str, value: str | None 
             docs[d] = (name, text[:cut] + sentence + text[cut:])
             start = cut + (1 if sentence.startswith(" ") else 0)
             at = (d, start, start + len(sentence.strip()))
+    restated = None
+    if restate:
+        d = at[0]
+        name, text = docs[d]
+        if text[at[2]:].strip():      # the fact does not end its document already
+            join = "" if text.endswith("\n") else "\n"
+            start = len(text) + len(join)
+            docs[d] = (name, text + join + fact_sentence(key, value))
+            restated = (d, start, start + len(fact_sentence(key, value).rstrip()))
     return TaskPrompt("find-fact", TRAIN.systems[0], docs, fact_question(key), answer_prefix(style, key), value,
-                      at, style)
+                      at, style, restated)
 
 
 def _sentence_end_near(text: str, depth: float) -> int:

@@ -30,6 +30,9 @@ def add_task_args(p: argparse.ArgumentParser) -> None:
                    "found in the document and rewritten in that wording")
     p.add_argument("--depth", type=float, default=0.5, help="find-fact with --value: where the fact goes in the "
                    "document, 0 (start) to 1 (end), at a sentence end (default 0.5)")
+    p.add_argument("--restate", action=argparse.BooleanOptionalAction, default=True,
+                   help="find-fact: also restate the fact at the end of its document, as the model's training "
+                        "did (default; finds it more often, see docs/cli.md); --no-restate writes it once")
     p.add_argument("--ask", choices=PICTURE_ATTRIBUTES, metavar="ATTRIBUTE",
                    help=f"picture: what to ask about the picture ({', '.join(PICTURE_ATTRIBUTES)})")
 
@@ -65,7 +68,8 @@ def prepare_task(args: argparse.Namespace, prompt: str | None) -> TaskPrompt | N
         raise InputError("--task find-fact needs --prompt-file DOC (your document) or --value VALUE")
     name = args.prompt_file.name if args.prompt_file is not None else "prompt"
     documents = [(name, prompt)] if prompt is not None else []
-    return fact_task(documents, args.key, args.value, depth=args.depth, style=answer_style_of(args.model))
+    return fact_task(documents, args.key, args.value, depth=args.depth, style=answer_style_of(args.model),
+                     restate=args.restate)
 
 
 def resolve_card_defaults(args: argparse.Namespace) -> ModelCard:

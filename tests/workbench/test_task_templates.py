@@ -43,22 +43,28 @@ def test_key_rule(phrase: str, key: str) -> None:
 
 def test_typed_fact_goes_in_at_a_sentence_end_in_the_trained_wording() -> None:
     text = "First sentence here. Second one follows. Third closes it."
+    fact = "The code that opens the garage door is 7142."
+    plain = fact_task([("short.txt", "Tiny."), ("notes.txt", text)], "garage door", "7142", depth=0.5,
+                      restate=False)
+    name, sent = plain.documents[1]
+    d, start, end = plain.fact
+    assert (name, d, plain.restated) == ("notes.txt", 1, None) and plain.documents[0] == ("short.txt", "Tiny.")
+    assert sent[start:end] == fact
+    assert sent.replace(fact + " ", "") == text           # the user's text untouched around it
     task = fact_task([("short.txt", "Tiny."), ("notes.txt", text)], "garage door", "7142", depth=0.5)
-    name, sent = task.documents[1]
-    d, start, end = task.fact
-    assert (name, d) == ("notes.txt", 1) and task.documents[0] == ("short.txt", "Tiny.")
-    assert sent[start:end] == "The code that opens the garage door is 7142."
-    assert sent.replace(sent[start:end] + " ", "") == text           # the user's text untouched around it
+    d, start, end = task.restated                          # restated at the end of its document, as trained
+    assert task.documents[1][1] == sent + "\n" + fact + " " and task.documents[1][1][start:end] == fact
     assert task.question == "What is the code that opens the garage door? Answer with the digits only."
     assert (task.prefix, task.expected, task.task) == ("garage door: ", "7142", "find-fact")
     alone = fact_task([], "garage door", "7142")
-    assert alone.documents == [("fact.txt", "The code that opens the garage door is 7142.")]
+    assert alone.documents == [("fact.txt", fact)] and alone.restated is None      # it ends its document already
 
 
 def test_found_fact_is_rewritten_in_place() -> None:
     text = "Intro. Remember: the alarm code for the greenhouse is 3-8-2-5. Outro."
     task = fact_task([("d.txt", text)], "greenhouse alarm")
-    assert task.documents[0][1] == "Intro. The code that opens the greenhouse alarm is 3-8-2-5. Outro."
+    assert task.documents[0][1] == ("Intro. The code that opens the greenhouse alarm is 3-8-2-5. Outro.\n"
+                                    "The code that opens the greenhouse alarm is 3-8-2-5. ")
     assert task.expected == "3-8-2-5"
     edited = fact_task([("d.txt", text)], "glass house", found=find_facts([("d.txt", text)])[0])
     assert "opens the glass house is 3-8-2-5." in edited.documents[0][1] and edited.prefix == "glass house: "
@@ -114,11 +120,12 @@ def test_demo_finds_a_typed_fact_in_a_users_own_8k_prose_document() -> None:
     `fact_task` and asked with `ask` exactly as drive mode and `workbench run --task find-fact` do:
     `builtin:demo` answers the value.
 
-    Measured with `python benchmarks/bench_fact_template.py` (this template, 8K tokens, 12 typed facts
-    x 3 depths, greedy): 10/24 right at seeds 200-223 (42%, 95% Wilson [24%, 61%]; chance ~0); whether
-    a fact is found depends mostly on its key, and this one (the benchmark's prompt 6, chosen as the
-    first key of its list that was right in every prompt it was asked in while measuring: 6 of 6, in
-    three sets of documents) is a case the model reliably gets. A failure here means the template or
+    Measured with `python benchmarks/bench_fact_template.py` (this template, the fact restated at the
+    document's end, 8K tokens, 12 typed facts x 3 depths, greedy): 29/48 right at seeds 200-223 and
+    400-423 (60%, 95% Wilson [46%, 73%]; chance ~0). Whether a fact is found depends mostly on its
+    key; this one (the benchmark's prompt 6, chosen as the first key of its list that was right in
+    every prompt it was asked in while measuring, written once: 6 of 6 in three sets of documents)
+    is a case the model reliably gets. A failure here means the template or
     the model changed; the rate above, not this case, is what a newcomer should expect.
     """
     import torch
