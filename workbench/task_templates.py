@@ -380,18 +380,25 @@ class TaskAnswer:
     closed: bool = False     # the response ended with `<|close|>` within the token budget
 
 
-def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence | None = None) -> TaskAnswer:
-    """Ask `task` on `session` (may be recording): the system turn, the documents (one segment each,
-    named), the question as a user turn (a picture question: the images and the question in one user
-    message, as training laid it out), then the assistant turn with the response prefilled; the
-    answer is generated greedily up to the response's `<|close|>`. The session keeps the turn
-    (open: the next question should start a new session or close it first)."""
+def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence | None = None,
+        image_names: Sequence[str | None] | None = None, temperature: float = 0.0) -> TaskAnswer:
+    """Ask `task` on `session` (may be recording): `append_task`, then `answer_task`. Greedy by
+    default, the way the model answers in its trained format. The session keeps the open turn (the
+    next question should start a new session or close it first)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    append_task(session, task, images=images, image_names=image_names)
+    return answer_task(session, task, max_new_tokens=max_new_tokens, temperature=temperature)
+
+
+def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
+                image_names: Sequence[str | None] | None = None) -> None:
+    """The task's prompt into `session`: the system turn, the documents (one segment each, named),
+    the question as a user turn (a picture question: the images and the question in one user
+    message, as training laid it out). Bad input is an InputError before anything is appended."""
     if task.task not in TASKS[1:]:
         raise InputError(f"unknown task {task.task!r}; templates: {', '.join(TASKS[1:])}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    tokenizer = session.tokenizer
-    if tokenizer is None:
+    if session.tokenizer is None:
         raise InputError("a templated question needs a model with tokenizer files")
     if task.task == "picture" and not images:
         raise InputError("a picture question needs a picture")
@@ -399,14 +406,20 @@ def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence
     for name, text in task.documents:
         session.append(text, name=name)
     if task.task == "picture":
-        session.append_message("user", task.question, images=list(images), name="question")
+        session.append_message("user", task.question, images=list(images), image_names=image_names, name="question")
     else:
         session.append(task.question, role="user", name="question")
+
+
+def answer_task(session, task: TaskPrompt, *, max_new_tokens: int = 48, temperature: float = 0.0) -> TaskAnswer:
+    """Open the assistant turn with the task's prefilled response start and generate up to the
+    response's `<|close|>` (or `max_new_tokens`); the value judged against `task.expected`."""
+    tokenizer = session.tokenizer
     session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(task.prefix),
                    name="answer prefix", kind="turn", role="assistant")
     pieces: list[str] = []
     first = len(session.tokens)
-    for i, tok in enumerate(session.generate(max_new_tokens=max_new_tokens, temperature=0,
+    for i, tok in enumerate(session.generate(max_new_tokens=max_new_tokens, temperature=temperature,
                                              add_generation_prompt=False, stop_ids=(tokenizer.close_id,))):
         if i == 0:
             first = tok.position
@@ -426,4 +439,4 @@ def answer_style(model: str | Path) -> str:
 
 __all__ = ["TASKS", "PICTURE_ATTRIBUTES", "PICTURE_QUESTIONS", "PICTURE_SYSTEMS", "ModelCard", "card_of",
            "card_files", "FoundFact", "find_facts", "key_of", "TaskPrompt", "fact_task", "fact_sentence",
-           "fact_question", "picture_task", "TaskAnswer", "ask", "answer_style"]
+           "fact_question", "picture_task", "TaskAnswer", "ask", "append_task", "answer_task", "answer_style"]

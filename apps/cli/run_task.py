@@ -105,6 +105,7 @@ def print_task_answer(answer: TaskAnswer, task: TaskPrompt, out: TextIO) -> None
 
 
 def run_task(session, task: TaskPrompt, args: argparse.Namespace, out: TextIO) -> TaskAnswer:
-    answer = ask(session, task, max_new_tokens=args.max_new_tokens, images=args.image or None)
+    answer = ask(session, task, max_new_tokens=args.max_new_tokens, images=args.image or None,
+                 image_names=[path.name for path in args.image] or None)
     print_task_answer(answer, task, out)
     return answer
