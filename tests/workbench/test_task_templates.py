@@ -5,7 +5,6 @@ into it, the model card's prompting defaults, bad input as one clear error; and 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from workbench.task_templates import (PICTURE_QUESTIONS, ask, card_files, card_o
                                       picture_task)
 
 DEMO = Path(__file__).resolve().parents[2] / "engine" / "builtin" / "demo"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_find_facts_links_a_noun_phrase_to_a_code() -> None:
@@ -24,8 +22,8 @@ def test_find_facts_links_a_noun_phrase_to_a_code() -> None:
             ("b.txt", "Notes\nwifi password = 4471 9920\nThe trip took 12 hours."),
             ("c.txt", "Setup. The door code of release v2.1 is 5-5-1-0! Done.")]
     facts = find_facts(docs)
-    assert [(f.document, f.key, f.value) for f in facts] == [(0, "greenhouse alarm", "3-8-2-5"),
-                                                             (1, "wifi", "4471 9920"), (2, "release v2 door", "5-5-1-0")]
+    assert [(f.document, f.key, f.value) for f in facts] == [
+        (0, "greenhouse alarm", "3-8-2-5"), (1, "wifi", "4471 9920"), (2, "release v2 door", "5-5-1-0")]
     assert facts[2].sentence == "The door code of release v2.1 is 5-5-1-0!"   # "2.1" does not end the sentence
     first = facts[0]
     assert docs[0][1][first.start:first.end] == first.sentence == \
