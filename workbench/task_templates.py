@@ -158,6 +158,7 @@ _DROP = {"the", "a", "an", "this", "that", "these", "those", "my", "our", "your"
 _CARRIERS = {"code", "codes", "number", "password", "passcode", "passcodes", "pin", "combination", "value", "id",
              "key", "digits", "passphrase", "num", "no"}
 _MAX_KEY_WORDS = 4
+_PHRASE_CHARS = 160
 
 
 def key_of(phrase: str) -> str:
@@ -209,7 +210,9 @@ def _fact_in(sentence: str) -> tuple[str, str] | None:
         after = sentence[value.end():value.end() + 1]
         if after and (after.isalpha() or after.isdigit()):
             continue      # "is 300km", "is 1234abc": not a code
-        clause = re.split(r"[,;(]", sentence[: link.start()])[-1]
+        # a bounded look back: a phrase is a few words, and a long text without sentence ends must not
+        # cost a scan of everything before each link
+        clause = re.split(r"[,;(]", sentence[max(0, link.start() - _PHRASE_CHARS): link.start()])[-1]
         phrase_words = _WORD.findall(clause)[-8:]
         key = key_of(" ".join(phrase_words))
         if key:
