@@ -17,7 +17,6 @@ import argparse
 import importlib
 import inspect
 import json
-import math
 import random
 import sys
 import time
@@ -25,12 +24,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from training.interval_table import wilson  # noqa: E402
+
 # standard-library modules whose docstrings make the prose: text every Python install ships
 PROSE_MODULES = ("argparse", "json", "random", "textwrap", "collections", "pathlib", "csv", "shutil", "subprocess",
                  "logging", "datetime", "decimal", "fractions", "statistics", "heapq", "bisect", "functools",
                  "contextlib", "dataclasses", "enum", "string", "difflib", "calendar", "zipfile", "tarfile",
                  "threading", "queue", "socket", "email.message", "urllib.parse", "http.client", "configparser",
                  "tempfile", "glob", "fnmatch")
+# docstrings of installed third-party packages: prose no training run of this project reads
+# (`training.natural_text` trains on Python's own documentation and standard-library docstrings)
+PACKAGE_MODULES = ("numpy", "numpy.linalg", "numpy.random", "numpy.fft", "pandas", "param", "tornado.web",
+                   "requests", "bokeh.models", "markdown", "click", "jinja2")
+PROSE = {"stdlib": PROSE_MODULES, "packages": PACKAGE_MODULES}
 # typed facts of the kind a user has: two-word keys, values in the formats the model was trained on
 FACTS = (("boat hatch", "5521"), ("pantry lock", "8-1-3-6"), ("gym locker", "302914"), ("cellar door", "47750"),
          ("car alarm", "9-0-2-7"), ("studio safe", "61284"), ("garden gate", "2-5-5-8"), ("lab freezer", "739015"),
@@ -38,9 +44,9 @@ FACTS = (("boat hatch", "5521"), ("pantry lock", "8-1-3-6"), ("gym locker", "302
 DEPTHS = (0.25, 0.5, 0.75)
 
 
-def _paragraphs() -> list[str]:
+def _paragraphs(source: str = "stdlib") -> list[str]:
     texts = []
-    for name in PROSE_MODULES:
+    for name in PROSE[source]:
         module = importlib.import_module(name)
         members = [v for k, v in sorted(vars(module).items()) if not k.startswith("_")
                    and (inspect.isclass(v) or inspect.isfunction(v)) and getattr(v, "__module__", "") == name]
@@ -51,10 +57,10 @@ def _paragraphs() -> list[str]:
     return texts
 
 
-def prose_document(seed: int, n_bytes: int) -> str:
+def prose_document(seed: int, n_bytes: int, source: str = "stdlib") -> str:
     """About `n_bytes` of standard-library docstrings in a seeded order, cut at a line end (the
     tokenizer is byte-level: one token per byte of ASCII text)."""
-    texts = _paragraphs()
+    texts = _paragraphs(source)
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     out = ""
@@ -66,21 +72,11 @@ def prose_document(seed: int, n_bytes: int) -> str:
     return out[: out.rfind("\n") + 1] if "\n" in out else out
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of k successes in n."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    d = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def case(i: int, tokens: int, seed0: int = 200) -> tuple[str, str, float, list[tuple[str, str]]]:
+def case(i: int, tokens: int, seed0: int = 200, source: str = "stdlib") -> tuple[str, str, float, list[tuple[str, str]]]:
     """Prompt `i`'s (key, value, depth, documents): the document leaves room for the turns around it."""
     key, value = FACTS[i % len(FACTS)]
-    return key, value, DEPTHS[i % len(DEPTHS)], [(f"notes-{seed0 + i}.txt", prose_document(seed0 + i, tokens - 200))]
+    return key, value, DEPTHS[i % len(DEPTHS)], [(f"notes-{seed0 + i}.txt",
+                                                  prose_document(seed0 + i, tokens - 200, source))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--restate", action=argparse.BooleanOptionalAction, default=True,
                    help="the fact also restated at the end of its document (fact_task's default; --no-restate: once)")
+    p.add_argument("--prose", choices=sorted(PROSE), default="stdlib",
+                   help="where the documents' prose comes from: standard-library docstrings, or installed "
+                        "packages' (prose that training.natural_text never trains on)")
     p.add_argument("--json", type=Path, help="also write the rows and the rate here")
     args = p.parse_args(argv)
     import torch
@@ -106,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     style = answer_style_of(args.model)
     rows, right = [], 0
     for i in range(args.prompts):
-        key, value, depth, docs = case(i, args.tokens, args.seed)
-        session = Session(model, tokenizer)
+        key, value, depth, docs = case(i, args.tokens, args.seed, args.prose)
+        session = Session(model, tokenizer, progress=False)
         started = time.perf_counter()
         answer = ask(session, fact_task(docs, key, value, depth=depth, style=style, restate=args.restate))
         right += bool(answer.correct)
@@ -116,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds": round(time.perf_counter() - started, 2)})
         print(json.dumps(rows[-1]), flush=True)
     lo, hi = wilson(right, args.prompts)
-    print(f"{args.model} find-fact{'' if args.restate else ' (no restatement)'} at {args.tokens:,} tokens: "
+    print(f"{args.model} find-fact{'' if args.restate else ' (no restatement)'} in {args.prose} prose at "
+          f"{args.tokens:,} tokens: "
           f"{right}/{args.prompts} right "
           f"({right / max(1, args.prompts):.0%}, 95% Wilson [{lo:.0%}, {hi:.0%}]; chance ~0)")
     if args.json:
