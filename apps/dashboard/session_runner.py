@@ -324,9 +324,9 @@ class SessionRunner(pn.viewable.Viewer):
     def _run(self, model_name: str, documents: list, prompt: str, chat: bool, max_new: int, temperature: float,
              chunk: int, trace: Path, templated: TemplatedQuestion | None = None) -> None:
         import workbench
-        from apps.dashboard import templated_run
         from engine import EngineError
         from workbench.sessions import recorded_session
+        from workbench.task_templates import answer_task, append_task
 
         self._rerun_base = (None, None)
         try:
@@ -336,7 +336,9 @@ class SessionRunner(pn.viewable.Viewer):
                 with self._lock:
                     self._session = session
                 if templated is not None:
-                    templated_run.append_context(session, templated.task, templated.images)
+                    # the context, then (after the what-if branch points) the answer: `ask`'s two steps
+                    append_task(session, templated.task, images=[p for _, p in templated.images] or None,
+                                image_names=[n for n, _ in templated.images] or None)
                 else:
                     for name, payload in documents:
                         if isinstance(payload, bytes):
@@ -347,7 +349,7 @@ class SessionRunner(pn.viewable.Viewer):
                         session.append(prompt, role="user" if chat else None, name="prompt")
                 base = keep_branch_points(session, trace)
                 if templated is not None:
-                    found = templated_run.answer(session, templated.task, max_new, temperature)
+                    found = answer_task(session, templated.task, max_new_tokens=max_new, temperature=temperature)
                     generated = found.generated
                     answer_line = answer_status(templated.task, found, templated.judged_by, max_new,
                                                 templated.chance)

@@ -9,7 +9,8 @@ stays one choice away; for a model whose card has a notice, the notice is shown 
 the template one click away, and the free-form answer is still shown exactly as generated.
 
 The form holds no session and runs nothing: `task_prompt()` builds the question the runner asks
-(`templated_run.py`), and the runner sets the card when the model changes.
+(`workbench.task_templates.append_task` then `answer_task`, with the what-if branch points kept
+between them), and the runner sets the card when the model changes.
 """
 
 from __future__ import annotations
