@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import load_model  # noqa: E402
 from engine.builtin import is_builtin, resolve_builtin  # noqa: E402
-from engine.session import Session  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from training import interval_table  # noqa: E402
 from training.tasks import HELD_OUT, answer_ids, needle_prompt  # noqa: E402
@@ -62,9 +61,6 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
     check_lo = (value if value is not None else (0, len(target)))[0]
     lo, hi = reads if reads is not None else value if value is not None else (0, len(target))
     q_lo, q_hi = plen - 1 + lo, plen - 1 + hi   # query position t predicts token t + 1
-    session = Session(model, tok, prefill_chunk=chunk, progress=False)
-    session.append(ids=ids[:plen], name="prompt")
-    first = session.prefill()
     hits: dict[tuple[int, str], list[bool]] = {}
     chance: dict[tuple[int, str], list[float]] = {}
     topk = model.config.dsa.topk if model.config.dsa else 0
@@ -82,17 +78,7 @@ def run_case_spans(model, tok: Tokenizer, ids: list[int], plen: int, target: lis
             chance.setdefault((point.layer, name), []).extend(
                 np.atleast_1d(chance_of_hit(pos.numpy() + 1, b - a, topk)).tolist())
 
-    points = [m.probe_topk for m in model.modules() if getattr(m, "indexer", None) is not None]
-    for p in points:
-        p.sink = sink
-    try:
-        # the answer's first token comes after the prompt; the query positions of the answer tokens
-        # are the prompt's last position and the forced tokens before the last
-        logits = session.feed(target[:-1], name="answer")
-    finally:
-        for p in points:
-            p.sink = None
-    pred = [int(first.argmax())] + logits.argmax(-1).tolist()
+    pred = interval_table.forced_predictions(model, tok, ids[:plen], target, chunk, sink)
     layers: dict[int, dict[str, dict[str, float]]] = {}
     for (layer, name), r in hits.items():
         layers.setdefault(layer, {})[name] = {"read": float(np.mean(r)), "chance": float(np.mean(chance[(layer, name)]))}

@@ -107,6 +107,27 @@ def _cases(tok: Tokenizer, cell: Cell, seed: int, depths: Sequence[float], style
 
 
 @torch.no_grad()
+def forced_predictions(model, tok: Tokenizer, prompt: list[int], target: list[int], chunk: int,
+                       sink: Callable | None = None) -> list[int]:
+    """The argmax token at each position of `target` after `prompt`, with `target` teacher-forced on a
+    `Session` (chunked prefill); `sink`, when given, receives every DSA layer's top-k emission while the
+    target runs. Greedy decoding produces `target` exactly when the result equals it."""
+    session = Session(model, tok, prefill_chunk=chunk, progress=False)
+    session.append(ids=prompt, name="prompt")
+    first = session.prefill()
+    points = [m.probe_topk for m in model.modules() if getattr(m, "indexer", None) is not None] if sink else []
+    for p in points:
+        p.sink = sink
+    try:
+        # query position t predicts token t + 1: the prompt's last position predicts target[0]
+        logits = session.feed(target[:-1], name="answer")
+    finally:
+        for p in points:
+            p.sink = None
+    return [int(first.argmax())] + logits.argmax(-1).tolist()
+
+
+@torch.no_grad()
 def _run_case(model, tok: Tokenizer, case: _Case, chunk: int, reads: dict) -> tuple[bool, bool]:
     """(value right, whole response right) for one prompt; adds its value reads to `reads`
     ({layer: [hits, queries, chance sum]})."""
@@ -128,18 +149,7 @@ def _run_case(model, tok: Tokenizer, case: _Case, chunk: int, reads: dict) -> tu
         entry[1] += int(hit.numel())
         entry[2] += float(np.sum(chance_of_hit(positions[keep].cpu().numpy() + 1, b - a, topk)))
 
-    session = Session(model, tok, prefill_chunk=chunk, progress=False)
-    session.append(ids=case.ids[: case.prompt_len], name="prompt")
-    first = session.prefill()
-    points = [m.probe_topk for m in model.modules() if getattr(m, "indexer", None) is not None]
-    for p in points:
-        p.sink = sink
-    try:
-        logits = session.feed(target[:-1], name="answer")
-    finally:
-        for p in points:
-            p.sink = None
-    pred = [int(first.argmax())] + logits.argmax(-1).tolist()
+    pred = forced_predictions(model, tok, case.ids[: case.prompt_len], target, chunk, sink)
     return pred[case.value_at:] == target[case.value_at:], pred == target
 
 
@@ -242,5 +252,5 @@ def write_tables(rows: Sequence[dict], out_dir: Path, title: str, stem: str = "i
     (out_dir / f"{stem}.md").write_text(markdown(rows, title))
 
 
-__all__ = ["Cell", "DEPTHS", "WORLDS", "compare", "markdown", "parse_cells", "pooled", "run_cells", "wilson",
+__all__ = ["Cell", "DEPTHS", "WORLDS", "compare", "forced_predictions", "markdown", "parse_cells", "pooled", "run_cells", "wilson",
            "write_tables"]
