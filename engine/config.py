@@ -49,6 +49,9 @@ FLOAT32_EPS = 1.1920928955078125e-07
 # far above K3.1's 2048 keys per query and small enough that sizing by it cannot exhaust memory
 MAX_DSA_TOPK = 1 << 16
 
+# the config's special token ids; each may lie outside the vocabulary (see ModelConfig.special_token_problem)
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -202,6 +205,24 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and self.num_experts > 0
 
+    def special_token_problem(self, name: str) -> str | None:
+        """Why the special id `name` cannot be used (unset, or outside the vocabulary), or None when it can.
+
+        A config may carry an id its vocabulary does not hold (a scaled-down config derived from the
+        released one keeps `media_placeholder_token_id` 163605): it loads and runs text, and only what
+        needs the id (images for the placeholder, a stop on eos) refuses or does without it.
+        """
+        value = getattr(self, name)
+        if value is None:
+            return f"the config sets no {name}"
+        if not 0 <= value < self.vocab_size:
+            return f"{name} {value} is outside the vocabulary [0, {self.vocab_size:,})"
+        return None
+
+    def special_token_id(self, name: str) -> int | None:
+        """The special id `name` where this model can use it (set and inside the vocabulary), else None."""
+        return None if self.special_token_problem(name) else getattr(self, name)
+
     def layer_kind(self, layer: int) -> str:
         """`kda`, `mla` or `dsa` (MLA with the indexer)."""
         if self.is_kda_layer(layer):
@@ -332,10 +353,10 @@ class ModelConfig:
             need(self.q_lora_rank is not None, "q_lora_rank",
                  "the DSA indexer reads the low-rank query latent; q_lora_rank must be set")
         need(self.max_position_embeddings > 0, "max_position_embeddings", "must be positive")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
+        for name in SPECIAL_TOKEN_FIELDS:
             value = getattr(self, name)
-            need(value is None or 0 <= value < self.vocab_size, name,
-                 f"token id {value} is outside the vocabulary [0, {self.vocab_size})")
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool)), name,
+                 f"expected an integer token id or None, got {value!r:.40}")
         if self.vision is not None:
             need(self.vision.text_hidden_size == self.hidden_size, "vision_config.text_hidden_size",
                  f"the projector writes {self.vision.text_hidden_size}-wide tokens but hidden_size is {self.hidden_size}")

@@ -31,6 +31,7 @@ MAX_LAYERS = 4096
 MAX_WIDTH = 1 << 20
 MAX_HEADS = 1 << 14
 MAX_VOCAB = 1 << 24
+SPECIAL_ID_LIMIT = (1 << 31) - 1  # any id a 32-bit tokenizer can name, -1 ("none") included
 MAX_EXPERTS = 32767  # expert ids are int16 in traces
 MAX_POSITIONS = 2 ** 31 - 1  # positions are int32
 MAX_VISION_GRID = 1 << 12  # a vision tower's learned position grid and patch merge kernel, per side
@@ -250,7 +251,10 @@ def parse_config(raw: dict) -> ModelConfig:
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    token_ids = {name: _opt_int(value, name, 0, MAX_VOCAB) for name, value in (
+    # special ids are kept as the checkpoint gives them, even outside the vocabulary (a scaled-down config
+    # derived from the released one keeps media_placeholder_token_id 163605 beside a small vocabulary; the
+    # other implementations load it): only the use of such an id is refused (KimiConfig.special_token_problem)
+    token_ids = {name: _opt_int(value, name, -SPECIAL_ID_LIMIT, SPECIAL_ID_LIMIT) for name, value in (
         ("bos_token_id", text.get("bos_token_id", raw.get("bos_token_id"))), ("eos_token_id", eos),
         ("pad_token_id", text.get("pad_token_id", raw.get("pad_token_id"))), ("media_placeholder_token_id", media))}
 

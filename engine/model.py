@@ -160,9 +160,11 @@ class KimiForCausalLM(nn.Module):
         # beside the ~195 GB of text weights a rank of 8 holds), so no collective is needed for images.
         self.vision: VisionModel | None = (VisionModel(config.vision) if config.vision is not None and with_vision
                                            else None)
-        self.vision_unavailable: str | None = (None if self.vision is not None else
-                                               "this model has no vision tower" if config.vision is None else
-                                               "the checkpoint holds no vision tensors (a text-only export)")
+        placeholder = config.special_token_problem("media_placeholder_token_id") if config.vision else None
+        self.vision_unavailable: str | None = (
+            "this model has no vision tower" if config.vision is None else
+            "the checkpoint holds no vision tensors (a text-only export)" if self.vision is None else
+            f"the config's {placeholder}: image positions cannot be written" if placeholder else None)
         bind_probes(self, self.probe_context)
 
     def empty_state(self, batch: int = 1, *, dtype: torch.dtype = torch.float32,
@@ -188,7 +190,7 @@ class KimiForCausalLM(nn.Module):
     def encode_images(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
         """Run the vision tower on preprocessed images: one `[(h/2)(w/2), hidden]` tensor each (every
         image attends only to itself). InputError when the model has no vision weights."""
-        if self.vision is None:
+        if self.vision is None or self.vision_unavailable:
             names = ", ".join(im.name for im in images[:3])
             raise InputError(f"{names or 'image'}: images are unavailable: {self.vision_unavailable}")
         return self.vision.embed(images)
@@ -206,9 +208,10 @@ class KimiForCausalLM(nn.Module):
         if image_embeds is None:
             return embeds
         if image_mask is None:
+            problem = self.config.special_token_problem("media_placeholder_token_id")
+            if problem:
+                raise InputError(f"image embeddings need the media placeholder token: {problem}")
             pad = self.config.media_placeholder_token_id
-            if pad is None:
-                raise InputError("this model has no media placeholder token: it cannot take image embeddings")
             image_mask = input_ids == pad
         if image_mask.shape != input_ids.shape:
             raise InputError(f"image_mask has shape {tuple(image_mask.shape)}; input_ids {tuple(input_ids.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from safetensors.torch import load_file
 
 from apps.cli import main
@@ -30,7 +31,11 @@ def test_run_and_logits_take_an_intervention_spec(tmp_path, capsys):
         assert main(["logits", "--model", "preset:tiny", "--input-ids", str(ids), "--out",
                      str(tmp_path / f"{name}.safetensors"), *extra]) == 0
     plain, hidden = (load_file(tmp_path / f"{n}.safetensors")["logits.0"] for n in ("plain", "hidden"))
-    assert (plain[:3] == hidden[:3]).all() and not (plain[15:] == hidden[15:]).all()
+    # positions before the hidden range are computed by the masked path rather than the plain one: the same
+    # function, but a different BLAS blocking on some processors, so fp32 rounding (logits ~5, eps 1.2e-7)
+    # bounds the difference there; past the range hiding must change the logits by far more than that
+    torch.testing.assert_close(hidden[:3], plain[:3], rtol=1e-5, atol=1e-4)
+    assert (plain[15:] - hidden[15:]).abs().amax() > 1e-2
     assert main(["logits", "--model", "preset:tiny", "--input-ids", str(ids), "--out", str(tmp_path / "x.safetensors"),
                  "--intervene", str(bad)]) == 2
     assert "a bare token sequence has none" in capsys.readouterr().err

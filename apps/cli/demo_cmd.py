@@ -193,7 +193,7 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                 needle = (start, start + len(tokenizer.encode(words.needle)))
         # a picture among the documents, in a user message as sessions (and the model's training) hold
         # one: the tower runs on it, the DSA map draws what each answer token read in it
-        picture = demo_picture() if session.model.vision is not None else None
+        picture = demo_picture() if session.model.vision_unavailable is None else None
         image = None
         if picture is not None:
             seg = session.append(image=picture.image, name="picture.png", role="user")

@@ -168,6 +168,8 @@ def sequence_inputs(model, seq: engine_inputs.InputSequence, index: int,
     c, pad = model.config.vision, model.config.media_placeholder_token_id
     if c is None or pad is None:
         raise InputError(f"sequence {index} has images but this model has no vision tower")
+    if model.vision_unavailable:
+        raise InputError(f"sequence {index} has images but images are unavailable: {model.vision_unavailable}")
     processed = [preprocess_image(path, patch=c.patch_size, merge=c.merge_kernel) for path in seq.images]
     try:
         layout = expand_media_placeholders(seq.input_ids, [merged_grid(p.grid, c.merge_kernel) for p in processed], pad)

@@ -85,7 +85,7 @@ class BatchSession:
         generators = [make_generator(p.seed) for p in per_row]
         results = [BatchResult() for _ in prompts]
         logits = self.prefill(prompts)
-        stops = [set(p.stop_ids) | ({self.config.eos_token_id} if self.config.eos_token_id is not None else set())
+        stops = [set(p.stop_ids) | ({self.config.special_token_id("eos_token_id")} - {None})
                  for p in per_row]
         budget = max(p.max_new_tokens for p in per_row)
         last = [p[-1] for p in prompts]

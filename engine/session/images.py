@@ -33,7 +33,7 @@ def prepare_image(model: KimiForCausalLM, tokenizer: Tokenizer | None, image: Im
     """Preprocess `image` into its media ids (pads expanded); changes nothing (ImageError / InputError first)."""
     vision = model.vision
     label = name or (Path(image).name if isinstance(image, (str, Path)) else None)
-    if vision is None:
+    if vision is None or model.vision_unavailable:
         raise InputError(f"{label or 'image'}: images are unavailable: {model.vision_unavailable}")
     if tokenizer is None:
         raise InputError("images need a tokenizer (for the media tokens around them)")

@@ -457,8 +457,9 @@ class Session:
         requested = time.perf_counter()
         self.prefill()
         stops = set(p.stop_ids)
-        if self.config.eos_token_id is not None:
-            stops.add(self.config.eos_token_id)
+        eos = self.config.special_token_id("eos_token_id")  # an eos outside the vocabulary is never sampled
+        if eos is not None:
+            stops.add(eos)
         if p.max_new_tokens == 0:
             return
         seg = Segment(id=len(self.segments), kind="generated", name="generated", start=len(self.tokens),

@@ -36,7 +36,8 @@ def _hf():
     ("attn_res_block_size", "8", "`attn_res_block_size`: expected an integer"),
     ("routed_expert_hidden_size", 1.5, "`routed_expert_hidden_size`: expected an integer"),
     ("eos_token_id", "</s>", "`eos_token_id`: expected an integer"),
-    ("bos_token_id", -3, "`bos_token_id`"),
+    ("bos_token_id", 10 ** 12, "`bos_token_id`"),  # past any 32-bit id
+    ("bos_token_id", -3, None),  # loads: only a use of an id outside the vocabulary is refused
     ("linear_attn_config", [1, 2], "`linear_attn_config`: expected an object, got list"),
     ("quantization_config", "mxfp4", "`quantization_config`: expected an object, got str"),
     ("dsa_config", [1], "`dsa_config`: expected an object, got list"),
