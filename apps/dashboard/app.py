@@ -332,8 +332,9 @@ def serve(config: DashboardConfig, *, show: bool = False, threaded: bool = False
         config.token = new_token()
     page_bundle.install()
     # Bokeh's own websocket allow-list; `host_guard` checks every request (HTTP too) beyond it
-    origins = [f"{h}:{config.port}" for h in ("localhost", "127.0.0.1", *config.allow_hosts)] \
-        if is_local(config.host) else ["*"]
+    # (an IPv6 name is bracketed there, as the browser writes it in `Origin`)
+    origins = [f"[{h}]:{config.port}" if ":" in h else f"{h}:{config.port}"
+               for h in ("localhost", "127.0.0.1", "::1", *config.allow_hosts)] if is_local(config.host) else ["*"]
     spare = None
     if config.trace is not None and config.compare is None:
         first = [True]
@@ -377,6 +378,7 @@ def build_dashboard(config: DashboardConfig, follow: bool = False) -> Dashboard:
 def url(config: DashboardConfig, trace: str | None = None, compare: str | None = None) -> str:
     """The URL to open (with the token and the trace / compare parameters when given)."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     params = [f"token={config.token}"] if config.token else []
     if trace:
         params.append(f"trace={quote(trace)}")

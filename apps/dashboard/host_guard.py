@@ -15,7 +15,10 @@ before any handler runs, and so is `Origin` when the browser sends one.
 - `install(policy)` / `SETTING`: the policy travels in the Tornado application's settings, and
   `install_hook()` makes Bokeh's application consult it for every request it routes (`find_handler`
   is the one place every HTTP request and websocket upgrade passes). An application without the
-  setting (any other Bokeh server in the process) is not touched.
+  setting (any other Bokeh server in the process) is not touched. It also teaches Panel's URL reader
+  and Bokeh's websocket allow-list the bracketed IPv6 form (`[::1]:5006`), which both split on every
+  `:` (Panel answered a Host the guard accepts with a 500, Bokeh refused the entry: the dashboard
+  could not be opened at `http://[::1]:PORT/`).
 """
 
 from __future__ import annotations
@@ -167,7 +170,55 @@ def install_hook() -> None:
         return original(self, request, **kwargs)
 
     BokehTornado.find_handler = find_handler
+    _read_bracketed_ipv6_hosts()
+    _allow_bracketed_ipv6_origins()
     _HOOKED = True
+
+
+def _read_bracketed_ipv6_hosts() -> None:
+    """Panel reads a page's `Host` as `name[:port]` split on ':'; give it `[v6]` and its port itself.
+
+    The hostname keeps its brackets, as a browser's `location.hostname` does for an IPv6 page.
+    """
+    from panel.io import location
+
+    original = location._get_location_params
+
+    def location_params(protocol: str | None, host: str | None, uri: str | None) -> dict:
+        if not host or not host.startswith("["):
+            return original(protocol, host, uri)
+        end = host.find("]")
+        bracketed, port = host[:end + 1], host[end + 2:] if host[end + 1:end + 2] == ":" else ""
+        params = original(protocol, None, uri)
+        scheme = f"{protocol}:" if protocol else ""
+        params["href"] = f"{scheme}//{bracketed}{':' + port if port else ''}{params['href'][len(scheme):]}"
+        params["hostname"] = bracketed
+        if port:
+            params["port"] = port
+        return params
+
+    location._get_location_params = location_params
+
+
+_BRACKETED_ORIGIN = re.compile(r"^\[([0-9A-Fa-f:.]+)\]:(\d{1,5})$")
+
+
+def _allow_bracketed_ipv6_origins() -> None:
+    """Let Bokeh's websocket allow-list hold `[v6]:port` entries (it refuses any entry with two ':').
+
+    Bokeh compares a websocket's `Origin` (`[::1]:5006` for a page at `http://[::1]:5006/`) with the
+    entries as strings, so a bracketed entry only has to get past the list's parser.
+    """
+    from bokeh.server import server
+
+    original = server.create_hosts_allowlist
+
+    def create_hosts_allowlist(host_list: Any, port: int | None) -> list[str]:
+        bracketed = [h for h in host_list or () if (m := _BRACKETED_ORIGIN.match(h)) and _ip(m.group(1))]
+        rest = [h for h in host_list or () if h not in bracketed]
+        return (original(rest, port) if rest or not bracketed else []) + [h.lower() for h in bracketed]
+
+    server.create_hosts_allowlist = create_hosts_allowlist
 
 
 __all__ = ["HostPolicy", "SETTING", "install", "install_hook", "normalise_allowed", "split_host"]

@@ -140,3 +140,90 @@ def test_a_rebound_page_gets_nothing_in_a_real_browser(served: DashboardConfig) 
         # the same server, opened by its own name, shows the dashboard
         browser.open(url(served), wait_for=".k3-view-session")
         assert "K3 Workbench" in browser.page.title()
+
+
+# --- issue 42 item 13: the IPv6 loopback name `[::1]:PORT` passes the guard and is served end to end
+
+def test_an_ipv6_loopback_host_is_served_not_a_500(served: DashboardConfig) -> None:
+    """Panel split the Host on every ':' (a 500 after the guard let it through)."""
+    for host in (f"[::1]:{served.port}", "[::1]", f"[0:0:0:0:0:0:0:1]:{served.port}"):
+        status, body = _get(served, "/", {"Host": host})
+        assert status == 200 and "K3 Workbench" in body, (host, status, body[:200])
+    status, body = _get(served, "/", {"Host": f"[::1]:{served.port}", "Origin": f"http://[::1]:{served.port}"})
+    assert status == 200 and "K3 Workbench" in body
+    # a wrong token under the IPv6 name: the refusal page, not a 500 (it goes through Panel's URL reader too)
+    status, _ = _get(served, "/?trace=x&token=no", {"Host": f"[::1]:{served.port}"})
+    assert status == 200
+    # another IPv6 address is still refused before Panel sees it
+    status, body = _get(served, "/", {"Host": f"[2001:db8::1]:{served.port}"})
+    assert status == 403 and "does not answer" in body
+
+
+def test_panel_reads_a_bracketed_host_as_a_browser_does() -> None:
+    from panel.io.location import _get_location_params
+
+    from apps.dashboard.host_guard import install_hook
+
+    install_hook()
+    params = _get_location_params("http", "[::1]:5006", "/?trace=a#x")
+    assert params["hostname"] == "[::1]" and params["port"] == "5006"
+    assert params["href"] == "http://[::1]:5006/?trace=a#x" and params["search"] == "?trace=a"
+    assert _get_location_params("http", "[::1]", "/")["href"] == "http://[::1]/"
+    assert _get_location_params("http", "127.0.0.1:5006", "/")["hostname"] == "127.0.0.1"
+
+
+def test_the_dashboard_url_brackets_an_ipv6_bind() -> None:
+    assert url(DashboardConfig(host="::1", port=5006)) == "http://[::1]:5006/"
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium at /usr/bin/chromium")
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_the_dashboard_works_at_an_ipv6_loopback_url(tmp_path: Path) -> None:
+    """A server bound to ::1, opened at http://[::1]:PORT/ in Chromium: the page loads, its websocket is
+    accepted (Bokeh's allow-list holds `[::1]:PORT`) and the trace's frames reach the views."""
+    import socket
+    import time
+
+    from apps.dashboard.app import serve
+    from k3testing.synthetic import Dims, Policy, write_synthetic_trace
+
+    trace = write_synthetic_trace(tmp_path / "t", 2048, Dims.demo(),
+                                  Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_stride=512,
+                                         moe_window_every=1024, decode_tokens=64, decode_flush_every=16))
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    config = DashboardConfig(root=tmp_path, host="::1", port=port, drive=False)
+    server = serve(config, threaded=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("::1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not listen on ::1"
+                time.sleep(0.1)
+        with Browser() as browser:
+            address = url(config, trace=trace.name)
+            assert address.startswith(f"http://[::1]:{port}/")
+            browser.open(address, wait_for=".k3-view-session canvas")
+            # tokens arrive over the websocket after the page has loaded
+            browser.page.locator(".k3-session-text .k3-token").first.wait_for(timeout=60_000)
+            assert "K3 Workbench" in browser.page.title()
+            assert browser.page.evaluate("location.hostname") == "[::1]"
+            assert browser.counters.errors == []
+    finally:
+        server.stop()
