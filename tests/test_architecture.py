@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine base", ("engine.errors", "engine.io", "engine.lazy")),
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.io.inputs", "engine.runtime",
                        "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.session.chat_response", "engine.interventions")),
+                       "engine.builtin", "engine.model_ref", "engine.session.chat_response", "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py
@@ -55,7 +55,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
-                           "workbench.attribution",
+                           "workbench.attribution", "workbench.causal_check",
                            "workbench.__main__", "workbench.conversation_trace")),
     # the follower and the frame every view draws; below the components that watch it
     ("apps dashboard state", ("apps.dashboard.follower",)),

@@ -4,16 +4,18 @@ beside a control of the same size.
 For a target answer (e.g. the needle's value) after a continuation (the question), every candidate
 memory is switched off in turn and the change of the target's log-probability is measured:
 
-- `dsa.hide`: each segment hidden from each DSA layer (and from all of them at once); control: a
-  random span of the same length hidden from the same layers;
-- `kda.suppress_writes`: each KDA layer's (or head's) writes over each segment suppressed; control: the
-  same heads' writes over a random span of the same length after the segment's start (so every KDA row
-  of a segment re-runs the context from one fork; with no room there, anywhere);
+- `dsa.hide`: each segment hidden from each DSA layer (and from all of them at once); controls:
+  random spans of the same length hidden from the same layers;
+- `kda.suppress_writes`: each KDA layer's (or head's) writes over each segment suppressed; controls: the
+  same heads' writes over random spans of the same length after the segment's start (so every KDA row
+  of a segment re-runs the context from one fork; with too little room there, anywhere);
 - `moe.ban`: on each MoE layer, the experts the target's tokens were routed to, banned for the
   continuation; control: as many other experts, drawn at random.
 
-Each effect is shown beside its controls (their mean and range over `controls` draws), so an effect is
-told from what any intervention of that size does (house rule: a statistic chance could produce is
+Each effect is shown beside its controls (their mean and range over `controls` draws, default 8),
+and judged by `workbench.analysis.causal.verdict` (its rank among them, an empirical p-value, and a
+sentence). Control spans never overlap the row's span, the answer's `evidence` or each other; where
+too few fit, the row says so and gives no verdict (house rule: a statistic chance could produce is
 shown beside its chance value). Cost: the context is prefilled once; DSA and MoE rows are
 continuations only (question + target tokens). KDA rows change writes inside the context, so each
 re-runs the context from the first suppressed position (a partial prefill per row): off by default.
@@ -28,7 +30,9 @@ import numpy as np
 
 from engine.errors import InputError
 from engine.probes import probe_points
-from workbench.causal_effects import Continuation, _continue, _forced_logprobs, _ids
+from workbench.analysis.causal import DEFAULT_CONTROLS, control_spans, verdict
+from workbench.causal_effects import (Continuation, _continue, _forced_logprobs, _ids, target_logprobs,
+                                      task_scoring)
 from workbench.interventions import _segment_span
 
 
@@ -44,27 +48,7 @@ class _Run:
 
 def _score(base: Any, spec: list[dict], continuation: Any, target: list[int], role: str) -> np.ndarray:
     """Per-token log-probabilities of `target` after the continuation, on a fork of `base` with `spec`."""
-    branch = base.fork()
-    if spec:
-        branch.set_interventions(spec)
-    _continue(branch, continuation, role)
-    branch.prefill()
-    scores = _forced_logprobs(branch, target, keep=False)
-    return scores[np.arange(len(target)), target].cpu().numpy()
-
-
-def _random_span(rng: np.random.Generator, length: int, limit: int, avoid: tuple[int, int],
-                 lowest: int = 0) -> tuple[int, int]:
-    """A span of `length` positions inside [lowest, limit) that does not overlap `avoid`; when there is no
-    room for one, anywhere in [0, limit) outside `avoid`, then anywhere."""
-    for low in (lowest, 0):
-        starts = np.arange(low, max(low + 1, limit - length + 1))
-        free = starts[(starts + length <= avoid[0]) | (starts >= avoid[1])]
-        if len(free):
-            start = int(rng.choice(free))
-            return start, start + length
-    start = int(rng.integers(0, max(1, limit - length + 1)))
-    return start, start + length
+    return target_logprobs(base, spec, continuation, target, role)
 
 
 def _answer_experts(base: Any, continuation: Any, target: list[int], role: str, top: int) -> dict[int, list[int]]:
@@ -98,8 +82,9 @@ def _answer_experts(base: Any, continuation: Any, target: list[int], role: str, 
 
 
 def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *, continuation: Continuation | str | Sequence[int] | None,
-                target: str | Sequence[int], dsa: bool = True, kda: str | None = None, moe: bool = True,
-                controls: int = 3, seed: int = 0, role: str = "user", experts: int | None = None) -> Any:
+                target: str | Sequence[int] | None = None, dsa: bool = True, kda: str | None = None,
+                moe: bool = True, controls: int = DEFAULT_CONTROLS, seed: int = 0, role: str = "user",
+                experts: int | None = None, evidence: Sequence[tuple[int, int]] = ()) -> Any:
     """Rank the memories the target answer depends on; see the module doc.
 
     Args:
@@ -109,24 +94,30 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
         continuation, target, role: as `workbench.effects`.
         dsa, moe: sweep DSA layers / MoE experts. kda: None, "layers" (each KDA layer's heads together)
             or "heads" (each head alone): these rows re-run the context from the segment.
-        controls: random same-size controls per row (seeded by `seed`: deterministic).
+        controls: random same-size controls per row (seeded by `seed`: deterministic), disjoint from the
+            row's span, from `evidence` and from each other (`workbench.analysis.causal.control_spans`).
         experts: experts banned per MoE layer (default: the model's experts per token).
+        evidence: spans of the answer's own evidence (the fact and its restatements, e.g.
+            `TaskAnswer.spans`) no control may touch.
 
     Returns:
         a pandas DataFrame, one row per intervention, largest drop first: `op`, `segment`, `layer`
         ("all" or an id), `heads`, `experts`, `size` (positions or experts switched off), `effect` (change of
-        the target's total log-probability, nats), `control_mean`, `control_min`, `control_max`, and
-        `plain` (the target's log-probability without intervention).
+        the target's total log-probability, nats), `control_mean`, `control_min`, `control_max`,
+        `controls` (how many fitted), `plain` (the target's log-probability without intervention),
+        `rank` and `p_value` (the effect among its controls) and `verdict` (the sentence; "no verdict"
+        with the reason when too few controls fitted).
     """
     import pandas as pd
 
     config = session.config
+    continuation, target = task_scoring(continuation, target)
     target_ids = _ids(session, target)
     assert target_ids is not None
     if kda not in (None, "layers", "heads"):
         raise InputError(f"kda must be None, 'layers' or 'heads', got {kda!r}")
-    if controls < 1:
-        raise InputError(f"controls must be >= 1, got {controls}")
+    if isinstance(controls, bool) or not isinstance(controls, int) or controls < 1:
+        raise InputError(f"controls must be an integer >= 1, got {controls!r}")
     spans = {}
     for item in segments:
         if isinstance(item, str):
@@ -141,14 +132,26 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
     layers = range(config.num_hidden_layers)
     runs: list[_Run] = []
 
+    notes: dict[tuple, str] = {}
+    evidence = [(int(a), int(b)) for a, b in evidence]
+
+    def draw(span: tuple[int, int], lowest: int = 0) -> tuple[tuple[tuple[int, int], ...], str]:
+        """The row's control spans: after `lowest` when they fit there (a KDA row re-runs less), else anywhere."""
+        found = control_spans(span[1] - span[0], (lowest, end), [span, *evidence], controls, seed)
+        if not found.enough and lowest > 0:
+            found = control_spans(span[1] - span[0], (0, end), [span, *evidence], controls, seed)
+        return found.spans, found.note
+
     def add(op: str, spec_for, size: int, row: dict, fork_for, avoid: tuple[int, int], lowest: int = 0) -> None:
         runs.append(_Run(spec_for(spans[row["segment"]]) if row["segment"] else spec_for(None), fork_for(avoid),
                          {"op": op, "size": size, **row}, False))
-        for _ in range(controls):
-            if row["segment"]:
-                span = _random_span(rng, avoid[1] - avoid[0], end, avoid, lowest)
+        if row["segment"]:
+            chosen, note = draw(avoid, lowest)
+            notes[(op, row["segment"], str(row["layer"]), str(row["heads"]))] = note
+            for span in chosen:
                 runs.append(_Run(spec_for(span), fork_for(span), {"op": op, "size": size, **row}, True))
-            else:
+        else:
+            for _ in range(controls):
                 runs.append(_Run(spec_for(None, control=True), end, {"op": op, "size": size, **row}, True))
 
     if dsa:
@@ -204,10 +207,17 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
         else:
             entry["effect"] = logprob - plain
     rows = []
-    for entry in results.values():
-        c = np.array(entry.pop("controls"))
-        rows.append({**entry, "layer": str(entry["layer"]), "control_mean": float(c.mean()),
-                     "control_min": float(c.min()), "control_max": float(c.max()), "plain": float(plain)})
+    for key, entry in results.items():
+        c = np.array(entry.pop("controls"), dtype=float)
+        what = entry["segment"] if entry["segment"] else f"experts {entry['experts']} of layer {entry['layer']}"
+        where = "" if entry["layer"] == "all" or not entry["segment"] else f" from layer {entry['layer']}"
+        found = verdict(entry["effect"], c, f"{what}{where}", note=notes.get(key, ""),
+                        unit="span" if entry["segment"] else "set of experts")
+        rows.append({**entry, "layer": str(entry["layer"]), "control_mean": float(c.mean()) if len(c) else np.nan,
+                     "control_min": float(c.min()) if len(c) else np.nan,
+                     "control_max": float(c.max()) if len(c) else np.nan, "controls": len(c), "plain": float(plain),
+                     "rank": found.rank, "p_value": found.p_value, "verdict": found.sentence})
     frame = pd.DataFrame(rows, columns=["op", "segment", "layer", "heads", "experts", "size", "effect",
-                                        "control_mean", "control_min", "control_max", "plain"])
+                                        "control_mean", "control_min", "control_max", "controls", "plain", "rank",
+                                        "p_value", "verdict"])
     return frame.sort_values("effect", kind="stable").reset_index(drop=True)

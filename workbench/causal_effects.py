@@ -19,6 +19,7 @@ a prefill of the document.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,8 +30,41 @@ import torch
 from engine.errors import InputError
 from engine.interventions import DsaHide, DsaPin, Intervention, KdaErase, KdaScale
 from workbench.interventions import resolve, spec_json
+from workbench.task_templates import TaskPrompt
 
 Continuation = Callable[[Any], None]
+
+
+class ScoringWarning(UserWarning):
+    """The target is scored where the model does not write its answer (e.g. before its response tags)."""
+
+
+def task_scoring(continuation: Any, target: Any) -> tuple[Any, Any]:
+    """A `TaskPrompt` as the continuation scores the answer where the model writes it: the trained
+    question, then the response opened and prefilled (`key: `); its expected value is the default target."""
+    if isinstance(continuation, TaskPrompt):
+        if continuation.task != "find-fact":
+            raise InputError(f"a {continuation.task} task's question carries its picture: pass the question as a "
+                             "continuation function that appends it")
+        if target is None:
+            if continuation.expected is None:
+                raise InputError("the task has no expected value: give target=")
+            target = continuation.expected
+    return continuation, target
+
+
+def _scaffold_warning(tokenizer: Any, answer: Sequence[int], target: Sequence[int] | None) -> str:
+    """A warning when the plain answer starts with chat tags the target does not (the target is then scored
+    where the model writes scaffolding, and its log-probabilities say nothing about the answer)."""
+    if tokenizer is None or target is None or not answer:
+        return ""
+    specials = getattr(tokenizer, "special_ids", set())
+    if answer[0] not in specials or target[0] in specials:
+        return ""
+    lead = tokenizer.decode(list(answer[:4]))
+    return (f"the model's answer starts with scaffolding ({lead!r}), so the target is scored where the model "
+            "writes tags, not its answer: pass the task (continuation=task from workbench.task_templates.fact_task) "
+            "or a continuation that ends with the response prefix")
 
 
 @dataclass
@@ -61,6 +95,7 @@ class Effects:
     intervened: Branch
     target: list[int] | None
     kl: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    warnings: list[str] = field(default_factory=list)  # why the scores may not mean what they seem
 
     @property
     def target_logprob_change(self) -> float | None:
@@ -91,6 +126,9 @@ class Effects:
                          f"{self.intervened.target_logprobs.sum():.3f} nats ({self.target_logprob_change:+.3f})")
         if len(self.kl):
             lines.append(f"KL per answer step: mean {self.kl.mean():.4f}, max {self.kl.max():.4f} nats")
+        lines.append("(one intervention, no controls: workbench.check_span gives a verdict beside random "
+                     "same-size spans)")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -112,7 +150,15 @@ def _continue(branch: Any, continuation: Continuation | str | Sequence[int] | No
     """Append the continuation, ending where the answer starts (an assistant turn is opened for text)."""
     if continuation is None:
         return
-    if callable(continuation):
+    if isinstance(continuation, TaskPrompt):
+        tokenizer = branch.tokenizer
+        if tokenizer is None:
+            raise InputError("a task continuation needs a tokenizer")
+        branch.append(continuation.question, role="user", name="question")
+        branch.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True)
+                      + tokenizer.response_prefix(continuation.prefix), name="answer prefix", kind="turn",
+                      role="assistant")
+    elif callable(continuation):
         continuation(branch)
     elif isinstance(continuation, str):
         branch.append(continuation, role=role, name="question")
@@ -166,7 +212,8 @@ def _record_branch(branch: Any, continuation: Continuation | str | Sequence[int]
             pass  # a generator: the answer is decoded (and recorded) as it is consumed
 
 
-def effects(session: Any, *interventions: Any, continuation: Continuation | str | Sequence[int] | None = None,
+def effects(session: Any, *interventions: Any,
+            continuation: Continuation | TaskPrompt | str | Sequence[int] | None = None,
             target: str | Sequence[int] | None = None, role: str = "user", max_new_tokens: int = 16,
             temperature: float = 0.0, seed: int = 0, record_to: tuple[Path, Path] | None = None) -> Effects:
     """Run the continuation with and without `interventions` from one shared prefix; see the module doc.
@@ -175,9 +222,13 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
         session: holds the shared context (appended; prefilled or not). It is prefilled up to the fork
             point and otherwise left as it is: the branches are forks.
         interventions: as `workbench.intervene` takes them (segment names resolved in `session`).
-        continuation: what each branch appends before answering: text (a `role` turn and an opened
-            assistant turn), token ids, or a function that appends to the branch it is given.
-        target: the answer to score (text or ids), e.g. the needle's value.
+        continuation: what each branch appends before answering: a `TaskPrompt` (its trained question
+            and the response opened with its prefix: where the model writes the answer), text (a `role`
+            turn and an opened assistant turn), token ids, or a function that appends to the branch.
+        target: the answer to score (text or ids), e.g. the needle's value (default for a task: its
+            expected value). When the plain answer starts with chat tags the target does not, the
+            scores are taken where the model writes scaffolding: a `ScoringWarning` says so (also in
+            `Effects.warnings`).
         max_new_tokens, temperature, seed: the answers' generation (greedy by default; sampled with
             the same seed on both branches otherwise: deterministic).
         record_to: (plain trace, intervened trace): each branch's continuation and answer are also
@@ -189,6 +240,7 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
         already consumed a position an intervention must act on (give it a session prefilled less far).
     """
     items = resolve(session, *interventions)
+    continuation, target = task_scoring(continuation, target)
     target_ids = _ids(session, target)
     fork_at = len(session.tokens)
     first = earliest_write(items)
@@ -225,4 +277,21 @@ def effects(session: Any, *interventions: Any, continuation: Continuation | str 
         branches.append(Branch(answer, text, logprobs))
     p, q = forced
     kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0).cpu().numpy() if len(plain_answer) else np.zeros(0)
-    return Effects(spec_json(items), fork_at, branches[0], branches[1], target_ids, kl)
+    notes = [w for w in [_scaffold_warning(session.tokenizer, plain_answer, target_ids)] if w]
+    for note in notes:
+        warnings.warn(note, ScoringWarning, stacklevel=2)
+    return Effects(spec_json(items), fork_at, branches[0], branches[1], target_ids, kl, notes)
+
+
+def target_logprobs(base: Any, spec: Sequence[Any], continuation: Any, target: Sequence[int],
+                    role: str = "user") -> np.ndarray:
+    """Per-token log-probabilities of `target` after the continuation, on a fork of `base` (left as it
+    is) with the interventions `spec` (engine spec objects or dataclasses, already resolved)."""
+    branch = base.fork()
+    branch.progress = False
+    if spec:
+        branch.set_interventions(list(spec))
+    _continue(branch, continuation, role)
+    branch.prefill()
+    scores = _forced_logprobs(branch, list(target), keep=False)
+    return scores[np.arange(len(target)), list(target)].cpu().numpy()

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from engine.errors import InputError
+from workbench.analysis.causal import verdict_of_summary
 from workbench.analysis.chance import chance_of_hit, format_read
 from workbench.analysis.dsa import dense_mass_summary, layers_reading
 from workbench.analysis.dsa_structure import faithfulness, sink_over_time
@@ -62,19 +63,31 @@ def checked_span(span: object, what: str, *, inclusive: bool) -> tuple[int, int]
     return int(pair[0]), int(pair[1])
 
 
+def recorded_needle(trace: Trace) -> tuple[int, int] | None:
+    """The needle a trace records: a demo's planted needle, else the fact a task template wrote in
+    (`workbench.task_templates.append_task`: session.json `task.spans`); None when it records neither."""
+    demo = trace.session.get("demo")
+    if isinstance(demo, dict) and demo.get("needle"):
+        return tuple(demo["needle"])
+    task = trace.session.get("task")
+    spans = task.get("spans") if isinstance(task, dict) else None
+    fact = spans.get("the fact") if isinstance(spans, dict) else None
+    return tuple(fact) if isinstance(fact, list) else None
+
+
 def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
                    queries: tuple[int, int] | None = None) -> Answer:
     """Q1: when the model answered, which DSA layers read the needle [start, end), and how far back?
 
-    Defaults: the needle of a `workbench demo` trace (session.json `demo.needle`) and the first
-    generated segment after it as the queries (the demo's answer to the needle question; a later one
-    answers the question about the picture). Chance: P(random top-k picks hit the span) per query,
-    averaged.
+    Defaults: the needle of a `workbench demo` trace (session.json `demo.needle`), or the fact a task
+    template recorded (session.json `task.spans`, "the fact"), and the first generated segment after
+    it as the queries (the demo's answer to the needle question; a later one answers the question
+    about the picture). Chance: P(random top-k picks hit the span) per query, averaged.
     """
-    demo = trace.session.get("demo")
-    needle = needle or (tuple(demo.get("needle") or ()) if isinstance(demo, dict) else ()) or None
+    needle = needle or recorded_needle(trace)
     if not needle:
-        return Answer(pd.DataFrame(), "Q1 needle: no needle given (pass needle=(start, end))")
+        return Answer(pd.DataFrame(), "Q1 needle: this trace records no needle or fact; give its token positions "
+                                      "with --needle START:END (workbench questions) or needle=(start, end) (Python)")
     needle = checked_span(needle, "needle", inclusive=False)
     if queries:
         queries = checked_span(queries, "queries", inclusive=True)
@@ -87,19 +100,44 @@ def needle_readers(trace: Trace, needle: tuple[int, int] | None = None,
         pos = pos[(pos >= queries[0]) & (pos <= queries[1])]
     chance = float(np.mean(chance_of_hit(np.unique(pos) + 1, needle[1] - needle[0], _topk(trace)))) if len(pos) else 0.0
     df["chance"] = chance
-    parts = [f"layer {r.layer}: {format_read(r.read_share, chance)}, nearest {r.distance_min} tokens back"
+    # a layer none of whose queries picked a needle key has no distance (the frame holds -1 there)
+    parts = [f"layer {r.layer}: {format_read(r.read_share, chance)}, " +
+             (f"nearest {r.distance_min} tokens back" if r.queries_reading > 0 else "never read it")
              for r in df.head(3).itertuples()]
     return Answer(df, f"Q1 needle [{needle[0]}, {needle[1]}): " + ("; ".join(parts) or "no DSA rows"))
 
 
+# a sink alarm needs this much context: below it a step holds few queries, and random top-k picks still
+# read the sink often (at 4x top-k, about two times in three with 4 sink tokens), so a dip is noise
+SINK_MIN_CONTEXT = 1024
+SINK_MIN_CONTEXT_PER_TOPK = 4
+
+
+def sink_alarm_context(topk: int) -> int:
+    """The shortest context (tokens) at which Q2 may raise a sink alarm for an indexer of this top-k."""
+    return max(SINK_MIN_CONTEXT, SINK_MIN_CONTEXT_PER_TOPK * topk)
+
+
 def sink_readers(trace: Trace, threshold: float = 0.5) -> Answer:
-    """Q2: did any DSA layer stop reading the first tokens (attention sink) as the context grew?"""
+    """Q2: did any DSA layer stop reading the first tokens (attention sink) as the context grew?
+
+    An alarm is raised only at a context of at least `sink_alarm_context(top-k)` tokens; a shorter
+    session is reported as too short to tell (its rates are still printed beside chance).
+    """
     sink_tokens = int(trace.settings.get("sink_tokens", 4))
     timeline, alarms = sink_over_time(trace.df("dsa_sink"), threshold=threshold)  # top-k, sink: as recorded
+    least = sink_alarm_context(_topk(trace))
+    alarms = alarms[alarms["position"] + 1 >= least].reset_index(drop=True)
     last = timeline.sort_values("step").groupby("layer").tail(1)
     rates = ", ".join(f"{r.layer}: {format_read(r.rate, r.chance)}" for r in last.itertuples())
-    head = (f"ALARM layers {', '.join(map(str, alarms['layer']))} stopped at positions "
-            f"{', '.join(map(str, alarms['position']))}" if len(alarms) else "no layer stopped reading the sink")
+    longest = int(timeline["position"].max()) + 1 if len(timeline) else 0
+    if len(alarms):
+        head = (f"ALARM layers {', '.join(map(str, alarms['layer']))} stopped at positions "
+                f"{', '.join(map(str, alarms['position']))}")
+    elif longest < least:
+        head = f"too short to tell ({longest:,} tokens; an alarm needs a context of {least:,})"
+    else:
+        head = "no layer stopped reading the sink"
     return Answer(alarms if len(alarms) else last, f"Q2 sink (positions 0..{sink_tokens - 1}): {head}; final rate per "
                   f"layer {rates}")
 
@@ -145,9 +183,14 @@ def expert_routing(trace: Trace) -> Answer:
     load = rank_load_balance(trace.df("moe_rank_load"))
     js = div["js_divergence"].dropna()
     modal = f"JS(text, image) max {js.max():.2f} bits" if len(js) else "no image tokens routed (text only)"
-    worst = load.sort_values("imbalance", ascending=False).head(1)
-    ranks = (f"busiest rank {float(worst['imbalance'].iloc[0]):.2f}x the mean (layer {int(worst['layer'].iloc[0])}, "
-             f"{int(worst['ranks'].iloc[0])} ranks)" if len(worst) else "no rank load")
+    # one process: the busiest rank is the only one, 1.00x the mean by definition
+    several = load[load["ranks"] > 1] if len(load) else load
+    worst = several.sort_values("imbalance", ascending=False).head(1)
+    if len(worst):
+        ranks = (f"busiest rank {float(worst['imbalance'].iloc[0]):.2f}x the mean (layer {int(worst['layer'].iloc[0])}, "
+                 f"{int(worst['ranks'].iloc[0])} ranks)")
+    else:
+        ranks = "one expert-parallel rank (no load balance to compare)" if len(load) else "no rank load"
     return Answer(load, f"Q5 experts: {modal}; {ranks}")
 
 
@@ -179,14 +222,15 @@ def memory_dependence(trace: Trace) -> Answer:
     parts = []
     for name, rows in ranked.groupby("check_name", sort=False):
         r = rows.iloc[0]
-        what = r["segment"] if isinstance(r["segment"], str) else f"experts {r['experts']}"
-        how = f"{r['op']} {what}, layer {r['layer']}" + (f", heads {r['heads']}" if isinstance(r["heads"], str) else "")
-        control = (f"control {r['control_mean']:+.2f}" if r["controls"] == 1 else
-                   f"control {r['control_mean']:+.2f} [{r['control_min']:+.2f}, {r['control_max']:+.2f}] over {r['controls']}")
-        beyond = r["effect"] < r["control_min"]
-        verdict = "" if beyond else "; not below its controls: no switch-off lowered it more than a random one"
-        parts.append(f"{name} ({r['target']!r}, log p {r['plain']:.2f}): {how}: {r['effect']:+.2f} nats "
-                     f"({control}){verdict}")
+        if isinstance(r["segment"], str):
+            what = r["segment"] + ("" if str(r["layer"]) == "all" else f" from layer {r['layer']}")
+        else:
+            what = f"experts {r['experts']} of layer {r['layer']}"
+        how = r["op"] + (f", heads {r['heads']}" if isinstance(r["heads"], str) else "")
+        found = verdict_of_summary(r["effect"], r["control_min"], r["control_max"], r["controls"], what,
+                                   unit="span" if isinstance(r["segment"], str) else "set of experts")
+        odds = f" (rank {found.rank} of {int(r['controls']) + 1}, p = {found.p_value:.2f})" if found.p_value else ""
+        parts.append(f"{name} ({r['target']!r}, log p {r['plain']:.2f}, {how}): {found.sentence}{odds}")
     return Answer(ranked.reset_index(drop=True), "Q7 memory the answer depended on: " + "; ".join(parts))
 
 

@@ -16,8 +16,9 @@ The CLI (`workbench run --task`) and the dashboard's drive mode both build their
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -70,13 +71,13 @@ def card_of(model: str | Path) -> ModelCard:
     """The prompting card of `builtin:NAME`, a checkpoint directory or `preset:...` (random weights:
     temperature 1.0, any prompt, no notice). Missing files mean the same defaults; a file that is
     too large, not JSON or holds wrong fields is a CheckpointError naming it."""
-    from engine.builtin import model_dir
+    from engine.model_ref import parse_model_ref
 
-    name = str(model)
-    card = ModelCard(name, 1.0, _DEFAULT_MAX_NEW_TOKENS, (), "")
-    if name.startswith("preset:"):
+    ref = parse_model_ref(model)
+    card = ModelCard(ref.text, 1.0, _DEFAULT_MAX_NEW_TOKENS, (), "")
+    root = ref.directory
+    if root is None:
         return card
-    root = Path(model_dir(name))
     gen = _card_json(root / "generation_config.json", "a generation_config.json")
     prompting = _card_json(root / "prompting.json", "a prompting.json")
     temperature, max_new = card.temperature, card.max_new_tokens
@@ -99,7 +100,7 @@ def card_of(model: str | Path) -> ModelCard:
         notice = prompting.get("notice", "")
         if not isinstance(notice, str) or "\n" in notice or len(notice) > _NOTICE_LIMIT:
             raise CheckpointError(f"{source}: notice must be one line of at most {_NOTICE_LIMIT} characters")
-    return ModelCard(name, temperature, max_new, tasks, notice)
+    return ModelCard(ref.text, temperature, max_new, tasks, notice)
 
 
 def _card_json(path: Path, what: str) -> dict | None:
@@ -381,6 +382,7 @@ class TaskAnswer:
     generated: int           # tokens generated
     first_position: int      # position of the first generated token
     closed: bool = False     # the response ended with `<|close|>` within the token budget
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # `task_spans`: where the fact is, in tokens
 
 
 def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence | None = None,
@@ -390,15 +392,20 @@ def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence
     next question should start a new session or close it first)."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    append_task(session, task, images=images, image_names=image_names)
-    return answer_task(session, task, max_new_tokens=max_new_tokens, temperature=temperature)
+    spans = append_task(session, task, images=images, image_names=image_names)
+    found = answer_task(session, task, max_new_tokens=max_new_tokens, temperature=temperature)
+    return dataclasses.replace(found, spans=spans)
 
 
 def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
-                image_names: Sequence[str | None] | None = None) -> None:
+                image_names: Sequence[str | None] | None = None) -> dict[str, tuple[int, int]]:
     """The task's prompt into `session`: the system turn, the documents (one segment each, named),
     the question as a user turn (a picture question: the images and the question in one user
-    message, as training laid it out). Bad input is an InputError before anything is appended."""
+    message, as training laid it out). Bad input is an InputError before anything is appended.
+
+    Returns `task_spans`: where the fact and its restatement are, in token positions (end exclusive);
+    a recorded session also gets them in its trace's session.json under "task", so `workbench
+    questions` finds the needle and the what-if panel offers "the fact" without positions typed."""
     if task.task not in TASKS[1:]:
         raise InputError(f"unknown task {task.task!r}; templates: {', '.join(TASKS[1:])}")
     if session.tokenizer is None:
@@ -406,12 +413,59 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
     if task.task == "picture" and not images:
         raise InputError("a picture question needs a picture")
     session.append(task.system, role="system", name="system")
-    for name, text in task.documents:
-        session.append(text, name=name)
+    segments = [session.append(text, name=name) for name, text in task.documents]
+    spans = task_spans(session.tokenizer, task, [(int(seg.start), session.tokens[seg.start:seg.end]) for seg in segments])
+    _publish_task(session, task, spans)
     if task.task == "picture":
         session.append_message("user", task.question, images=list(images), image_names=image_names, name="question")
     else:
         session.append(task.question, role="user", name="question")
+    return spans
+
+
+FACT = "the fact"
+
+
+def task_spans(tokenizer: Any, task: TaskPrompt, documents: Sequence[tuple[int, Sequence[int]]]
+               ) -> dict[str, tuple[int, int]]:
+    """Token spans (start, end exclusive) of the fact ("the fact") and its restatement ("restatement 1"),
+    given each document's first position and token ids as appended: the tokens that hold any of the
+    sentence's characters (a sentence that starts inside a token starts at that token)."""
+    out: dict[str, tuple[int, int]] = {}
+    for label, where in ((FACT, task.fact), ("restatement 1", task.restated)):
+        if where is None or not 0 <= where[0] < len(documents):
+            continue
+        start, ids = documents[where[0]]
+        text = task.documents[where[0]][1]
+        span = _token_span(tokenizer, ids, len(text[:where[1]].encode()), len(text[:where[2]].encode()))
+        if span is not None:
+            out[label] = (start + span[0], start + span[1])
+    return out
+
+
+def _token_span(tokenizer: Any, ids: Sequence[int], byte_start: int, byte_end: int) -> tuple[int, int] | None:
+    """The tokens of `ids` that hold any byte of [byte_start, byte_end) of their decoding."""
+    first = last = None
+    at = 0
+    for i, token in enumerate(ids):
+        size = len(tokenizer.encoding.decode_single_token_bytes(int(token)))
+        if at + size > byte_start and at < byte_end:
+            first = i if first is None else first
+            last = i
+        at += size
+        if at >= byte_end:
+            break
+    return None if first is None else (first, last + 1)
+
+
+def _publish_task(session: Any, task: TaskPrompt, spans: dict[str, tuple[int, int]]) -> None:
+    """Write the task and where its fact is into the trace of a recording watching `session`, if any."""
+    record = {"task": task.task, "question": task.question, "expected": task.expected,
+              "spans": {label: list(span) for label, span in spans.items()}}
+    for observer in getattr(session, "observers", ()):
+        writer = getattr(getattr(observer, "__self__", None), "writer", None)
+        if writer is not None and hasattr(writer, "update_session"):
+            writer.update_session(task=record)
 
 
 def answer_task(session, task: TaskPrompt, *, max_new_tokens: int = 48, temperature: float = 0.0) -> TaskAnswer:
@@ -442,4 +496,5 @@ def answer_style(model: str | Path) -> str:
 
 __all__ = ["TASKS", "PICTURE_ATTRIBUTES", "PICTURE_QUESTIONS", "PICTURE_SYSTEMS", "ModelCard", "card_of",
            "card_files", "FoundFact", "find_facts", "key_of", "TaskPrompt", "fact_task", "fact_sentence",
-           "fact_question", "picture_task", "TaskAnswer", "ask", "append_task", "answer_task", "answer_style"]
+           "fact_question", "picture_task", "TaskAnswer", "ask", "append_task", "answer_task", "answer_style",
+           "FACT", "task_spans"]

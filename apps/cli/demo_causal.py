@@ -1,12 +1,14 @@
 """The demo's causal check: does the answer depend on what the reading DSA layers read?
 
 After an answer, the demo reruns its question from the shared prefix (a fork of the session taken
-just before the question, so the long context is prefilled once) with `workbench.effects`:
+just before the question, so the long context is prefilled once):
 
 - the span (the needle, the picture) hidden from the layer that read it most;
 - the span hidden from every DSA layer;
-- the control: a random span of the same length, elsewhere in the documents, hidden from every DSA
-  layer. An effect is only an effect beside what hiding any span of that size does.
+- beside each, the controls: `workbench.analysis.causal.DEFAULT_CONTROLS` random spans of the same
+  length in the documents, never overlapping the span or each other, hidden from the same layers
+  (`workbench.check_span`). An effect is only an effect beside what hiding any span of that size
+  does; each row ends with the verdict in plain words, or "no verdict" when too few controls fit.
 
 Each row is the branch's answer and the log-probability of the expected value under it, both
 computed on this run (nothing here is a stored figure).
@@ -14,23 +16,20 @@ computed on this run (nothing here is a stored figure).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from engine.interventions import DsaHide
+from workbench.analysis.causal import DEFAULT_CONTROLS
 from workbench.retrieval_text import answer_prefix, response_value
 
-# fixed so that two runs of the demo hide the same control span
-CONTROL_SEED = 0
 # generated tokens per branch beyond the value's own (the response's `<|close|>` and a margin)
 _EXTRA_TOKENS = 2
 
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One branch of the causal check."""
+    """One branch of the causal check (with its controls and verdict when something was hidden)."""
 
     label: str              # what was hidden, in words
     hidden: tuple[int, int] | None   # the positions hidden (None: the plain rerun)
@@ -38,7 +37,8 @@ class CheckRow:
     answer: str             # the response as the branch wrote it (prefix + generated, up to `<|close|>`)
     value: str              # the value in it
     logprob: float          # log-probability of the expected value's tokens (nats, summed)
-    control: bool = False
+    controls: tuple[float, ...] = ()   # each control's change of log p (nats)
+    verdict: str = ""       # the verdict sentence (`workbench.analysis.causal.verdict`)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class CausalCheck:
     span: tuple[int, int]
     fork_at: int
     rows: list[CheckRow]
+    control_spans: tuple[tuple[int, int], ...] = field(default=())
 
 
 def question_continuation(question: str, prefix_ids: list[int]) -> Callable[[Any], None]:
@@ -61,17 +62,6 @@ def question_continuation(question: str, prefix_ids: list[int]) -> Callable[[Any
         branch.append(ids=prefix_ids, name="answer prefix", kind="turn", role="assistant")
 
     return append
-
-
-def control_span(length: int, region: tuple[int, int], avoid: tuple[int, int], seed: int = CONTROL_SEED,
-                 ) -> tuple[int, int]:
-    """A random span of `length` positions inside `region` that does not overlap `avoid` (anywhere in
-    `region` when there is no such room)."""
-    rng = np.random.default_rng(seed)
-    starts = np.arange(region[0], max(region[0] + 1, region[1] - length + 1))
-    free = starts[(starts + length <= avoid[0]) | (starts >= avoid[1])]
-    start = int(rng.choice(free if len(free) else starts))
-    return start, start + length
 
 
 def top_reader(readers: Any) -> int | None:
@@ -87,9 +77,10 @@ def top_reader(readers: Any) -> int | None:
 
 
 def causal_check(base: Any, *, subject: str, question: str, key: str, style: str, expected: str,
-                 span: tuple[int, int], region: tuple[int, int], readers: Any) -> CausalCheck:
+                 span: tuple[int, int], region: tuple[int, int], readers: Any,
+                 controls: int = DEFAULT_CONTROLS) -> CausalCheck:
     """Rerun `question` from `base` (a session holding the shared prefix: left as it is, the branches
-    are forks) plainly and with `span` hidden; see the module doc. `region`: where the control span
+    are forks) plainly and with `span` hidden; see the module doc. `region`: where the control spans
     may lie (the documents); `readers`: `layers_reading` rows of the answer, for the top reader."""
     import workbench
 
@@ -98,57 +89,61 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
     prefix_ids = tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix)
     continuation = question_continuation(question, prefix_ids)
     target = tokenizer.encode(expected)
-    length = span[1] - span[0]
-    control = control_span(length, region, span)
-    plan: list[tuple[str, tuple[int, int], str, bool]] = []
+    plan: list[tuple[str, str]] = []
     top = top_reader(readers)
     if top is not None:
-        plan.append((f"hidden from layer {top} (top reader)", span, str(top), False))
-    plan.append(("hidden from every DSA layer", span, "all", False))
-    plan.append((f"control [{control[0]}, {control[1]}), every DSA layer", control, "all", True))
+        plan.append((f"hidden from layer {top} (top reader)", str(top)))
+    plan.append(("hidden from every DSA layer", "all"))
 
-    def row(label: str, hidden: tuple[int, int] | None, layers: str, branch: Any, is_control: bool) -> CheckRow:
+    def row(label: str, hidden: tuple[int, int] | None, layers: str, branch: Any, controls: tuple[float, ...] = (),
+            verdict: str = "") -> CheckRow:
         response = prefix + branch.text.split("<|close|>", 1)[0]
         return CheckRow(label, hidden, layers, response, response_value(response, style),
-                        float(branch.target_logprobs.sum()), is_control)
+                        float(branch.target_logprobs.sum()), controls, verdict)
 
     rows: list[CheckRow] = []
     fork_at = len(base.tokens)
-    for label, hidden, layers, is_control in plan:
+    spans: tuple[tuple[int, int], ...] = ()
+    for label, layers in plan:
         chosen = "all" if layers == "all" else [int(layers)]
-        found = workbench.effects(base, DsaHide(hidden, chosen), continuation=continuation, target=target,
+        found = workbench.effects(base, DsaHide(span, chosen), continuation=continuation, target=target,
                                   max_new_tokens=len(target) + _EXTRA_TOKENS)
-        fork_at = found.fork_at
+        checked = workbench.check_span(base, span, continuation=continuation, target=target, what=f"the {subject}",
+                                       layers=chosen, region=region, controls=controls)
+        fork_at, spans = found.fork_at, checked.controls
         if not rows:  # the plain branch is the same for every intervention: shown once
-            rows.append(row("nothing hidden", None, "", found.plain, False))
-        rows.append(row(label, hidden, layers, found.intervened, is_control))
-    return CausalCheck(subject, expected, span, fork_at, rows)
+            rows.append(row("nothing hidden", None, "", found.plain))
+        rows.append(row(label, span, layers, found.intervened, checked.control_effects, checked.verdict.sentence))
+    return CausalCheck(subject, expected, span, fork_at, rows, spans)
 
 
 def check_lines(check: CausalCheck) -> list[str]:
     """The check as the demo prints it: each branch's answer and the expected value's log-probability,
-    its change from the plain rerun beside it, and the control last."""
+    its change from the plain rerun beside it, then its verdict beside the controls."""
     plain = check.rows[0].logprob
     length = check.span[1] - check.span[0]
+    n = len(check.control_spans)
     lines = [f"causal check: the {check.subject} [{check.span[0]}, {check.span[1]}) hidden, rerun from the shared "
              f"{check.fork_at:,}-token prefix",
-             f"  (log p: of {check.expected!r}, nats; control: a random {length}-token span of the documents hidden)"]
+             f"  (log p: of {check.expected!r}, nats; controls: {n} random {length}-token spans of the documents, "
+             "none overlapping it or each other, hidden from the same layers)"]
     width = max(len(r.label) for r in check.rows)
     for r in check.rows:
         verdict = ("right" if r.value == check.expected else "right value, response not ended there"
                    if r.value.startswith(check.expected) else "wrong")
         change = "" if r.hidden is None else f" ({r.logprob - plain:+.2f})"
         lines.append(f"  {r.label:<{width}}  {r.answer!r} - {verdict}, log p {r.logprob:.2f}{change}")
+        if r.verdict:
+            lines.append(f"    {r.verdict}")
     return lines
 
 
 def effects_rows(check: CausalCheck) -> list[dict]:
     """The check as rows of the trace's effects table (`workbench.trace.effects_table`): each
-    switch-off's change of log p beside the control's."""
+    switch-off's change of log p beside its own controls'."""
     from workbench.trace.effects_table import effect_row
 
     plain = check.rows[0].logprob
-    controls = [r.logprob - plain for r in check.rows if r.control]
-    return [effect_row(check.subject, check.expected, "dsa.hide", effect=r.logprob - plain, controls=controls,
+    return [effect_row(check.subject, check.expected, "dsa.hide", effect=r.logprob - plain, controls=list(r.controls),
                        plain=plain, segment=check.subject, span=r.hidden, layer=r.layers, fork_at=check.fork_at)
-            for r in check.rows[1:] if not r.control]
+            for r in check.rows[1:]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from apps.cli import main
-from apps.cli.demo_causal import CausalCheck, CheckRow, check_lines, control_span, top_reader
+from apps.cli.demo_causal import CausalCheck, CheckRow, check_lines, effects_rows, top_reader
 from apps.cli.demo_cmd import PASSCODE, answer_queries, build_documents, report_lines, wording
 
 
@@ -99,17 +99,19 @@ def test_causal_check_lines_show_each_branch_beside_the_plain_rerun_and_the_cont
                             {"layer": 5, "read_share": 1.0, "ratio": 10.8}])
     assert top_reader(readers) == 5
     assert top_reader(readers.assign(read_share=0.0)) is None   # no layer read it: no "top reader" row
-    span = control_span(50, (100, 1000), (400, 450))
-    assert span[1] - span[0] == 50 and 100 <= span[0] and span[1] <= 1000
-    assert span[1] <= 400 or span[0] >= 450
-    assert control_span(50, (100, 1000), (400, 450)) == span          # seeded: the same span every run
+    controls = tuple(-0.01 * i for i in range(8))
     rows = [CheckRow("nothing hidden", None, "", "key: 4-7-1-9", "4-7-1-9", -0.05),
-            CheckRow("hidden from every DSA layer", (400, 450), "all", "key: 99", "99", -14.9),
-            CheckRow("control [700, 750), every DSA layer", (700, 750), "all", "key: 4-7-1-9", "4-7-1-9", -0.05,
-                     control=True)]
-    lines = check_lines(CausalCheck("needle", PASSCODE, (400, 450), 2000, rows))
+            CheckRow("hidden from every DSA layer", (400, 450), "all", "key: 99", "99", -14.9, controls,
+                     "hiding the needle lowered the answer's log-probability by 14.8 nats; 8 random spans of the same "
+                     "size changed it by -0.07 to +0.00: the answer depends on the needle")]
+    spans = tuple((100 + 60 * i, 150 + 60 * i) for i in range(8))
+    check = CausalCheck("needle", PASSCODE, (400, 450), 2000, rows, spans)
+    lines = check_lines(check)
     assert "the needle [400, 450) hidden" in lines[0] and "2,000-token prefix" in lines[0]
-    assert "random 50-token span" in lines[1]
+    assert "8 random 50-token spans" in lines[1]
     assert lines[2].endswith("right, log p -0.05")
     assert "wrong, log p -14.90 (-14.85)" in lines[3]
-    assert lines[4].endswith("right, log p -0.05 (+0.00)")
+    assert lines[4].strip().endswith("the answer depends on the needle")
+    (row,) = effects_rows(check)
+    assert row["controls"] == 8 and row["control_min"] == pytest.approx(-0.07)
+    assert row["effect"] == pytest.approx(-14.85)

@@ -55,8 +55,20 @@ def test_memory_question_names_the_largest_drop_beside_its_control(trace_dir) ->
     write_effects(trace_dir, needle_rows() + [effect_row("picture", "red", "dsa.hide", effect=0.1, controls=[0.0],
                                                          plain=-0.1, segment="picture", span=(200, 216))])
     line = memory_dependence(trace).line
-    assert "needle ('4-7-1-9', log p -0.30): dsa.hide needle, layer 5: -14.70 nats (control +0.01)" in line
-    assert "picture" in line and "not below its controls" in line
+    assert ("needle ('4-7-1-9', log p -0.30, dsa.hide): hiding needle from layer 5 lowered the answer's "
+            "log-probability by 14.7 nats; 1 random span of the same size changed it by +0.01 to +0.01; no verdict: "
+            "1 control(s) cannot tell a drop from a lucky draw (8 needed) (rank 1 of 2, p = 0.50)") in line
+    assert "picture" in line and "hiding picture raised" in line
+    # eight controls decide; a row where no control fitted says so and gives no verdict
+    eight = [0.01 * i for i in range(8)]
+    write_effects(trace_dir, [effect_row("fact", "7142", "dsa.hide", effect=-12.3, controls=eight, plain=-0.2,
+                                         segment="the fact", span=(10, 22)),
+                              effect_row("doc", "7142", "dsa.hide", effect=-12.3, controls=[], plain=-0.2,
+                                         segment="notes.txt", span=(5, 8521))])
+    line = memory_dependence(trace).line
+    assert ("hiding the fact lowered the answer's log-probability by 12.3 nats; 8 random spans of the same size "
+            "changed it by +0.00 to +0.07: the answer depends on the fact (rank 1 of 9, p = 0.11)") in line
+    assert "hiding notes.txt lowered the answer's log-probability by 12.3 nats; no verdict: no control fitted" in line
 
 
 def test_a_bad_effects_file_is_a_clear_error_and_a_new_recording_clears_it(trace_dir) -> None:

@@ -77,16 +77,17 @@ def effect_row(check_name: str, target: str, op: str, *, effect: float, controls
                segment: str | None = None, span: tuple[int, int] | None = None, layer: str | int = "all",
                heads: Any = None, experts: Any = None, size: int | None = None,
                fork_at: int | None = None) -> dict[str, Any]:
-    """One row: an intervention's `effect` (nats) beside its `controls` (nats, at least one)."""
-    if not controls:
-        raise ValueError("an effect row needs at least one control")
+    """One row: an intervention's `effect` (nats) beside its `controls` (nats; none when no control
+    fitted: the row then holds null control figures and no verdict is given on it)."""
     c = [float(v) for v in controls]
+    nan = float("nan")
     if size is None:
         size = span[1] - span[0] if span is not None else len(experts or [])
     return {"check_name": check_name, "target": target, "op": op, "segment": segment,
             "start": None if span is None else int(span[0]), "end": None if span is None else int(span[1]),
             "layer": str(layer), "heads": _ids_text(heads), "experts": _ids_text(experts), "size": int(size),
-            "effect": float(effect), "control_mean": sum(c) / len(c), "control_min": min(c), "control_max": max(c),
+            "effect": float(effect), "control_mean": sum(c) / len(c) if c else nan,
+            "control_min": min(c, default=nan), "control_max": max(c, default=nan),
             "controls": len(c), "plain": float(plain), "fork_at": fork_at}
 
 
@@ -103,7 +104,7 @@ def rows_from_attribution(frame: pd.DataFrame, check_name: str, target: str, *, 
                      "layer": str(r["layer"]), "heads": _ids_text(r.get("heads")), "experts": _ids_text(r.get("experts")),
                      "size": int(r["size"]), "effect": float(r["effect"]), "control_mean": float(r["control_mean"]),
                      "control_min": float(r["control_min"]), "control_max": float(r["control_max"]),
-                     "controls": int(controls), "plain": float(r["plain"]), "fork_at": None})
+                     "controls": int(r.get("controls", controls)), "plain": float(r["plain"]), "fork_at": None})
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 

@@ -1,0 +1,113 @@
+"""Did the answer use this span? `check_span(...)`: one span hidden beside random same-size controls.
+
+    task = fact_task([("notes.txt", text)], "garage door", "7142")
+    found = ask(session, task)                     # records where the fact is: found.spans
+    check = workbench.check_span(session_before_answer, found.spans["the fact"], continuation=task,
+                                 evidence=list(found.spans.values()), what="the fact")
+    print(check.verdict.sentence)
+
+From one shared prefix (the context, prefilled once) the answer's target is scored by teacher forcing
+after the continuation: as the model is, with the span hidden from the DSA layers, and with each of
+`controls` random spans of the same length hidden from the same layers (`control_spans`: never
+overlapping the span, the answer's evidence or each other). Every branch is a continuation only: a
+span hidden from DSA reads needs no re-prefill. The verdict (`workbench.analysis.causal.verdict`)
+ranks the effect among the controls and says in one sentence whether the answer depends on the span;
+where too few controls fit, it says so and gives none.
+
+The demo's causal check (`apps.cli.demo_causal`) and drive mode's "what if" panel use this function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.errors import InputError
+from engine.interventions import DsaHide
+from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
+from workbench.causal_effects import Continuation, _ids, target_logprobs, task_scoring
+from workbench.task_templates import TaskPrompt
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class SpanCheck:
+    """One span's check.
+
+    Attributes:
+        span: the positions hidden [start, end). what: the span in words.
+        layers: the DSA layers it was hidden from ("all" or ids).
+        fork_at: the shared prefix's length (every branch continues from there).
+        plain: the target's total log-probability as the model is, nats.
+        effect: its change with the span hidden, nats.
+        controls: the control spans; control_effects: the change with each, nats.
+        note: why fewer controls than asked fitted ("" when all did).
+        verdict: the effect among its controls, with its sentence.
+    """
+
+    span: Span
+    what: str
+    layers: Any
+    fork_at: int
+    plain: float
+    effect: float
+    controls: tuple[Span, ...]
+    control_effects: tuple[float, ...]
+    note: str
+    verdict: Verdict
+
+
+def _span(value: Any, limit: int, what: str) -> Span:
+    pair = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if (len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)
+            or not 0 <= pair[0] < pair[1] <= limit):
+        raise InputError(f"{what} must be two token positions with 0 <= START < END <= {limit} (the context), "
+                         f"got {value!r:.60}")
+    return int(pair[0]), int(pair[1])
+
+
+def check_span(session: Any, span: Sequence[int], *, continuation: Continuation | TaskPrompt | str | Sequence[int],
+               target: str | Sequence[int] | None = None, what: str | None = None, layers: Any = "all",
+               evidence: Sequence[Sequence[int]] = (), region: Sequence[int] | None = None,
+               controls: int = DEFAULT_CONTROLS, seed: int = 0, role: str = "user") -> SpanCheck:
+    """Hide `span` from the DSA `layers` and from each random same-size control; see the module doc.
+
+    Args:
+        session: holds the shared context (appended; prefilled here, left as it is: the branches are forks).
+        span: (start, end) token positions to hide, end exclusive.
+        continuation, target, role: as `workbench.effects` (a `TaskPrompt` scores its expected value where
+            the model answers).
+        what: the span in words for the verdict (default "[start, end)").
+        evidence: spans of the answer's own evidence (the fact, its restatements) no control may touch.
+        region: where controls may lie (default: the whole context).
+        controls, seed: how many controls, and their seed (the same draw every run).
+    """
+    continuation, target = task_scoring(continuation, target)
+    target_ids = _ids(session, target)
+    if target_ids is None:
+        raise InputError("check_span needs a target answer to score (target=, or a task with an expected value)")
+    end = len(session.tokens)
+    span = _span(span, end, "the span to hide")
+    avoid = [span] + [_span(e, end, "an evidence span") for e in evidence]
+    region = (0, end) if region is None else _span(region, end, "the controls' region")
+    chosen = "all" if layers == "all" else [int(v) for v in layers]
+    draw = control_spans(span[1] - span[0], region, avoid, controls, seed)
+    session.prefill()
+
+    def score(hidden: Span | None) -> float:
+        spec = [] if hidden is None else [DsaHide(hidden, chosen)]
+        return float(target_logprobs(session, spec, continuation, target_ids, role).sum())
+
+    plain = score(None)
+    effect = score(span) - plain
+    control_effects = tuple(score(c) - plain for c in draw.spans)
+    label = what or f"[{span[0]}, {span[1]})"
+    where = "" if chosen == "all" else f" from DSA layer{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"
+    found = verdict(effect, control_effects, f"{label}{where}", note=draw.note)
+    return SpanCheck(span, label, chosen, end, plain, effect, draw.spans, control_effects, draw.note, found)
+
+
+__all__ = ["SpanCheck", "check_span"]
