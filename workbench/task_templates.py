@@ -398,10 +398,12 @@ def ask(session, task: TaskPrompt, *, max_new_tokens: int = 48, images: Sequence
 
 
 def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
-                image_names: Sequence[str | None] | None = None) -> dict[str, tuple[int, int]]:
+                image_names: Sequence[str | None] | None = None, question: bool = True) -> dict[str, tuple[int, int]]:
     """The task's prompt into `session`: the system turn, the documents (one segment each, named),
     the question as a user turn (a picture question: the images and the question in one user
     message, as training laid it out). Bad input is an InputError before anything is appended.
+    `question=False` (a find-fact task): the context only, for `workbench.effects` / `check_span`,
+    whose branches append the question themselves (`continuation=task`).
 
     Returns `task_spans`: where the fact and its restatement are, in token positions (end exclusive);
     a recorded session also gets them in its trace's session.json under "task", so `workbench
@@ -412,13 +414,15 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
         raise InputError("a templated question needs a model with tokenizer files")
     if task.task == "picture" and not images:
         raise InputError("a picture question needs a picture")
+    if task.task == "picture" and not question:
+        raise InputError("a picture question carries its picture: it is appended with its question")
     session.append(task.system, role="system", name="system")
     segments = [session.append(text, name=name) for name, text in task.documents]
     spans = task_spans(session.tokenizer, task, [(int(seg.start), session.tokens[seg.start:seg.end]) for seg in segments])
     _publish_task(session, task, spans)
     if task.task == "picture":
         session.append_message("user", task.question, images=list(images), image_names=image_names, name="question")
-    else:
+    elif question:
         session.append(task.question, role="user", name="question")
     return spans
 
