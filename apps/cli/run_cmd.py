@@ -26,7 +26,8 @@ from engine.session import Session
 from engine.session.snapshot import check_target as check_snapshot_target
 from engine.session.transcript import read_transcript
 from workbench import intervene, load_intervention_spec
-from workbench.sessions import FAMILIES, recorded_session
+from workbench.sessions import recorded_session
+from workbench.signals import families_from_spec
 from workbench.trace import check_trace_target
 
 
@@ -72,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "first use compiles for minutes (cached on disk afterwards)")
     p.add_argument("--stats", action="store_true", help="print the deployment record as JSON on stderr")
     p.add_argument("--trace", type=Path, help="record the session into this trace directory")
-    p.add_argument("--record", default="dsa,kda,moe", help="signal families to record (comma list of dsa, kda, moe)")
+    p.add_argument("--record", default="all", help="signal families to record: all (default) or a comma list "
+                   "of registered families (dsa, kda, moe, and any a plugin registers)")
     p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
     p.add_argument("--overwrite-trace", action="store_true",
                    help="deprecated: the same as --overwrite for --trace")
@@ -87,13 +89,12 @@ def read_prompt(args: argparse.Namespace) -> str | None:
     return args.prompt
 
 
-def record_families(spec: str) -> tuple[str, ...]:
-    """`dsa,kda,moe` -> the signal families to record; unknown names are an error."""
-    names = {n.strip() for n in spec.split(",") if n.strip()}
-    unknown = sorted(names - set(FAMILIES))
-    if unknown or not names:
-        raise InputError(f"--record takes a comma list of dsa, kda, moe; got {spec!r}")
-    return tuple(name for name in FAMILIES if name in names)
+def record_families(spec: str) -> tuple[str, ...] | None:
+    """`--record`: `all` (every registered family: None) or a comma list of registered families."""
+    try:
+        return families_from_spec(spec)
+    except InputError as exc:
+        raise InputError(f"--record: {exc}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -201,7 +202,7 @@ def _append_prompt(session: Session, args: argparse.Namespace, prompt: str | Non
 
 
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
-    families = record_families(args.record) if args.trace is not None else FAMILIES
+    families = record_families(args.record) if args.trace is not None else None
     if ctx.is_leader:
         check_outputs(args)
     with recorded_session(args.model, args.trace, snapshot=args.load, prefill_chunk=args.prefill_chunk,
@@ -212,7 +213,7 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         out = sys.stdout if ctx.is_leader else io.StringIO()
         if args.task_prompt is not None:
-            run_task(session, args.task_prompt, args, out)
+            run_task(session, args.task_prompt, args, out, notes=ctx.is_leader)
         else:
             _append_prompt(session, args, prompt)
             if args.notice and ctx.is_leader:  # once, before the answer: what this model can and cannot answer

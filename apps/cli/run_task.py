@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import TextIO
 
+from apps.dashboard.picture_note import picture_note
 from engine.errors import InputError
 from workbench.retrieval_text import answer_style_of
 from workbench.task_templates import PICTURE_ATTRIBUTES, TASKS, ModelCard, TaskAnswer, TaskPrompt, ask, card_of, \
@@ -104,7 +105,26 @@ def print_task_answer(answer: TaskAnswer, task: TaskPrompt, out: TextIO) -> None
         print(f"answer: {answer.value or '(none)'} - {verdict}", file=sys.stderr)
 
 
-def run_task(session, task: TaskPrompt, args: argparse.Namespace, out: TextIO) -> TaskAnswer:
+def picture_notes(paths: list) -> list[str]:
+    """The drive panel's note about trained pictures, for each picture of a picture question (its size
+    read from the header; a file Pillow cannot read gets the plain note and fails later, as before)."""
+    notes = []
+    for path in paths:
+        try:
+            from PIL import Image
+
+            with Image.open(path) as image:
+                size = image.size
+        except Exception:  # the image is checked, and refused with its own message, when it is appended
+            size = None
+        notes.append(picture_note(path.name, size))
+    return notes
+
+
+def run_task(session, task: TaskPrompt, args: argparse.Namespace, out: TextIO, notes: bool = True) -> TaskAnswer:
+    if notes and task.task == "picture":  # before the answer, as the dashboard shows it beside the question
+        for line in picture_notes(list(args.image)):
+            print(line, file=sys.stderr, flush=True)
     answer = ask(session, task, max_new_tokens=args.max_new_tokens, images=args.image or None,
                  image_names=[path.name for path in args.image] or None)
     print_task_answer(answer, task, out)

@@ -23,6 +23,7 @@ import panel as pn
 import param
 
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
+from apps.dashboard.picture_note import PICTURE_HINT, TRAINED_PICTURE_SIZE
 
 FIND_FACT = "Find a fact in my documents"
 PICTURE = "Ask about a picture"
@@ -30,10 +31,9 @@ FREE_FORM = "Free-form chat"
 # the form's labels and the template names of `workbench.task_templates.TASKS`
 TASK_NAMES = {FIND_FACT: "find-fact", PICTURE: "picture", FREE_FORM: "free-form"}
 TYPED = "(none: use the fact typed above)"
-SAMPLE_SIZE = 64  # the trained pictures' size: a larger one is a different picture to the model
-# the pictures the model was trained on, said in one line when its card lists the picture task
-PICTURE_HINT = ("It was trained on 64 x 64 pictures of one coloured circle, square or triangle (left, right, top, "
-                "bottom or centre) or one seven-segment digit, on a light background.")
+# the trained pictures' size, and the pictures the model was trained on in one line (shown when its card
+# lists the picture task; `workbench run --task picture` prints the same)
+SAMPLE_SIZE = TRAINED_PICTURE_SIZE
 
 
 def task_label(name: str) -> str:

@@ -1,0 +1,83 @@
+"""Issue 42 items 17 and 18: what a first-time user read that was wrong or missing.
+
+17. `workbench questions`: no "nearest -1 tokens back" for a layer that never read the needle, no
+    sink ALARM on a short session (too few tokens for a dip to mean anything), and Q5's busiest-rank
+    line only when there are several expert-parallel ranks.
+18. `workbench run --task picture` on a picture unlike the trained ones prints the dashboard's note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench
+from apps.cli import main
+from apps.dashboard.picture_note import PICTURE_HINT, picture_note
+from engine import load_model
+from engine.builtin import ROOT as BUILTIN_ROOT
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from workbench.questions import ask_all, needle_readers, sink_alarm_context
+from workbench.recorders.policy import ALL
+
+
+@pytest.fixture(scope="module")
+def short_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 212-token tiny-preset session on one process (the issue's sink ALARM was on a 212-token session)."""
+    model = load_model("preset:tiny", seed=3, dtype=torch.float32)
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
+    path = tmp_path_factory.mktemp("q") / "t"
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    with workbench.record(session, trace=path, policy=dataclasses.replace(ALL, kda_rank_every=64)):
+        session.append(ids=ids, name="context")
+        list(session.generate(12, temperature=0, stop_ids=()))
+    return path
+
+
+def test_no_sink_alarm_and_no_rank_ratio_on_a_short_one_process_session(short_trace: Path) -> None:
+    trace = workbench.open_trace(short_trace)
+    answers = ask_all(trace)
+    sink = answers["sink"].line
+    assert "ALARM" not in sink and "too short to tell (211 tokens" in sink, sink
+    assert f"{sink_alarm_context(16):,}" in sink and "chance" in sink  # the rates are still shown beside chance
+    experts = answers["experts"].line
+    assert "busiest rank" not in experts and "one expert-parallel rank" in experts, experts
+
+
+def test_a_layer_that_never_read_the_needle_has_no_distance(short_trace: Path) -> None:
+    trace = workbench.open_trace(short_trace)
+    # a one-token needle early in the context: at least one layer's answer queries never pick it
+    for start in range(8, 190):
+        answer = needle_readers(trace, (start, start + 1), queries=(200, 211))
+        if (answer.frame["queries_reading"] == 0).any():
+            break
+    else:
+        pytest.skip("every one-token span was read by every layer")
+    assert "-1 tokens back" not in answer.line and "never read it" in answer.line, answer.line
+    assert "nearest" not in answer.line.split("never read it")[0].rsplit(";", 1)[-1]
+
+
+def test_the_picture_note_says_when_the_size_is_not_the_trained_one() -> None:
+    assert picture_note("tri.png", (256, 160)).startswith("note: tri.png is 256 x 160, unlike the pictures")
+    assert PICTURE_HINT in picture_note("tri.png", (256, 160))
+    assert PICTURE_HINT in picture_note("sq.png", (64, 64)) and "64 x 64, unlike" not in picture_note("sq.png", (64, 64))
+
+
+@pytest.mark.skipif(not (BUILTIN_ROOT / "demo" / "prompting.json").is_file(), reason="builtin:demo not installed")
+def test_the_cli_prints_the_picture_note_for_an_unfamiliar_picture(tmp_path: Path, capsys) -> None:
+    from PIL import Image, ImageDraw
+
+    path = tmp_path / "tri.png"
+    image = Image.new("RGB", (256, 160), "white")
+    ImageDraw.Draw(image).polygon([(128, 40), (88, 120), (168, 120)], fill="red")
+    image.save(path)
+    assert main(["run", "--model", "builtin:demo", "--compile", "off", "--task", "picture", "--image", str(path),
+                 "--ask", "shape"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("shape: ")  # answered, in the trained format
+    assert err.count("note: tri.png is 256 x 160, unlike the pictures this model was trained on") == 1, err
+    assert PICTURE_HINT in err
