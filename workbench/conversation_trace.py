@@ -25,14 +25,13 @@ from typing import Any, Collection, Iterator
 
 from engine.session import Session
 from workbench.recorders import RecordPolicy, Recorder, record
-from workbench.signals import FAMILIES
 
 
 class ConversationTrace:
     """A trace that stays open across a conversation's requests (see the module docstring)."""
 
     def __init__(self, session: Session, trace: str | Path, *, policy: "str | RecordPolicy | dict | None" = "default",
-                 families: Collection[str] = FAMILIES, info: dict[str, Any] | None = None) -> None:
+                 families: Collection[str] | None = None, info: dict[str, Any] | None = None) -> None:
         self.session = session
         self.path = Path(trace)
         self.requests: list[dict[str, Any]] = []

@@ -184,13 +184,14 @@ def answer_style_of(model: str | Path) -> str:
     it has no such file or field, as every checkpoint before the style existed): `builtin:NAME`, a
     directory, or `preset:...` (random weights: "key"). A training.json that is not a JSON object or
     names an unknown style is an error that names the file."""
-    from engine.builtin import model_dir
     from engine.errors import CheckpointError
     from engine.io.files import read_limited
+    from engine.model_ref import parse_model_ref
 
-    if str(model).startswith("preset:"):
+    root = parse_model_ref(model).directory
+    if root is None:
         return "key"
-    info = Path(model_dir(str(model))) / "training.json"
+    info = root / "training.json"
     if not info.is_file():
         return "key"
     try:

@@ -24,9 +24,7 @@ from engine.errors import InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from workbench.recorders import RecordPolicy, Recorder, record
-from workbench.signals import FAMILIES
-# the default model of every entry point: the trained demo model shipped in the package
-DEFAULT_MODEL = "builtin:demo"
+from workbench.signals import families_from_spec
 Loader = Callable[..., tuple[Any, Tokenizer]]
 
 
@@ -64,7 +62,7 @@ def load_with_tokenizer(model_ref: str | Path, **load_options: Any) -> tuple[Any
 @contextlib.contextmanager
 def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapshot: str | Path | None = None,
                      prefill_chunk: int = 2048, progress: bool | None = None,
-                     policy: "str | RecordPolicy | dict | None" = "default", families: Collection[str] = FAMILIES,
+                     policy: "str | RecordPolicy | dict | None" = "default", families: Collection[str] | None = None,
                      overwrite: bool = False, loader: Loader = load_with_tokenizer,
                      **load_options: Any) -> Iterator[RecordedSession]:
     """Load `model_ref`, open a session on it and record it into `trace` for the duration of the block.
@@ -75,7 +73,7 @@ def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapsho
         snapshot: continue this saved session (`Session.load`) instead of starting empty.
         prefill_chunk / progress: passed to the `Session`.
         policy / overwrite: passed to `workbench.record` (`overwrite` replaces an existing trace).
-        families: signal families to record, a subset of `dsa`, `kda`, `moe`.
+        families: signal families to record (names from `workbench.signals.registered()`); None: all of them.
         loader: `(model_ref, **load_options) -> (model, tokenizer)`; the default loads afresh, the
             dashboard passes its per-process cache.
         load_options: keyword arguments of `engine.load_model` (dtype, seed, device, parallel, ...).
@@ -83,10 +81,10 @@ def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapsho
     Yields:
         a `RecordedSession`; leaving the block (normally or by an exception) closes the trace.
     """
-    unknown = sorted(set(families) - set(FAMILIES))
-    if unknown or not families:
-        raise InputError(f"signal families to record are a non-empty subset of {', '.join(FAMILIES)}; got "
-                         f"{sorted(families)}")
+    if families is not None:  # checked before the model loads (the recorder checks again, by the same rule)
+        if isinstance(families, str) or not families:
+            raise InputError(f"families: a non-empty list of signal families (or None for all); got {families!r:.80}")
+        families_from_spec(",".join(map(str, families)))
     model, tokenizer = loader(model_ref, **load_options)
     options = dict(prefill_chunk=prefill_chunk, model_name=str(model_ref), progress=progress)
     if snapshot is not None:

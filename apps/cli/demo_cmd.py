@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputError
+from engine.model_ref import DEFAULT_MODEL
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
 from workbench.retrieval_text import HELD_OUT, TRAIN, World, answer_prefix, answer_style_of, filler, response_value
 from workbench.trace import check_trace_target
 
-DEFAULT_MODEL = "builtin:demo"
 DEFAULT_DIR = Path("checkpoints/demo")
 DEFAULT_TRACE = Path("traces/demo")
 MIN_TOKENS = 256

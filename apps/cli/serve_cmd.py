@@ -18,6 +18,7 @@ from pathlib import Path
 
 from apps.cli.model_cmds import DTYPES
 from engine.errors import InputError
+from engine.model_ref import DEFAULT_MODEL
 from engine.io.files import read_limited
 
 KEY_ENV = "K3WB_API_KEY"
@@ -26,7 +27,7 @@ MIN_KEY_CHARS = 16
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible API, recording every conversation")
-    p.add_argument("--model", default="builtin:demo", help="checkpoint directory, builtin:demo (default) or "
+    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, builtin:demo (default) or "
                    "preset:NAME[:VARIANT]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, default=8000)
@@ -37,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-root", type=Path, default=Path("traces/serve"),
                    help="each conversation is recorded into its own trace under this directory")
     p.add_argument("--no-record", action="store_true", help="record nothing")
-    p.add_argument("--record", default="dsa,kda,moe", help="signal families to record (comma list of dsa, kda, moe)")
+    p.add_argument("--record", default="all", help="signal families to record: all (default) or a comma list "
+                   "of registered families")
     p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
     p.add_argument("--image-root", type=Path, help="local image paths in messages are allowed under this directory "
                    "only (default: none; data: URLs always work)")

@@ -55,7 +55,7 @@ class ServeOptions:
     model_name: str
     trace_root: Path | None = None
     policy: Any = "default"
-    families: Collection[str] = ("dsa", "kda", "moe")
+    families: Collection[str] | None = None  # None: every registered signal family
     cache_bytes: int = 4 << 30
     max_conversations: int = 64
     prefill_chunk: int = 2048

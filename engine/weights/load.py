@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -20,12 +19,11 @@ from tqdm import tqdm
 
 from engine.builtin import model_dir
 from engine.config import ModelConfig
-from engine.config_io import load_config
-from engine.errors import CheckpointError, ConfigError, InputError
+from engine.errors import CheckpointError, ConfigError
 from engine.model import KimiForCausalLM
+from engine.model_ref import parse_model_ref
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.presets import get_preset
 from engine.runtime import RuntimeOptions
 from engine.weights.names import DENSE_MLP_ALIAS, TensorSpec, checkpoint_tensors, is_vision_tensor
 from engine.weights.random_init import RandomSource
@@ -192,14 +190,9 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
 
 def parse_model_path(path: str | Path) -> tuple[ModelConfig, str | None]:
     """`preset:NAME[:VARIANT]` -> (config, None); a directory or `builtin:NAME` -> (its config, dir)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise InputError(f"model path must be a str or path, got {type(path).__name__}")
-    path = model_dir(path)
-    text = str(path)
-    if text.startswith("preset:"):
-        name, _, variant = text[len("preset:"):].partition(":")
-        return get_preset(name, variant or None), None  # type: ignore[arg-type]
-    return load_config(path), text
+    ref = parse_model_ref(path)
+    config = ref.config()
+    return config, None if ref.is_preset else str(model_dir(ref.text))
 
 
 def _check_same_model(config: ModelConfig, dtype: torch.dtype, seed: int | None, parallel: ParallelContext) -> None:

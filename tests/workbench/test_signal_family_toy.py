@@ -132,3 +132,62 @@ def test_old_family_flags_are_an_alias(tmp_path):
         with workbench.record(session, trace=tmp_path / "t", dsa=False) as rec:
             assert sorted(rec.families) == ["kda", "moe"]
             assert {p.signal.family for p in rec._points} == {"kda", "moe"}
+
+
+# ---- through the front doors: the CLI and the server record a family they have never heard of ------------
+def test_toy_family_records_through_workbench_run(toy, tmp_path, monkeypatch):
+    import workbench.sessions
+    from apps.cli import main
+
+    real_load = workbench.sessions.load_model
+    hooks: list = []
+
+    def load_with_toy_points(*args, **kwargs):  # the toy's emit lives in a hook (see _emit_from_router)
+        model = real_load(*args, **kwargs)
+        hooks.extend(_emit_from_router(model)[0])
+        return model
+
+    monkeypatch.setattr(workbench.sessions, "load_model", load_with_toy_points)
+    try:
+        assert main(["run", "--model", "preset:tiny", "--prompt", "a toy prompt for the router", "--max-new-tokens",
+                     "2", "--temperature", "0", "--record", "toy,moe", "--trace", str(tmp_path / "t"),
+                     "--compile", "off"]) == 0
+        assert main(["run", "--model", "preset:tiny", "--prompt", "every family by default", "--max-new-tokens",
+                     "1", "--trace", str(tmp_path / "all"), "--compile", "off"]) == 0
+    finally:
+        for h in hooks:
+            h.remove()
+    trace = open_trace(tmp_path / "t", strict=True)
+    assert trace.table("toy_router_entropy").num_rows > 0 and trace.table("dsa_topk").num_rows == 0
+    assert open_trace(tmp_path / "all", strict=True).table("toy_router_entropy").num_rows > 0
+    assert main(["run", "--model", "preset:tiny", "--prompt", "x", "--record", "toy,nope",
+                 "--trace", str(tmp_path / "bad")]) == 2
+
+
+def test_toy_family_records_through_serve(toy, tmp_path):
+    import httpx
+
+    from apps.dashboard.host_guard import HostPolicy
+    from apps.serve.app import AppConfig
+    from apps.serve.server import Server
+    from apps.serve.worker import ServeOptions
+    from workbench.sessions import load_with_tokenizer
+
+    model, tokenizer = load_with_tokenizer("preset:tiny", seed=1)
+    hooks, _ = _emit_from_router(model)
+    srv = Server(model, tokenizer, ServeOptions(model_name="preset:tiny", trace_root=tmp_path, max_queue=2),
+                 AppConfig(model_id="preset:tiny", hosts=HostPolicy.for_server("127.0.0.1"), max_body_bytes=1 << 20,
+                           max_tokens=4096), port=0)
+    srv.start_in_thread()
+    try:
+        reply = httpx.post(f"{srv.url}/chat/completions", timeout=60, json={
+            "model": "preset:tiny", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "a toy family through the server"}]})
+        assert reply.status_code == 200, reply.text
+    finally:
+        srv.stop()
+        for h in hooks:
+            h.remove()
+    traces = [d for d in tmp_path.iterdir() if (d / "session.json").is_file()]
+    assert len(traces) == 1
+    assert open_trace(traces[0]).table("toy_router_entropy").num_rows > 0

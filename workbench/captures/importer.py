@@ -29,11 +29,9 @@ import torch
 
 from engine.io import atomic_dir
 from engine.io.files import parse_json, read_limited
-from engine.builtin import model_dir
 from engine.config import ModelConfig
-from engine.config_io import load_config
 from engine.errors import EngineError, InputError
-from engine.presets import get_preset
+from engine.model_ref import parse_model_ref
 from engine.probes import Marks, Sample
 from engine.tokenizer import Tokenizer
 from workbench.captures.arrays import RowArray
@@ -63,13 +61,9 @@ NO_SELECTIONS = {
 
 def load_capture_model(spec: str) -> tuple[ModelConfig, Tokenizer | None]:
     """`--model`: a checkpoint directory, a config.json, `builtin:NAME` or `preset:NAME[:VARIANT]`."""
-    if spec.startswith("preset:"):
-        name, _, variant = spec.removeprefix("preset:").partition(":")
-        config = get_preset(name, variant or None)
-    else:
-        config = load_config(model_dir(spec))
-    path = Path(model_dir(spec))
-    return config, Tokenizer.for_model(path.parent if path.is_file() else path, config.vocab_size)
+    ref = parse_model_ref(spec)
+    config = ref.config()
+    return config, Tokenizer.for_model(ref.directory or ref.text, config.vocab_size)
 
 
 def _written_by_import(name: str) -> bool:

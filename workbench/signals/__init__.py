@@ -8,8 +8,8 @@ Adding a family: declare its `Signal` in `engine.probes` and emit it from its la
 module here that builds a `SignalFamily` and registers it (import it below to ship it).
 """
 
-from workbench.signals.family import (FAMILIES, RecordingContext, RunningSums, SignalFamily, register, registered,
+from workbench.signals.family import (RecordingContext, families_from_spec, RunningSums, SignalFamily, register, registered,
                                       unregister)
 from workbench.signals import dsa, kda, moe  # noqa: E402,F401  (registration)
 
-__all__ = ["FAMILIES", "RecordingContext", "RunningSums", "SignalFamily", "register", "registered", "unregister"]
+__all__ = ["families_from_spec", "RecordingContext", "RunningSums", "SignalFamily", "register", "registered", "unregister"]

@@ -15,15 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from engine.errors import InputError
 from engine.probes import SIGNALS, Emission, Marks, ProbeRequest
 from workbench.trace.schema import TABLES, TableSpec
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
-
-# the families the engine declares probes for, in declaration order (`engine.probes.SIGNALS`)
-FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(s.family for s in SIGNALS.values()))
 
 
 class RecordingContext(Protocol):
@@ -138,5 +136,19 @@ def unregister(name: str) -> None:
 
 
 def registered() -> dict[str, SignalFamily]:
-    """The registered families by name, in registration order."""
+    """The registered families by name, in registration order: the one meaning of "the families"
+    (every front door records these unless told otherwise; none keeps a list of its own)."""
     return dict(_REGISTRY)
+
+
+def families_from_spec(spec: str) -> tuple[str, ...] | None:
+    """A command line's family choice: `all` -> None (every registered family, as `record` reads None);
+    `dsa,moe` -> those names, each checked against the registry (an InputError lists the known ones)."""
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    if names == ("all",):
+        return None
+    known = registered()
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise InputError(f"signal families to record: a comma list of {', '.join(known)} (or all); got {spec!r:.80}")
+    return names
