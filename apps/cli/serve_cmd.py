@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more get 429")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
     p.add_argument("--max-body-mib", type=int, default=64, help="largest request body (images included)")
+    p.add_argument("--max-pending-mib", type=int, default=256, help="request bodies being read, waiting or running, "
+                   "together (more get 429; at least --max-body-mib)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill step (bounds memory)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--weights-seed", type=int, default=0, help="weights seed for preset: models")
@@ -81,10 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apps.cli.run_cmd import record_families
     from apps.dashboard.host_guard import HostPolicy
     from apps.dashboard.security import is_local
+    from workbench import load_policy
 
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
-    for flag in ("cache_mib", "max_conversations", "max_queue", "max_tokens", "max_body_mib", "prefill_chunk"):
+    for flag in ("cache_mib", "max_conversations", "max_queue", "max_tokens", "max_body_mib", "max_pending_mib",
+                 "prefill_chunk"):
         lowest = 0 if flag in ("cache_mib", "max_queue") else 1  # 0: no prefix reuse / no request waits
         if getattr(args, flag) < lowest:
             raise InputError(f"--{flag.replace('_', '-')} must be at least {lowest}")
@@ -95,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.image_root is not None and not args.image_root.is_dir():
         raise InputError(f"--image-root {args.image_root} is not a directory")
     families = record_families(args.record)
+    policy = load_policy(args.policy)  # an unknown policy is refused now, not by every request
     trace_root = None if args.no_record else args.trace_root
     if trace_root is not None:
         if trace_root.exists() and not trace_root.is_dir():
@@ -114,11 +119,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    options = ServeOptions(model_name=str(args.model), trace_root=trace_root, policy=args.policy,
+    options = ServeOptions(model_name=str(args.model), trace_root=trace_root, policy=policy,
                            families=families, cache_bytes=args.cache_mib << 20, prefill_chunk=args.prefill_chunk,
                            max_queue=args.max_queue, max_conversations=args.max_conversations)
     config = AppConfig(model_id=str(args.model), hosts=hosts, api_key=key, max_body_bytes=args.max_body_mib << 20,
-                       max_tokens=args.max_tokens, image_root=args.image_root)
+                       max_tokens=args.max_tokens, image_root=args.image_root,
+                       max_pending_bytes=max(args.max_pending_mib, args.max_body_mib) << 20)
     with distributed() as ctx:  # world 1 unless launched by torchrun: then rank 0 serves, every rank runs
         model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed,
                                                parallel=ctx, device=ctx.device)
@@ -126,8 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         channel = RankChannel(ctx)
         if not ctx.is_leader:
             worker = EngineWorker(model, tokenizer, options, channel)
-            follow(channel, lambda body, request_id: worker.run_job(parse_chat_request(
-                body, max_tokens_limit=config.max_tokens, image_root=config.image_root), request_id))
+            follow(channel, lambda body, request_id, owner: worker.run_job(parse_chat_request(
+                body, max_tokens_limit=config.max_tokens, image_root=config.image_root), request_id, owner))
             return 0
         server = Server(model, tokenizer, options, config, host=args.host, port=args.port, channel=channel)
         world = f", {ctx.world} ranks" if ctx.world > 1 else ""

@@ -6,6 +6,14 @@ this server (the dashboard's `HostPolicy`: a web page under a rebound DNS name i
 when an API key is set, `Authorization: Bearer KEY` must match it (compared in constant time; the
 key is never logged or echoed). Bodies are read up to a size limit before they are parsed.
 
+What a request may cost is bounded before it is spent (`apps.serve.limits`): the bytes of every body
+being read, waiting or running together (`max_pending_bytes`: more gets 429); the JSON values and
+nesting of a body, counted on its bytes before `json.loads`; the characters of its messages before
+they are tokenized; the number, pixel area and patches of its pictures, read from their headers
+before they are decoded. Parsing runs on one thread of its own, never on the event loop, one body
+at a time. A conversation belongs to the API key and the `user` field it was started with
+(`prefix_cache`): two end users never share one, whatever they send.
+
 The model runs on the worker thread (`apps.serve.worker`); a handler submits a job and relays its
 events. A client that disconnects cancels its job (still queued: skipped; running: stopped after
 the current token). Any error becomes an OpenAI-style error body with a 4xx/5xx status.
@@ -18,6 +26,7 @@ import hashlib
 import hmac
 import json
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -29,8 +38,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from apps.dashboard.host_guard import HostPolicy
-from apps.serve.protocol import (RequestError, chunk_body, completion_body, error_body, parse_chat_request,
-                                 usage)
+from apps.serve.limits import (MAX_IMAGE_AREA, MAX_IMAGE_PATCHES, MAX_IMAGES, MAX_JSON_DEPTH, MAX_JSON_VALUES,
+                               PendingBytes, RequestLimits, check_json_shape, check_request_cost)
+from apps.serve.protocol import (ChatRequest, RequestError, chunk_body, completion_body, error_body,
+                                 parse_chat_request, usage)
 from apps.serve.worker import EngineWorker, Job
 
 POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
@@ -46,6 +57,12 @@ class AppConfig:
     max_body_bytes: int = 64 << 20
     max_tokens: int = 4096
     image_root: Path | None = None
+    max_pending_bytes: int = 256 << 20  # bodies being read, waiting or running, together
+    max_json_values: int = MAX_JSON_VALUES
+    max_json_depth: int = MAX_JSON_DEPTH
+    max_images: int = MAX_IMAGES
+    max_image_area: int = MAX_IMAGE_AREA
+    max_image_patches: int = MAX_IMAGE_PATCHES
 
 
 def _json_error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -85,23 +102,61 @@ class Guard:
         return ok and scheme.lower() == "bearer"
 
 
-async def _read_body(request: Request, limit: int) -> Any:
+def _too_busy(pending: PendingBytes) -> RequestError:
+    return RequestError(f"the server holds {pending.budget >> 20} MiB of request bodies already (being read, waiting "
+                        "or running); retry later", status=429, kind="rate_limit_error", code="rate_limit_exceeded")
+
+
+async def _read_body(request: Request, limit: int, pending: PendingBytes, held: list[int]) -> bytes:
+    """The raw body, at most `limit` bytes; every byte read is held in `pending` (and counted in `held`)
+    until the caller gives it back, so bodies being read count against the budget too."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise RequestError(f"the request body is larger than the {limit:,} bytes allowed", status=413)
+    if declared is not None:  # held up front: many slow uploads cannot each pass the check alone
+        if not pending.take(int(declared)):
+            raise _too_busy(pending)
+        held[0] += int(declared)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise RequestError(f"the request body is larger than the {limit:,} bytes allowed", status=413)
+        if size > held[0]:
+            if not pending.take(size - held[0]):
+                raise _too_busy(pending)
+            held[0] = size
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes, config: AppConfig, limits: RequestLimits) -> tuple[ChatRequest, Any]:
+    """Raw bytes -> (checked request, decoded body), each bound checked before the step it protects."""
+    check_json_shape(raw, limits)
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not UTF-8 (byte {exc.start})") from None
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise RequestError(f"the request body is not valid JSON ({str(exc)[:200]})") from None
+    req = parse_chat_request(body, max_tokens_limit=config.max_tokens, image_root=config.image_root)
+    check_request_cost(req, limits)
+    return req, body
+
+
+def _owner(api_key: str | None, user: str | None) -> str:
+    """Who a conversation belongs to: the API key it was sent with and OpenAI's `user` field, hashed."""
+    if not api_key and user is None:
+        return ""
+    h = hashlib.sha256()
+    for part in (api_key or "", "\0", user if user is not None else "\1"):
+        h.update(part.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]
+
+
+def _bearer(request: Request) -> str | None:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else None
 
 
 def _sse(payload: Any) -> bytes:
@@ -110,25 +165,59 @@ def _sse(payload: Any) -> bytes:
 
 def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
     """The ASGI application (the worker must be started by the caller)."""
+    pending = PendingBytes(max(config.max_pending_bytes, config.max_body_bytes))
+    parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3wb-serve-parse")  # one body at a time
+    limits: list[RequestLimits] = []
+
+    def request_limits() -> RequestLimits:
+        if not limits:  # read from the model on first use (the guard's tests run without one)
+            limits.append(RequestLimits.for_model(
+                worker.model, worker.tokenizer, max_values=config.max_json_values, max_depth=config.max_json_depth,
+                max_images=config.max_images, max_image_area=config.max_image_area,
+                max_image_patches=config.max_image_patches))
+        return limits[0]
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model",
                                                          "created": 0, "owned_by": "k3-workbench"}]})
 
     async def chat(request: Request) -> Response:
+        held = [0]  # body bytes this request holds in `pending`, given back once the worker is done with it
+
+        def give_back() -> None:
+            pending.give_back(held[0])
+            held[0] = 0
+
+        submitted = False
         try:
-            body = await _read_body(request, config.max_body_bytes)
-            req = parse_chat_request(body, max_tokens_limit=config.max_tokens, image_root=config.image_root)
+            if worker.stopping:
+                raise _shutting_down()
+            raw = await _read_body(request, config.max_body_bytes, pending, held)
+            loop = asyncio.get_running_loop()
+            req, body = await loop.run_in_executor(parser, _decode, raw, config, request_limits())
+            del raw
+            events: asyncio.Queue = asyncio.Queue()
+            request_id = f"chatcmpl-{secrets.token_hex(12)}"
+            # the decoded body travels only where other ranks need it (it is as large as the request)
+            job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                      body=body if worker.channel is not None else None, owner=_owner(_bearer(request), req.user),
+                      on_finish=give_back)  # the worker's thread: PendingBytes takes a lock
+            del body
+            if worker.stopping:
+                raise _shutting_down()
+            if not worker.submit(job):
+                if worker.stopping:
+                    raise _shutting_down()
+                busy = RequestError(f"the server's queue is full ({worker.options.max_queue} requests wait for the "
+                                    "model); retry later", status=429, kind="rate_limit_error",
+                                    code="rate_limit_exceeded")
+                return _json_error(busy, {"Retry-After": "1"})
+            submitted = True
         except RequestError as exc:
-            return _json_error(exc)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        request_id = f"chatcmpl-{secrets.token_hex(12)}"
-        job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), body=body)
-        if not worker.submit(job):
-            busy = RequestError(f"the server's queue is full ({worker.options.max_queue} requests wait for the "
-                                "model); retry later", status=429, kind="rate_limit_error", code="rate_limit_exceeded")
-            return _json_error(busy, {"Retry-After": "1"})
+            return _json_error(exc, {"Retry-After": "1"} if exc.status in (429, 503) else None)
+        finally:
+            if not submitted:
+                give_back()
 
         async def next_event() -> tuple | None:
             """The job's next event; None (and the job cancelled) once the client has gone."""
@@ -185,6 +274,11 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                             Route("/v1/chat/completions", chat, methods=["POST"])],
                     exception_handlers={404: not_found, 405: not_found})
     return Guard(app, config)
+
+
+def _shutting_down() -> RequestError:
+    return RequestError("the server is shutting down; retry on another server or later", status=503,
+                        kind="server_error", code="server_shutting_down")
 
 
 def _finish(reason: str) -> str:

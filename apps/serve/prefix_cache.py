@@ -6,10 +6,13 @@ plus the trace it is recorded into. A new request continues the conversation who
 longest prefix of the request's tokens, so turn N prefills only what is new. "Prefix" is exact:
 equal token ids AND the same picture at every image position, since two different pictures of the
 same size have identical media ids (a state keyed by ids alone would answer about the wrong image).
-A request that matches no conversation starts a fresh one (and a fresh trace).
+A request that matches no conversation starts a fresh one (and a fresh trace). A conversation
+belongs to its `owner` (the API key a request was sent with and OpenAI's `user` field, hashed): a
+request only ever continues a conversation of the same owner, so a client that sends another
+user's history plus its own turn is served from a fresh state into a fresh trace, never theirs.
 
 `ReplyMemory` keeps the exact token ids of every reply this server generated, keyed by what came
-before it and the text the client received (the response only: the tags and the thinking are not in
+before it, the text the client received and its owner (the response only: the tags and the thinking are not in
 it, and it may be empty): when the client sends that reply back in its next turn, the request is
 rendered with the ids the model produced (the K3 format's think/response tags and all), not a
 re-encoding of the text, so it extends the cached state token for token.
@@ -51,6 +54,7 @@ class Conversation:
     id: str
     session: Session
     trace: Any = None  # workbench.ConversationTrace
+    owner: str = ""  # who may continue it (see the module docstring)
     turns: int = 0
     nbytes: int = 0
     images: list[tuple[int, int, str]] = field(default_factory=list)
@@ -85,10 +89,10 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._items.values())
 
-    def take(self, chat: RenderedChat) -> Conversation | None:
-        """Remove and return the conversation with the longest exact prefix of `chat`, if any."""
-        best = max((c for c in self._items.values() if c.matches(chat)), key=lambda c: len(c.session.tokens),
-                   default=None)
+    def take(self, chat: RenderedChat, owner: str = "") -> Conversation | None:
+        """Remove and return `owner`'s conversation with the longest exact prefix of `chat`, if any."""
+        mine = (c for c in self._items.values() if c.owner == owner and c.matches(chat))
+        best = max(mine, key=lambda c: len(c.session.tokens), default=None)
         if best is not None:
             del self._items[best.id]
         return best
@@ -111,8 +115,9 @@ class PrefixCache:
         return out
 
 
-def _key(prefix: list[int], text: str) -> bytes:
+def _key(prefix: list[int], text: str, owner: str) -> bytes:
     h = hashlib.sha256()
+    h.update(owner.encode("utf-8", "surrogatepass") + b"\0")
     h.update(len(prefix).to_bytes(8, "little"))
     h.update(np.asarray(prefix, dtype=np.int64).tobytes())
     h.update(text.encode("utf-8", "surrogatepass"))
@@ -127,12 +132,12 @@ class ReplyMemory:
         self.max_replies = max_replies
         self._items: OrderedDict[bytes, list[int]] = OrderedDict()
 
-    def remember(self, prefix: list[int], text: str, ids: list[int]) -> None:
-        key = _key(prefix, text)
+    def remember(self, prefix: list[int], text: str, ids: list[int], owner: str = "") -> None:
+        key = _key(prefix, text, owner)
         self._items[key] = list(ids)
         self._items.move_to_end(key)
         while len(self._items) > self.max_replies:
             self._items.popitem(last=False)
 
-    def lookup(self, prefix: list[int], text: str) -> list[int] | None:
-        return self._items.get(_key(prefix, text))
+    def lookup(self, prefix: list[int], text: str, owner: str = "") -> list[int] | None:
+        return self._items.get(_key(prefix, text, owner))

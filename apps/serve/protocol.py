@@ -3,9 +3,12 @@
 `parse_chat_request(body, ...)` turns a decoded JSON body into a `ChatRequest` or raises
 `RequestError` (HTTP status, message, offending parameter), which `error_body` renders the way
 OpenAI's API does: `{"error": {"message", "type", "param", "code"}}`. Fields the engine has no
-use for (`tools`, `response_format`, `user`, ...) are accepted and ignored, as other
-OpenAI-compatible servers do; fields that would change the answer and that the engine cannot honour
-(`n` > 1, `logprobs`) are refused rather than silently dropped.
+use for (`tools`, `response_format`, ...) are accepted and ignored, as other OpenAI-compatible
+servers do; fields that would change the answer and that the engine cannot honour (`n` > 1,
+`logprobs`) are refused rather than silently dropped. `user` (OpenAI's end-user id) keeps that end
+user's conversations apart from everyone else's. Every field is checked here, in the engine's own
+ranges (the sampling parameters are built by `SamplingParams` itself), so a request the engine would
+refuse never reaches a cached conversation or a trace.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError
+from engine.session.sampling import SamplingParams
 from engine.session.transcript import TranscriptMessage, parse_messages
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_USER_CHARS = 256
+SEED_RANGE = (0, 2 ** 64 - 1)  # the engine's generator seeds
 
 
 class RequestError(Exception):
@@ -48,6 +54,12 @@ class ChatRequest:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    user: str | None = None  # OpenAI's end-user id: conversations of different users never mix
+
+    def sampling(self) -> SamplingParams:
+        """The engine's sampling parameters of this request (checked when the request was parsed)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              max_new_tokens=self.max_tokens)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -110,15 +122,25 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
     top_p = _number(body, "top_p", 0.95, 0.0, 1.0)
     if top_p == 0:
         raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", param="top_p")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise RequestError(f"user must be a string of at most {MAX_USER_CHARS} characters", param="user")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    seed = _integer(body, "seed", *SEED_RANGE)
+    stop = _stop(body)
     try:
         messages = parse_messages(body["messages"], image_root=image_root)
     except InputError as exc:
         raise RequestError(str(exc), param="messages") from None
-    return ChatRequest(messages=messages, stream=bool(stream), include_usage=bool(options.get("include_usage")),
-                       temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                       top_p=top_p,
-                       max_tokens=limit if limit is not None else min(256, max_tokens_limit),
-                       seed=_integer(body, "seed", -(2 ** 63), 2 ** 63 - 1), stop=_stop(body))
+    request = ChatRequest(messages=messages, stream=bool(stream), include_usage=bool(options.get("include_usage")),
+                          temperature=temperature, top_p=top_p,
+                          max_tokens=limit if limit is not None else min(256, max_tokens_limit),
+                          seed=seed, stop=stop, user=user)
+    try:
+        request.sampling()  # the engine's own checks, now rather than after a cached conversation is taken
+    except InputError as exc:
+        raise RequestError(str(exc)) from None
+    return request
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

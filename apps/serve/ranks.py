@@ -1,7 +1,7 @@
 """`workbench serve` under torchrun: rank 0 serves HTTP, every rank runs the same steps.
 
 Rank 0's worker announces each request it is about to run (the request body as the client sent
-it, already checked, and its id) with `RankChannel.announce`; the other ranks wait in `follow`,
+it, already checked, its id and its owner: whose conversations it may continue) with `RankChannel.announce`; the other ranks wait in `follow`,
 check the same body and run the same job through their own `EngineWorker`, whose every forward
 enters the same collectives. Every rank renders, continues a cached conversation and samples the
 same way (the logits are all-gathered, the seeds equal), so they stay in step on their own; the one
@@ -47,12 +47,12 @@ class RankChannel:
         return broadcast_flag(leader_says, self.ctx)
 
 
-def follow(channel: RankChannel, run_body: Callable[[Any, str], None]) -> None:
-    """Other ranks: run every job rank 0 announces (`run_body(body, request_id)`) until "stop"."""
+def follow(channel: RankChannel, run_body: Callable[[Any, str, str], None]) -> None:
+    """Other ranks: run every job rank 0 announces (`run_body(body, request_id, owner)`) until "stop"."""
     while True:
         message = channel.receive()
         kind = message.get("kind")
         if kind == "stop":
             return
         if kind == "job":
-            run_body(message["body"], message["request_id"])
+            run_body(message["body"], message["request_id"], str(message.get("owner", "")))

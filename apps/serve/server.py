@@ -3,17 +3,29 @@
     server = Server(model, tokenizer, ServeOptions(model_name="builtin:demo", trace_root=Path("traces/serve")),
                     AppConfig(model_id="builtin:demo", hosts=HostPolicy.for_server("127.0.0.1")),
                     host="127.0.0.1", port=8000)
-    server.run()                      # blocks; Ctrl-C stops it and closes every conversation's trace
+    server.run()                      # blocks; Ctrl-C or SIGTERM stops it and closes every conversation's trace
     # or, in tests: server.start_in_thread(); ...; server.stop()
+
+A stop signal (SIGINT, SIGTERM) ends the serving cleanly: the listener closes, the engine stops the
+running request after its current prefill chunk or token (its client gets a 503, or its stream an
+error event and its end), queued requests get a 503, every conversation's trace is closed, and
+`run` returns, so the command exits 0. A second Ctrl-C stops waiting for open connections. uvicorn's
+own handling would re-raise the signal once it has stopped (a SIGTERM then kills the process before
+the traces are closed), so the signals are caught here instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import signal
 import socket
+import sys
 import threading
 import time
-from typing import Any
+from types import FrameType
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -33,8 +45,9 @@ class Server:
         self.host = host
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                      timeout_graceful_shutdown=5, lifespan="off"))
+        self._uvicorn = _Uvicorn(uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                                timeout_graceful_shutdown=10, lifespan="off"),
+                                 on_exit=self.worker.begin_shutdown)
         self._thread: threading.Thread | None = None
 
     @property
@@ -43,12 +56,16 @@ class Server:
         return f"http://{host}:{self.port}/v1"
 
     def run(self) -> None:
-        """Serve until interrupted; then finish the running request and close every trace."""
+        """Serve until SIGINT or SIGTERM; then stop the running request and close every trace."""
         self.worker.start()
         try:
             self._uvicorn.run(sockets=[self.socket])
         finally:
-            self.worker.stop()
+            if not self.worker.stop():
+                # the engine thread is inside a step that never ended: leaving the interpreter under it aborts
+                print("the engine did not stop in time; the traces still open stay 'recording'", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(1)
 
     def start_in_thread(self, timeout: float = 30.0) -> None:
         self.worker.start()
@@ -62,11 +79,38 @@ class Server:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """What a stop signal does (see the module docstring), for a server started in a thread."""
+        self.worker.begin_shutdown()
         self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
         self.worker.stop()
         self.socket.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, told when a stop begins (`on_exit`, from the signal handler) and never re-raising
+    the signal it stopped for."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread receives signals (tests run the server in a thread)
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _bind(host: str, port: int) -> socket.socket:

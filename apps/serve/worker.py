@@ -10,6 +10,10 @@ never reach the client, and generation stops where the response ends), then `("d
 it is skipped if still queued, and its generation stops after the current token otherwise. The queue
 is bounded (`submit` returns False when full: the client gets 429). An exception inside one request
 ends that request (and drops its conversation, whose state is then unknown), never the thread.
+
+Stopping (`begin_shutdown`, then `stop`): no new job is taken; queued jobs end with a 503; the running
+one stops after its current prefill chunk or token and ends with a 503 too; then every conversation's
+trace is closed ("complete": what it holds was recorded in full), so nothing is left `recording`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Job:
     emit: Callable[[Event], None]  # thread-safe: hands an event to the HTTP side
     cancelled: threading.Event = field(default_factory=threading.Event)
     body: Any = None  # the decoded request body (what rank 0 hands the other ranks under torchrun)
+    owner: str = ""  # whose conversations it may continue (`prefix_cache`)
+    on_finish: Callable[[], None] | None = None  # called once the worker is done with it (run or skipped)
 
 
 @dataclass
@@ -75,6 +81,8 @@ class EngineWorker:
         self._outstanding = 0  # queued + running
         self._lock = threading.Lock()
         self._conversations = 0
+        self._stopping = threading.Event()
+        self._running: Conversation | None = None  # the conversation the running job extends
         self._thread = threading.Thread(target=self._loop, name="k3wb-serve-engine", daemon=True)
         self._gen_prompt = tokenizer.chat_prompt([], add_generation_prompt=True)
         self._tail = tokenizer.message_frame("assistant")[1]
@@ -84,22 +92,47 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def submit(self, job: Job) -> bool:
-        """Queue `job`; False when `max_queue` requests already wait (besides the running one)."""
+        """Queue `job`; False when `max_queue` requests already wait (besides the running one) or the
+        server is stopping."""
         with self._lock:
-            if self._outstanding > self.options.max_queue:
+            if self._outstanding > self.options.max_queue or self._stopping.is_set():
                 return False
             self._outstanding += 1
         self._jobs.put(job)
         return True
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finish the running job, then close every conversation's trace ("complete")."""
+    def begin_shutdown(self) -> None:
+        """Stop taking jobs and stop the running one after its current step; returns at once (safe in a
+        signal handler). `stop` then waits for the thread and closes the traces."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
         self._jobs.put(None)
+        if self._thread.is_alive():
+            threading.Thread(target=self._interrupt_until_idle, name="k3wb-serve-stop", daemon=True).start()
+
+    def _interrupt_until_idle(self) -> None:
+        # asked again and again: a generation that starts after a request to stop resets the session's flag
+        while self._thread.is_alive():
+            running = self._running
+            if running is not None:
+                running.session.request_stop()
+            self._thread.join(0.05)
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """Stop (see `begin_shutdown`), wait for the running job to end, close every conversation's trace;
+        False when the thread did not end within `timeout` seconds."""
+        self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
         for conv in self.cache.drain():
             self._close(conv, "complete")
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -109,13 +142,18 @@ class EngineWorker:
                 self.channel.announce("idle")  # type: ignore[union-attr]
                 continue
             if job is None:
+                if not self._stopping.is_set():
+                    continue  # a stale wake-up; only begin_shutdown stops the loop
+                self._refuse_queued()
                 if self.channel is not None:
                     self.channel.announce("stop")
                 return
             try:
-                if not job.cancelled.is_set():
+                if self._stopping.is_set():
+                    job.emit(_shutting_down())
+                elif not job.cancelled.is_set():
                     if self.channel is not None:
-                        self.channel.announce("job", body=job.body, request_id=job.request_id)
+                        self.channel.announce("job", body=job.body, request_id=job.request_id, owner=job.owner)
                     self._run(job)
             except Exception as exc:  # noqa: BLE001 - one failed request must never stop the server
                 traceback.print_exc(file=sys.stderr)
@@ -124,32 +162,50 @@ class EngineWorker:
                 if self.channel is not None:
                     _end_job(self.channel, exc)
             finally:
-                with self._lock:
-                    self._outstanding -= 1
+                self._finished(job)
 
-    def run_job(self, request: ChatRequest, request_id: str) -> None:
+    def _finished(self, job: Job) -> None:
+        with self._lock:
+            self._outstanding -= 1
+        if job.on_finish is not None:
+            job.on_finish()
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit(_shutting_down())
+                self._finished(job)
+
+    def run_job(self, request: ChatRequest, request_id: str, owner: str = "") -> None:
         """Another rank: run the job rank 0 announced, as rank 0 runs it (its events go nowhere)."""
         try:
-            self._run(Job(request, request_id, lambda event: None))
+            self._run(Job(request, request_id, lambda event: None, owner=owner))
         except Exception as exc:  # ranks that diverge would wait in collectives: end the whole job
             traceback.print_exc(file=sys.stderr)
             _end_job(self.channel, exc)
 
     # ---- one request -----------------------------------------------------------------------------
     def _render(self, job: Job) -> RenderedChat | None:
+        def replies(prefix: list[int], text: str) -> list[int] | None:
+            return self.replies.lookup(prefix, text, job.owner)
+
         try:
             return render_messages(self.model, self.tokenizer, job.request.messages, add_generation_prompt=True,
-                                   replies=self.replies.lookup)
+                                   replies=replies)
         except InputError as exc:
             job.emit(("error", 400, str(exc), "messages"))
             return None
 
-    def _new_conversation(self) -> Conversation:
+    def _new_conversation(self, owner: str) -> Conversation:
         self._conversations += 1
         conv_id = f"conv-{self._conversations:04d}-{secrets.token_hex(3)}"
         session = Session(self.model, self.tokenizer, prefill_chunk=self.options.prefill_chunk,
                           model_name=self.options.model_name, progress=False)
-        conv = Conversation(conv_id, session)
+        conv = Conversation(conv_id, session, owner=owner)
         if self.options.trace_root is not None:
             from workbench import ConversationTrace  # recording machinery loads only when recording
 
@@ -167,39 +223,50 @@ class EngineWorker:
 
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
+        try:  # checked when the request was parsed; again here, before any conversation is touched
+            params = job.request.sampling()
+        except InputError as exc:
+            job.emit(("error", 400, str(exc), None))
+            return
         chat = self._render(job)
         if chat is None:
             return
-        conv = self.cache.take(chat)
+        conv = self.cache.take(chat, job.owner)
         cached = conv.session.length if conv is not None else 0
         if conv is None:
-            conv = self._new_conversation()
+            conv = self._new_conversation(job.owner)
         job.emit(("start", {"prompt_tokens": len(chat.ids), "cached_tokens": cached, "conversation": conv.id}))
+        self._running = conv
         try:
-            result = self._generate(job, conv, chat, started, cached)
+            result = self._generate(job, conv, chat, params, started, cached)
         except BaseException as exc:
             self._close(conv, "failed")
             if isinstance(exc, InputError):
                 job.emit(("error", 400, str(exc), None))
                 return
             raise
+        finally:
+            self._running = None
         conv.turns += 1
+        if result["finish_reason"] == "shutdown":
+            self._close(conv, "complete")  # what it holds was recorded in full; the server is going away
+            job.emit(_shutting_down(len(result["ids"])))
+            return
         for old in self.cache.put(conv):
             self._close(old, "complete")
         if result["finish_reason"] != "cancelled" and result["ids"]:
             # keyed by the text the client received (the response only): that is what it sends back
             ids = self._gen_prompt + result["ids"] + result["closing"]
-            self.replies.remember(chat.ids[:len(chat.ids) - len(self._gen_prompt)], result["content"], ids)
+            self.replies.remember(chat.ids[:len(chat.ids) - len(self._gen_prompt)], result["content"], ids,
+                                  job.owner)
         usage = {"prompt_tokens": len(chat.ids), "completion_tokens": len(result["ids"]), "cached_tokens": cached}
         job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns,
                            "trace": conv.trace.path.name if conv.trace is not None else None}))
 
-    def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, started: float,
+    def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, params: SamplingParams, started: float,
                   cached: int) -> dict[str, Any]:
         req = job.request
         session = conv.session
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                max_new_tokens=req.max_tokens)
         reader: ResponseReader | None = None
         pieces: list[str] = []
         thoughts: list[str] = []
@@ -217,13 +284,14 @@ class EngineWorker:
         turn_ctx = conv.trace.turn(job.request_id) if conv.trace is not None else _NoTurn(job.request_id)
         with turn_ctx as turn:
             append_rendered(session, chat, skip=len(session.tokens))
-            for tok in session.generate(params=params, add_generation_prompt=False):
+            tokens = session.generate(params=params, add_generation_prompt=False)
+            for tok in () if self._stopping.is_set() else tokens:
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 if reader is None:  # the sections the rendered prompt leaves open (think, for a K3 prompt)
                     reader = ResponseReader.after(self.tokenizer, session.tokens[:tok.position], stop_strings=req.stop)
                 ids.append(tok.id)
-                go_on = not job.cancelled.is_set()
+                go_on = not job.cancelled.is_set() and not self._stopping.is_set()
                 if self.channel is not None:  # only rank 0 knows whether its client is still there
                     go_on = self.channel.keep_going(go_on)
                 if not go_on:
@@ -234,11 +302,13 @@ class EngineWorker:
                 if reader.done or tok.id in self._stop_ids:
                     finish = "stop"
                     break
-            if reader is not None and finish != "cancelled":
+            if self._stopping.is_set():
+                finish = "shutdown"  # stopped in its prefill or after a token: never a complete reply
+            if reader is not None and finish not in ("cancelled", "shutdown"):
                 relay(reader.finish(), reader.take_thinking(final=True))
             turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=len(ids),
                         finish_reason=finish, ttft_s=ttft)
-        closing = self._closing_ids(ids, reader) if finish != "cancelled" else []
+        closing = self._closing_ids(ids, reader) if finish not in ("cancelled", "shutdown") else []
         return {"content": "".join(pieces), "reasoning": "".join(thoughts), "ids": ids, "closing": closing,
                 "finish_reason": finish, "ttft_s": ttft}
 
@@ -259,6 +329,11 @@ class EngineWorker:
                 break
             closing += tok.section_tag(name, False)
         return closing + self._tail
+
+
+def _shutting_down(generated: int | None = None) -> Event:
+    done = f" after {generated} generated token(s)" if generated is not None else " before it ran"
+    return ("error", 503, f"the server is shutting down; this request was stopped{done}", None)
 
 
 def _end_job(channel: RankChannel | None, exc: BaseException) -> None:
