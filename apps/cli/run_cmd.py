@@ -17,7 +17,7 @@ from typing import Sequence, TextIO
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
 from apps.cli.run_task import add_task_args, free_form_notice, prepare_task, resolve_card_defaults, run_task
-from engine.session.chat_response import ResponseReader
+from engine.session.answer import Answer, generate_answer
 from engine.errors import InputError
 from engine.io.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
@@ -155,32 +155,28 @@ def write_dashboard_summaries(trace: Path) -> None:
 
 
 def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw: bool = False,
-                  stop_strings: Sequence[str] = (), chat: bool = False) -> ResponseReader | None:
-    """Generate and write the answer to `out` as it comes: the response text (every token's text with
-    `raw`), ending where the chat format says the response ends or at a stop string. `chat`: when
-    nothing was printed (the model wrote only chat tags or thinking), say so on stderr."""
+                  stop_strings: Sequence[str] = (), chat: bool = False) -> Answer:
+    """Generate (`engine.session.answer`) and write the answer to `out` as it comes: the response text
+    (every token's text with `raw`), ending where the chat format says the response ends or at a stop
+    string. `chat`: when nothing was printed (the model wrote only chat tags or thinking), say so on stderr."""
     if session.tokenizer is None:
         raise InputError("this model has no tokenizer files: its output cannot be printed as text")
-    reader = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    shown = False
-    for token in session.generate(params=params):
-        if reader is None:  # only now: generate() opens the assistant turn (when it does) before the first token
-            reader = ResponseReader.after(session.tokenizer, session.tokens[:token.position], stop_strings=stop_strings)
-        text = reader.feed(token.id)
-        shown = shown or bool(text)
-        if raw:
-            text = decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id))
+
+    def write(text: str) -> None:
         out.write(text)
         out.flush()
-        if reader.done:
-            break
-    rest = reader.finish() if reader is not None else ""
-    out.write((decoder.decode(b"", final=True) if raw else rest) + "\n")
-    if chat and not raw and not (shown or rest) and reader is not None and reader.hidden_tokens:
-        print(f"note: the model wrote no response text ({reader.hidden_tokens} tokens of chat tags or thinking, "
+
+    def write_raw(token) -> None:
+        write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
+
+    answer = generate_answer(session, params, stop_strings=stop_strings, on_text=None if raw else write,
+                             on_token=write_raw if raw else None)
+    out.write((decoder.decode(b"", final=True) if raw else "") + "\n")
+    if chat and not raw and not answer.text and answer.hidden_tokens:
+        print(f"note: the model wrote no response text ({answer.hidden_tokens} tokens of chat tags or thinking, "
               "not printed); --raw prints every token", file=sys.stderr)
-    return reader
+    return answer
 
 
 def _append_prompt(session: Session, args: argparse.Namespace, prompt: str | None) -> None:

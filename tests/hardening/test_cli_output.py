@@ -50,7 +50,10 @@ class ScriptedSession:
     def __init__(self, ids: list[int]) -> None:
         from engine.tokenizer import Message, Tokenizer
 
+        from engine import get_preset
+
         self.tokenizer = Tokenizer.byte_level()
+        self.config = get_preset("tiny")  # the answer loop reads the model's eos id from it
         self.tokens = self.tokenizer.chat_prompt([Message("user", "q")], add_generation_prompt=False)
         self.script = ids
 
