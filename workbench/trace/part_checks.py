@@ -7,7 +7,8 @@
   row count and the integer ranges of its indexed columns (from the statistics) become a `Part`,
   which the reader uses to skip parts outside a query. A part whose footer claims more rows or
   decoded bytes than `MAX_PART_ROWS` / `MAX_PART_BYTES` is refused before any page is decoded: Parquet
-  encodes a run of equal values in a few bytes, so a file of a few MB can decode to many GB.
+  encodes a run of equal values in a few bytes, so a file of a few MB can decode to many GB. The
+  pages are then held to the footer (`parquet_pages.check_pages`) before the reader decompresses one.
 - `strings_as_dictionaries(spec)` / `check_strings(table)`: string columns are decoded as dictionaries
   and expanded only when their expanded size is within the limit (the footer cannot bound it).
 - `conform(table, spec)`: a decoded part with the schema's nullability (a part written by another
@@ -140,12 +141,16 @@ def _decoded_bytes(meta: pq.FileMetaData) -> int:
         for i in range(group.num_columns):
             chunk = group.column(i)
             width = _VALUE_BYTES.get(chunk.physical_type)
+            unpacked = max(chunk.total_uncompressed_size, 0)
             if width is None and chunk.physical_type == "FIXED_LEN_BYTE_ARRAY":  # half floats: 2 bytes
                 width = meta.schema.column(i).length
             elif width is None:  # BYTE_ARRAY: an offset per value, the characters in the pages
                 width = 4
-                total += max(chunk.total_uncompressed_size, 0)
-            total += max(chunk.num_values, 0) * max(width, 1)
+                total += unpacked
+                unpacked = 0
+            # the pages are decompressed whole first: what they claim counts where it exceeds the values
+            # (`parquet_pages.check_pages` holds the pages to it before one is decompressed)
+            total += max(max(chunk.num_values, 0) * max(width, 1), unpacked)
     return total
 
 

@@ -7,7 +7,8 @@ What `open_trace` checks, and how problems surface:
 - every visible part's Parquet footer and columns: a corrupt part is SKIPPED and described in
   `trace.problems` (naming the file), so a dashboard keeps working on the rest; `strict=True`
   raises `TraceCorruptError` instead (export uses it). Damage found later, when data pages are
-  decoded, is handled the same way;
+  decoded, is handled the same way, and so are page headers that claim more than the footer
+  (`parquet_pages.check_pages`, before a part's first page is decompressed);
 - gaps in part numbering, and parts session.json says exist but are missing: listed in
   `trace.problems`; everything else stays readable.
 
@@ -40,6 +41,7 @@ from workbench.trace.aggregates import DenseSums
 from workbench.trace.bounds import SessionBounds, out_of_bounds, table_ranges
 from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.files import list_parts, not_regular
+from workbench.trace.parquet_pages import check_pages
 from workbench.trace.part_checks import (Part, check_strings, conform, read_footer, read_session,
                                          strings_as_dictionaries, valueless_columns)
 from workbench.trace.schema import POLICY_DEFAULTS, TABLES, TOKENS_FILE, TableSpec, table_spec
@@ -74,6 +76,7 @@ class Trace:
         self._tokens_compact = False
         self._bounds = SessionBounds()
         self._cache: dict[Path, pa.Table] = {}
+        self._pages_checked: set[Path] = set()  # parts whose page headers agree with their footer
         self._sums: dict[str, DenseSums] = {
             table: DenseSums(sums.groups, sums.index, sums.value)
             for family in signals.registered().values() for table, sums in family.running_sums.items()}
@@ -199,6 +202,10 @@ class Trace:
     def _read(self, part: Part, spec: TableSpec, columns: list[str] | None,
               layers: Sequence[int] | None = None, skip_valueless: bool = False) -> pa.Table | None:
         try:
+            if part.path not in self._pages_checked:
+                # the pages must agree with the footer that passed the limits before one is decompressed
+                check_pages(part.path)
+                self._pages_checked.add(part.path)
             if layers is None:
                 file = pq.ParquetFile(part.path, page_checksum_verification=True,
                                       read_dictionary=strings_as_dictionaries(spec))

@@ -1,0 +1,64 @@
+"""Forge Parquet pages that lie about their size, for the page-header tests (issue 42 item 5).
+
+`forge_page(file, column, ...)` overwrites, in place, the first data page of a column chunk that has
+no dictionary page with a page header of our choosing and a zstd body of `unpacked` zero bytes; the
+footer (rows, values, sizes, offsets) is left as it was, so it still claims what the honest page held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _i32(field_delta: int, value: int) -> bytes:
+    """A compact-protocol i32 field (zigzag varint) `field_delta` ids after the previous one."""
+    return bytes([field_delta << 4 | 5]) + _varint((value << 1) ^ (value >> 31))
+
+
+def page_header(page_type: int, unpacked: int, stored: int, values: int) -> bytes:
+    """A PageHeader: data page v1 (type 0, PLAIN values, RLE levels) or dictionary page (type 2)."""
+    head = _i32(1, page_type) + _i32(1, unpacked) + _i32(1, stored)
+    if page_type == 2:  # field 7: DictionaryPageHeader {num_values, encoding PLAIN}
+        return head + bytes([4 << 4 | 12]) + _i32(1, values) + _i32(1, 0) + b"\0\0"
+    # field 5: DataPageHeader {num_values, encoding PLAIN, definition RLE, repetition RLE}
+    return head + bytes([2 << 4 | 12]) + _i32(1, values) + _i32(1, 0) + _i32(1, 3) + _i32(1, 3) + b"\0\0"
+
+
+def zeros_zstd(unpacked: int) -> bytes:
+    """`unpacked` zero bytes compressed with zstd, streamed (never held uncompressed)."""
+    sink = pa.BufferOutputStream()
+    block = b"\0" * (1 << 20)
+    with pa.CompressedOutputStream(sink, "zstd") as stream:
+        left = unpacked
+        while left:
+            stream.write(block[:min(left, len(block))])
+            left -= min(left, len(block))
+    return sink.getvalue().to_pybytes()
+
+
+def forge_page(file: Path, column: str, unpacked: int, values: int = 1, page_type: int = 0,
+               body: bytes | None = None) -> int:
+    """Replace the first page of `column` (row group 0) with a forged one; returns the chunk's size."""
+    meta = pq.read_metadata(file)
+    group = meta.row_group(0)
+    chunk = next(group.column(i) for i in range(group.num_columns) if group.column(i).path_in_schema == column)
+    assert not chunk.has_dictionary_page, "write the column without a dictionary"
+    body = zeros_zstd(unpacked) if body is None else body
+    page = page_header(page_type, unpacked, len(body), values) + body
+    assert len(page) <= chunk.total_compressed_size, (len(page), chunk.total_compressed_size)
+    data = bytearray(file.read_bytes())
+    data[chunk.data_page_offset:chunk.data_page_offset + len(page)] = page
+    file.write_bytes(bytes(data))
+    return chunk.total_compressed_size

@@ -1,0 +1,118 @@
+"""Issue 42 item 5: a part whose footer passes the limits but whose pages claim more (decompressed
+size, value count, dictionary entries) is refused from its page headers, before any page is
+decompressed: a one-line problem naming the file, the column and the sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.hardening.conftest import bounded
+from tests.hardening.parquet_forge import forge_page, zeros_zstd
+from workbench.trace import TraceCorruptError, TraceWriter, open_trace
+from workbench.trace.export import export_trace
+from workbench.trace.parquet_pages import PageBoundsError, check_pages
+from workbench.trace.schema import TABLES, TOKENS_FILE, parquet_options
+
+_BOMB = 256 << 20  # what the forged page decompresses to (zstd: a few KB in the file)
+
+
+def _trace(tmp_path):
+    path = tmp_path / "t"
+    w = TraceWriter.create(path, {"model": {"layers": 8, "num_experts": 16, "max_position_embeddings": 4096}},
+                           fsync=False)
+    w.append("dsa_key_counts", layer=3, step=0, rank=0, key_bin=np.arange(4), count=np.ones(4, np.int64))
+    w.close()
+    return path
+
+
+def _one_row_tokens(path, characters: int = 120_000):
+    """tokens.parquet of one token whose piece is a long random text stored without a dictionary (its
+    chunk is then large enough to hold a forged page in place)."""
+    spec = TABLES["tokens"]
+    rng = np.random.default_rng(0)
+    piece = "".join(chr(c) for c in rng.integers(33, 127, characters))
+    columns = {c.name: pa.array([0], c.type) for c in spec.columns if c.name not in ("piece", "modality")}
+    columns["piece"] = pa.array([piece])
+    columns["modality"] = pa.DictionaryArray.from_arrays(pa.array([0], pa.int8()), pa.array(["text"]))
+    table = pa.table({f.name: columns[f.name] for f in spec.arrow_schema}, schema=spec.arrow_schema)
+    options = parquet_options(spec)
+    options["use_dictionary"] = [c for c in options["use_dictionary"] if c != "piece"]
+    file = path / TOKENS_FILE
+    pq.write_table(table, file, **options)
+    return file
+
+
+def test_a_page_that_decompresses_past_its_footer_is_refused_before_decompressing(tmp_path):
+    path = _trace(tmp_path)
+    file = _one_row_tokens(path)
+    forge_page(file, "piece", _BOMB)
+    assert file.stat().st_size < 200_000 and pq.read_metadata(file).num_rows == 1
+    with bounded(seconds=10, rss_mib=100):
+        t = open_trace(path)
+        assert len(t.tokens()) == 0
+        assert t.table("tokens").num_rows == 0
+    problem = next(p for p in t.problems if str(file) in p)
+    assert f"column piece (row group 0): its pages decompress to {_BOMB // 1000:,}," in problem  # + its header
+    assert "the footer says" in problem and "skipped" in problem and "\n" not in problem
+    with bounded(seconds=10, rss_mib=100):
+        with pytest.raises(TraceCorruptError, match="its pages decompress to"):
+            export_trace(path, tmp_path / "out", fmt="csv")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_honest_part_reads_as_before(tmp_path):
+    path = _trace(tmp_path)
+    _one_row_tokens(path, characters=1000)
+    t = open_trace(path)
+    assert len(t.tokens()) == 1 and len(t.tokens()["piece"][0]) == 1000 and t.problems == []
+
+
+def test_a_page_of_more_values_than_the_footer_is_refused(tmp_path):
+    path = _trace(tmp_path)
+    spec = TABLES["dsa_topk"]
+    n = 30_000  # random scores: their chunk does not compress, so a forged page fits in place
+    rng = np.random.default_rng(1)
+    offsets = pa.array([0, n], pa.int32())
+    table = pa.table({"layer": pa.array([3], pa.int16()), "step": pa.array([0], pa.int32()),
+                      "rank": pa.array([0], pa.int16()), "position": pa.array([0], pa.int32()),
+                      "selected": pa.ListArray.from_arrays(offsets, pa.array(np.arange(n, dtype=np.int32))),
+                      "scores": pa.ListArray.from_arrays(offsets, pa.array(rng.random(n, np.float32)))},
+                     schema=spec.arrow_schema)
+    file = path / "dsa_topk" / "part-000000.parquet"
+    file.parent.mkdir()
+    pq.write_table(table, file, **parquet_options(spec))
+    forge_page(file, "scores.list.element", 4096, values=1_000_000_000)
+    t = open_trace(path)
+    assert t.table("dsa_topk").num_rows == 0
+    assert any(str(file) in p and "its pages hold 1,000,000,000 values, the footer says 30,000" in p
+               for p in t.problems)
+
+
+def test_a_dictionary_page_of_more_entries_than_bytes_is_refused(tmp_path):
+    path = _trace(tmp_path)
+    file = _one_row_tokens(path)
+    forge_page(file, "piece", 4096, values=400_000_000, page_type=2)
+    with pytest.raises(PageBoundsError, match="dictionary page claims 400,000,000 entries in 4,096 bytes"):
+        check_pages(file)
+
+
+@pytest.mark.parametrize("body", [b"\xff" * 64, b"\x1c" * 64, b""])
+def test_garbage_where_a_page_header_should_be_is_one_line(tmp_path, body):
+    path = _trace(tmp_path)
+    file = _one_row_tokens(path, characters=2000)
+    meta = pq.read_metadata(file)
+    chunk = meta.row_group(0).column(2)
+    data = bytearray(file.read_bytes())
+    data[chunk.data_page_offset:chunk.data_page_offset + len(body)] = body
+    data[chunk.data_page_offset + len(body):chunk.data_page_offset + len(body) + 1] = b"\xff"
+    file.write_bytes(bytes(data))
+    with pytest.raises(PageBoundsError) as info:
+        check_pages(file)
+    assert "column piece" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_zeros_compress_to_a_few_kilobytes():
+    assert len(zeros_zstd(_BOMB)) < 64 << 10
