@@ -71,21 +71,10 @@ def find_models(extra: list[str] | None = None, search: list[Path] | None = None
 def generate_answer(session: Any, max_new: int, temperature: float) -> tuple[int, str]:
     """Generate until the chat format says the answer ended (`engine.session.chat_response`), as `workbench run`
     does; returns (tokens generated, the answer's text)."""
-    from engine.session.chat_response import ResponseReader
+    from engine.session.answer import generate_answer as answer_loop
 
-    reader = None
-    generated, text = 0, []
-    for token in session.generate(max_new_tokens=max_new, temperature=temperature):
-        generated += 1
-        if reader is None and session.tokenizer is not None:  # after generate() opened the assistant turn
-            reader = ResponseReader.after(session.tokenizer, session.tokens[:token.position])
-        if reader is not None:
-            text.append(reader.feed(token.id))
-            if reader.done:
-                break
-    if reader is not None:
-        text.append(reader.finish())
-    return generated, "".join(text)
+    answer = answer_loop(session, max_new_tokens=max_new, temperature=temperature)
+    return answer.generated, answer.text
 
 
 @dataclass(frozen=True)

@@ -201,18 +201,9 @@ class RerunResult:
 def answer_text(tokenizer: Any, context: list[int], ids: list[int]) -> str:
     """An answer's text as the runner shows it: the response the chat tags delimit (as `generate_answer`
     reads it), or the plain decoding without a tokenizer."""
-    from engine.session.chat_response import ResponseReader
+    from engine.session.answer import read_answer
 
-    if tokenizer is None:
-        return " ".join(map(str, ids))
-    reader = ResponseReader.after(tokenizer, context)
-    parts = []
-    for token in ids:
-        parts.append(reader.feed(token))
-        if reader.done:
-            break
-    parts.append(reader.finish())
-    return "".join(parts)
+    return read_answer(tokenizer, context, ids)
 
 
 def what_if_traces(trace: Path) -> tuple[Path, Path]:
