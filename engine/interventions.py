@@ -37,6 +37,7 @@ none set the layers pay one `is None` check.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -51,6 +52,14 @@ Selection = Union[str, tuple[int, ...]]
 ALL = "all"
 
 OPS = ("dsa.hide", "dsa.pin", "kda.erase", "kda.scale", "kda.suppress_writes", "moe.ban", "moe.force")
+
+# What one spec may cost, whatever its bytes (issue 42 item 9): the number of entries, and the ids all its
+# layers / heads / experts lists name together. Each entry adds a row to a table per layer it names, and
+# every forward reads every row, so the entry count bounds the work and memory of each forward.
+MAX_INTERVENTIONS = 1024
+MAX_SPEC_IDS = 1 << 16
+# a position must fit the int64 tables (an end past the context limit is clipped to it)
+MAX_POSITION = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -139,19 +148,28 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _shown(value: Any) -> str:
+    """`value` for a one-line message: its repr cut short (a spec may hold a list of a million ids)."""
+    text = repr(value) if not isinstance(value, (list, tuple)) or len(value) <= 8 else \
+        f"{list(value[:8])!r:.120}... ({len(value)} items)"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def _ids(value: Any, what: str, where: str) -> Selection:
-    if value == ALL:
+    if isinstance(value, str) and value == ALL:
         return ALL
-    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(v) and v >= 0 for v in value):
-        raise InputError(f"{where}: {what} must be \"all\" or a non-empty list of ids >= 0, got {value!r:.80}")
+    if (not isinstance(value, (list, tuple)) or not value or len(value) > MAX_SPEC_IDS
+            or not all(_is_int(v) and 0 <= v <= MAX_POSITION for v in value)):
+        raise InputError(f"{where}: {what} must be \"all\" or a non-empty list of ids >= 0 "
+                         f"(at most {MAX_SPEC_IDS}), got {_shown(value)}")
     return tuple(sorted(set(int(v) for v in value)))
 
 
 def _range(value: Any, where: str) -> tuple[int, int]:
     if (not isinstance(value, (list, tuple)) or len(value) != 2 or not all(_is_int(v) for v in value)
-            or not 0 <= value[0] < value[1]):
-        raise InputError(f"{where}: positions must be [START, END] with 0 <= START < END (end exclusive), "
-                         f"got {value!r}")
+            or not 0 <= value[0] < value[1] <= MAX_POSITION):
+        raise InputError(f"{where}: positions must be [START, END] with 0 <= START < END < 2**63 (end exclusive), "
+                         f"got {_shown(value)}")
     return int(value[0]), int(value[1])
 
 
@@ -182,13 +200,17 @@ def parse_entry(entry: Any, index: int = 0) -> Intervention:
     if "positions" in entry:
         kwargs["positions"] = _range(entry["positions"], where)
     if "at" in entry:
-        if not _is_int(entry["at"]) or entry["at"] < 0:
-            raise InputError(f"{where}: at must be a token position >= 0, got {entry['at']!r}")
+        if not _is_int(entry["at"]) or not 0 <= entry["at"] <= MAX_POSITION:
+            raise InputError(f"{where}: at must be a token position >= 0, got {_shown(entry['at'])}")
         kwargs["at"] = int(entry["at"])
     if "factor" in entry:
         factor = entry["factor"]
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not abs(factor) < float("inf"):
-            raise InputError(f"{where}: factor must be a finite number, got {factor!r}")
+        try:  # an int too large for a float is an OverflowError, not a factor
+            finite = isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise InputError(f"{where}: factor must be a finite number, got {_shown(factor)}")
         kwargs["factor"] = float(factor)
     if "experts" in entry:
         experts = _ids(entry["experts"], "experts", where)
@@ -204,8 +226,17 @@ def parse_interventions(spec: Any) -> tuple[Intervention, ...]:
         spec = parse_json(spec, "intervention spec", InputError)
     if isinstance(spec, Mapping) or not isinstance(spec, (list, tuple)):
         raise InputError(f"an intervention spec is a JSON list of objects, got {type(spec).__name__}")
-    return tuple(item if isinstance(item, tuple(_CLASSES.values())) else parse_entry(item, i)
-                 for i, item in enumerate(spec))
+    if len(spec) > MAX_INTERVENTIONS:
+        raise InputError(f"an intervention spec holds {len(spec)} entries; at most {MAX_INTERVENTIONS} "
+                         "(name several layers, heads or experts in one entry instead)")
+    items = tuple(item if isinstance(item, tuple(_CLASSES.values())) else parse_entry(item, i)
+                  for i, item in enumerate(spec))
+    named = sum(len(v) for item in items for v in (getattr(item, k, ALL) for k in ("layers", "heads", "experts"))
+                if not isinstance(v, str))
+    if named > MAX_SPEC_IDS:
+        raise InputError(f"an intervention spec names {named} layer, head and expert ids in all; at most "
+                         f"{MAX_SPEC_IDS}")
+    return items
 
 
 def _layers_of(item: Intervention, config: ModelConfig, kind: str, where: str) -> tuple[int, ...]:
@@ -244,6 +275,75 @@ def check_interventions(items: Iterable[Intervention], config: ModelConfig) -> N
         at = getattr(item, "at", None)
         if (span is not None and span[0] >= limit) or (at is not None and at >= limit):
             raise InputError(f"{where}: position beyond the model's context limit {limit}")
+    _check_routes(items, config)
+
+
+def _check_routes(items: Sequence[Intervention], config: ModelConfig) -> None:
+    """InputError when `moe.ban` / `moe.force` entries together leave a token of some MoE layer fewer experts
+    to route to than it uses (a top-k over too few would pick banned experts), or force more than it uses.
+    Bans and forces over overlapping positions add up; a forced expert is routable even when banned."""
+    routed = [(i, item) for i, item in enumerate(items) if isinstance(item, (MoeBan, MoeForce))]
+    if not routed:
+        return
+    far = config.max_position_embeddings
+    every = tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    by_layers: dict[tuple[int, ...], list[int]] = {}  # the entries acting on a layer -> those layers
+    for layer in every:
+        acting = tuple(n for n, (_, item) in enumerate(routed) if item.layers == ALL or layer in item.layers)
+        if acting:
+            by_layers.setdefault(acting, []).append(layer)
+    for acting, layers in by_layers.items():
+        # sweep the positions: at each start / end the counts of bans and forces per expert change
+        events: dict[int, list[tuple[int, int]]] = {}
+        for n in acting:
+            start, end = routed[n][1].positions or (0, far)
+            events.setdefault(start, []).append((n, 1))
+            events.setdefault(min(end, far), []).append((n, -1))
+        banned = [0] * config.num_experts
+        forced = [0] * config.num_experts
+        active: set[int] = set()
+        for position in sorted(events):
+            for n, step in events[position]:
+                item = routed[n][1]
+                counts = banned if isinstance(item, MoeBan) else forced
+                for e in item.experts:
+                    counts[e] += step
+                (active.add if step > 0 else active.discard)(n)
+            if position >= far or not active:
+                continue
+            refused = _route_shortfall(banned, forced, config)
+            if refused:
+                shown = sorted(active)
+                names = ", ".join(f"{routed[n][0]} ({routed[n][1].op})" for n in shown[:4]) + \
+                    (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+                raise InputError(f"intervention{'s' if len(shown) > 1 else ''} {names}: on MoE layer "
+                                 f"{layers[0]}{' (and ' + str(len(layers) - 1) + ' more)' if len(layers) > 1 else ''}"
+                                 f" from position {position}, {refused}")
+
+
+def _route_shortfall(banned: Sequence[int], forced: Sequence[int], config: ModelConfig) -> str | None:
+    """Why the router cannot pick `experts_per_token` experts with these per-expert ban / force counts
+    (None when it can). With group-limited routing the worst groups the router could keep are counted."""
+    k, total = config.num_experts_per_token, config.num_experts
+    n_forced = sum(1 for f in forced if f > 0)
+    if n_forced > k:
+        return f"{n_forced} experts are forced but a token uses {k} (experts_per_token)"
+    allowed = [b == 0 or f > 0 for b, f in zip(banned, forced)]
+    left = sum(allowed)
+    if left < k:
+        return (f"{total - left} of its {total} experts are banned, leaving {left} to route to, but a token uses {k} "
+                f"(experts_per_token): ban at most {total - k}")
+    groups, keep = config.num_expert_group, config.topk_group
+    if groups > 1 and keep < groups:
+        size = total // groups
+        counts = sorted(sum(allowed[g * size:(g + 1) * size]) for g in range(groups))
+        live = [c for c in counts if c >= 2]  # a group's score is its best two experts: fewer is -inf
+        dead = [c for c in counts if c < 2]
+        worst = sum(live[:keep]) + sum(dead[:max(0, keep - len(live))])
+        if worst < k:
+            return (f"the bans leave {worst} routable experts in the {keep} of {groups} expert groups the router "
+                    f"may keep, but a token uses {k} (experts_per_token)")
+    return None
 
 
 def _padded(n: int) -> int:
@@ -310,8 +410,7 @@ class KdaRule:
             return None
         hit = in_ranges(positions, self.suppress)  # [T, R]
         rows = self.suppress_heads[:, heads[0]: heads[1]]  # type: ignore[index]
-        blocked = (hit.unsqueeze(-1) & rows).any(1)  # [T, h]
-        return (~blocked).float()
+        return (~_any_hit(hit, rows)).float()
 
     def state_factor(self, position: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor | None:
         """`[h]` fp32: what the state of this rank's heads is multiplied by after the token at `position`
@@ -339,9 +438,15 @@ class MoeRule:
             if ranges is None:
                 out.append(None)
                 continue
-            hit = in_ranges(positions, ranges)  # [N, R]
-            out.append((hit.unsqueeze(-1) & experts).any(1))
+            out.append(_any_hit(in_ranges(positions, ranges), experts))
         return out[0], out[1]
+
+
+def _any_hit(hit: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`[N, R]` bool ranges hit x `[R, W]` bool rows -> `[N, W]`: some hit range's row is set. A product of
+    counts, not an `[N, R, W]` broadcast: its memory is that of the inputs and the result (counts of 0 / 1 up
+    to R are exact in fp32 on every device)."""
+    return (hit.float() @ rows.float()) > 0.5
 
 
 class InterventionPlan:
@@ -367,20 +472,24 @@ class InterventionPlan:
         ban: dict[int, list] = {}
         force: dict[int, list] = {}
         far = config.max_position_embeddings
-        for i, item in enumerate(self.items):
+        for i, item in _acting(self.items):
             where = f"intervention {i} ({item.op})"
             kind = item.op.split(".")[0]
+            span = getattr(item, "positions", None) or (0, far)
+            span = (span[0], min(span[1], far))  # no position reaches past the limit: the tables stay int64
+            mask = (self._mask(item.heads, heads) if kind == "kda" else
+                    self._mask(item.experts, experts) if kind == "moe" else None)
             for layer in _layers_of(item, config, kind, where):
                 if isinstance(item, (DsaHide, DsaPin)):
-                    (hide if isinstance(item, DsaHide) else pin).setdefault(layer, []).append(item.positions)
+                    (hide if isinstance(item, DsaHide) else pin).setdefault(layer, []).append(span)
                 elif isinstance(item, KdaSuppressWrites):
-                    suppress.setdefault(layer, []).append((item.positions, self._mask(item.heads, heads)))
+                    suppress.setdefault(layer, []).append((span, mask))
                 elif isinstance(item, (KdaErase, KdaScale)):
-                    edits.setdefault(layer, []).append((item.at, item.factor, self._mask(item.heads, heads)))
+                    edits.setdefault(layer, []).append((item.at, item.factor, mask))
                 else:
-                    span = item.positions or (0, far)
-                    (ban if isinstance(item, MoeBan) else force).setdefault(layer, []).append(
-                        (span, self._mask(item.experts, experts)))
+                    (ban if isinstance(item, MoeBan) else force).setdefault(layer, []).append((span, mask))
+        hide, pin = ({k: _union(v) for k, v in d.items()} for d in (hide, pin))
+        suppress, ban, force = ({k: _merged(v) for k, v in d.items()} for d in (suppress, ban, force))
         self.dsa: tuple[DsaRule | None, ...] = tuple(
             DsaRule(_range_table(hide[i], device) if i in hide else None,
                     _range_table(pin[i], device) if i in pin else None) if (i in hide or i in pin) else None
@@ -426,6 +535,42 @@ class InterventionPlan:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [to_json(item) for item in self.items]
+
+
+def _acting(items: Sequence[Intervention]) -> list[tuple[int, Intervention]]:
+    """The entries that change anything, with their indices: a state edit by a factor of 1 is left out (it
+    would split a prefill at its position, which is not the same computation: issue 42 item 11), and a
+    repeated read / write / route entry counts once (a repeated edit multiplies again, so it stays)."""
+    seen: set[Intervention] = set()
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, KdaScale) and item.factor == 1.0:
+            continue
+        if not isinstance(item, (KdaErase, KdaScale)):
+            if item in seen:
+                continue
+            seen.add(item)
+        out.append((i, item))
+    return out
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Key ranges as their sorted, disjoint union (hiding a key twice hides it once)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _merged(rows: list[tuple[tuple[int, int], torch.Tensor]]) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """(range, mask) rows with one row per range: the masks of one range are or-ed."""
+    by_span: dict[tuple[int, int], torch.Tensor] = {}
+    for span, mask in rows:
+        by_span[span] = by_span[span] | mask if span in by_span else mask
+    return list(by_span.items())
 
 
 def _tables(rule: DsaRule | KdaRule | MoeRule) -> tuple[torch.Tensor | None, ...]:
