@@ -33,7 +33,7 @@ from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
-from engine.session.chat_response import RESPONSE, ResponseReader
+from engine.session.answer import Answer, generate_answer
 from engine.session.sampling import SamplingParams
 from engine.session import Session
 from engine.session.transcript import RenderedChat, append_rendered, render_messages
@@ -85,8 +85,6 @@ class EngineWorker:
         self._running: Conversation | None = None  # the conversation the running job extends
         self._thread = threading.Thread(target=self._loop, name="k3wb-serve-engine", daemon=True)
         self._gen_prompt = tokenizer.chat_prompt([], add_generation_prompt=True)
-        self._tail = tokenizer.message_frame("assistant")[1]
-        self._stop_ids = {i for i in (model.config.eos_token_id, tokenizer.end_of_msg_id) if i is not None}
 
     # ---- queue ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -265,71 +263,39 @@ class EngineWorker:
 
     def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, params: SamplingParams, started: float,
                   cached: int) -> dict[str, Any]:
-        req = job.request
         session = conv.session
-        reader: ResponseReader | None = None
-        pieces: list[str] = []
-        thoughts: list[str] = []
-        ids: list[int] = []
-        finish, ttft = "length", None
+        ttft: float | None = None
 
-        def relay(text: str, thinking: str) -> None:
-            if thinking:
-                thoughts.append(thinking)
-                job.emit(("reasoning", thinking))
-            if text:
-                pieces.append(text)
-                job.emit(("delta", text))
+        def first_token(_token: Any) -> None:
+            nonlocal ttft
+            if ttft is None:
+                ttft = time.perf_counter() - started
+
+        def keep_going(_token: Any) -> bool:
+            go_on = not job.cancelled.is_set() and not self._stopping.is_set()
+            if self.channel is not None:  # only rank 0 knows whether its client is still there
+                go_on = self.channel.keep_going(go_on)
+            return go_on
 
         turn_ctx = conv.trace.turn(job.request_id) if conv.trace is not None else _NoTurn(job.request_id)
         with turn_ctx as turn:
             append_rendered(session, chat, skip=len(session.tokens))
-            tokens = session.generate(params=params, add_generation_prompt=False)
-            for tok in () if self._stopping.is_set() else tokens:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                if reader is None:  # the sections the rendered prompt leaves open (think, for a K3 prompt)
-                    reader = ResponseReader.after(self.tokenizer, session.tokens[:tok.position], stop_strings=req.stop)
-                ids.append(tok.id)
-                go_on = not job.cancelled.is_set() and not self._stopping.is_set()
-                if self.channel is not None:  # only rank 0 knows whether its client is still there
-                    go_on = self.channel.keep_going(go_on)
-                if not go_on:
-                    finish = "cancelled"
-                    break
-                text = reader.feed(tok.id)
-                relay(text, reader.take_thinking(final=reader.done))
-                if reader.done or tok.id in self._stop_ids:
-                    finish = "stop"
-                    break
+            answer = Answer()
+            if not self._stopping.is_set():
+                answer = generate_answer(session, params, stop_strings=job.request.stop, add_generation_prompt=False,
+                                         on_text=lambda text: job.emit(("delta", text)),
+                                         on_thinking=lambda text: job.emit(("reasoning", text)),
+                                         on_token=first_token, keep_going=keep_going)
+            finish = answer.finish_reason
             if self._stopping.is_set():
                 finish = "shutdown"  # stopped in its prefill or after a token: never a complete reply
-            if reader is not None and finish not in ("cancelled", "shutdown"):
-                relay(reader.finish(), reader.take_thinking(final=True))
-            turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=len(ids),
+            turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=answer.generated,
                         finish_reason=finish, ttft_s=ttft)
-        closing = self._closing_ids(ids, reader) if finish not in ("cancelled", "shutdown") else []
-        return {"content": "".join(pieces), "reasoning": "".join(thoughts), "ids": ids, "closing": closing,
+        # what closes the reply's sections and message, so the reply a client sends back renders as a
+        # complete message that extends the cached state exactly
+        closing = answer.closing_ids if finish not in ("cancelled", "shutdown") else []
+        return {"content": answer.text, "reasoning": answer.thinking, "ids": answer.ids, "closing": closing,
                 "finish_reason": finish, "ttft_s": ttft}
-
-    def _closing_ids(self, ids: list[int], reader: ResponseReader | None) -> list[int]:
-        """The ids that close what the reply left open (its sections, then the assistant message), so the
-        reply a client sends back renders as a complete message that extends the cached state exactly."""
-        tok = self.tokenizer
-        if ids and ids[-1] == tok.end_of_msg_id:
-            return []
-        closing: list[int] = []
-        sections = list(reader.sections) if reader is not None else []
-        if reader is not None and reader.done and ids and ids[-1] == tok.close_id and sections[-1:] == [RESPONSE]:
-            # the reply stopped on the `<|close|>` that ends the response: finish that tag
-            closing += tok.encode(RESPONSE) + [tok.sep_id]
-            sections.pop()
-        for name in reversed(sections):
-            if name == "message":  # the message frame's own closing tag follows
-                break
-            closing += tok.section_tag(name, False)
-        return closing + self._tail
-
 
 def _shutting_down(generated: int | None = None) -> Event:
     done = f" after {generated} generated token(s)" if generated is not None else " before it ran"

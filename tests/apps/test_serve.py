@@ -19,8 +19,9 @@ from apps.dashboard.host_guard import HostPolicy
 from apps.serve.app import AppConfig, create_app
 from apps.serve.protocol import completion_body
 from apps.serve.server import Server
-from apps.serve.worker import EngineWorker, ServeOptions
+from apps.serve.worker import ServeOptions
 from engine.session import Session
+from engine.session.answer import closing_ids
 from engine.session.chat_response import ResponseReader
 from workbench import open_trace
 from workbench.sessions import load_with_tokenizer
@@ -285,14 +286,13 @@ def test_a_k3_answer_reaches_the_client_without_its_chat_scaffold(demo_server) -
 
 def test_thinking_goes_to_reasoning_content_and_the_response_ends_the_reply(tiny) -> None:
     model, tokenizer = tiny
-    worker = EngineWorker(model, tokenizer, ServeOptions(model_name=MODEL))
     reader = ResponseReader.after(tokenizer, tokenizer.chat_prompt([]))
     ids = (tokenizer.encode("pondering 4719") + tokenizer.section_tag("think", False)
            + tokenizer.section_tag("response", True) + tokenizer.encode("It is 4719.") + [tokenizer.close_id])
     shown = "".join(reader.feed(i) for i in ids) + reader.finish()
     assert shown == "It is 4719." and reader.take_thinking(final=True) == "pondering 4719" and reader.done
     # what the server remembers for the reply: the response tag finished, then the message closed
-    closing = worker._closing_ids(ids, reader)
+    closing = closing_ids(tokenizer, ids, reader)
     assert closing == tokenizer.encode("response") + [tokenizer.sep_id] + tokenizer.message_frame("assistant")[1]
     body = completion_body("id", MODEL, shown, "stop", {}, {}, reasoning="pondering 4719")
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is 4719.",
