@@ -478,19 +478,18 @@ def answer_task(session, task: TaskPrompt, *, max_new_tokens: int = 48, temperat
     tokenizer = session.tokenizer
     session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(task.prefix),
                    name="answer prefix", kind="turn", role="assistant")
-    pieces: list[str] = []
+    from engine.session.answer import generate_answer
+
     first = len(session.tokens)
-    for i, tok in enumerate(session.generate(max_new_tokens=max_new_tokens, temperature=temperature,
-                                             add_generation_prompt=False, stop_ids=(tokenizer.close_id,))):
-        if i == 0:
-            first = tok.position
-        pieces.append(tok.text)
-    generated = "".join(pieces)
-    closed = "<|close|>" in generated
-    text = task.prefix + generated.split("<|close|>", 1)[0]
+    answer = generate_answer(session, max_new_tokens=max_new_tokens, temperature=temperature,
+                             add_generation_prompt=False, stop_ids=(tokenizer.close_id,))
+    # the format requires the response's own `<|close|>`: an end of message without it is not a closed answer
+    closed = bool(answer.ids) and answer.ids[-1] == tokenizer.close_id
+    text = task.prefix + answer.text
     value = response_value(text, task.style) or None
     correct = None if task.expected is None else bool(closed and value == task.expected)
-    return TaskAnswer(text, value, correct, len(pieces), first, closed)
+    first = answer.first_position if answer.first_position is not None else first
+    return TaskAnswer(text, value, correct, answer.generated, first, closed)
 
 
 def answer_style(model: str | Path) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine.errors import InputError
 from engine.model_ref import DEFAULT_MODEL
+from engine.session.answer import generate_answer
 from engine.presets import get_preset
 from engine.weights.write import write_checkpoint
 from workbench.retrieval_text import HELD_OUT, TRAIN, World, answer_prefix, answer_style_of, filler, response_value
@@ -271,8 +272,9 @@ def _ask(session, question: str, key: str, new_tokens: int, name: str, style: st
     prefix = answer_prefix(style, key)
     session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
                    name=f"{name} answer prefix", kind="turn", role="assistant")
-    pieces = [tok.text for tok in session.generate(max_new_tokens=new_tokens, temperature=0,
-                                                   add_generation_prompt=False, stop_ids=(tokenizer.close_id,))]
+    pieces: list[str] = []  # each token's text: the judge finds which tokens produced the value
+    generate_answer(session, max_new_tokens=new_tokens, temperature=0, add_generation_prompt=False,
+                    stop_ids=(tokenizer.close_id,), on_token=lambda tok: pieces.append(tok.text))
     return _Answer(prefix, style, pieces, len(session.tokens) - len(pieces))
 
 
