@@ -93,7 +93,7 @@ def check_span(session: Any, span: Sequence[int], *, continuation: Continuation 
     span = _span(span, end, "the span to hide")
     avoid = [span] + [_span(e, end, "an evidence span") for e in evidence]
     region = (0, end) if region is None else _span(region, end, "the controls' region")
-    chosen = "all" if layers == "all" else [int(v) for v in layers]
+    chosen = "all" if layers == "all" else tuple(int(v) for v in layers)
     draw = control_spans(span[1] - span[0], region, avoid, controls, seed)
     session.prefill()
 

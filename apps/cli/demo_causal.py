@@ -105,7 +105,7 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
     fork_at = len(base.tokens)
     spans: tuple[tuple[int, int], ...] = ()
     for label, layers in plan:
-        chosen = "all" if layers == "all" else [int(layers)]
+        chosen = "all" if layers == "all" else (int(layers),)
         found = workbench.effects(base, DsaHide(span, chosen), continuation=continuation, target=target,
                                   max_new_tokens=len(target) + _EXTRA_TOKENS)
         checked = workbench.check_span(base, span, continuation=continuation, target=target, what=f"the {subject}",

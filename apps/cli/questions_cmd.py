@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("questions", help="answer the inspector questions from a trace (figures beside chance; which memory "
                        "the answer depended on where effects were measured)")
     p.add_argument("trace", type=Path, help="trace directory")
-    p.add_argument("--needle", help="needle key positions START:END (default: a demo trace's planted needle)")
+    p.add_argument("--needle", help="needle key positions START:END (default: a demo trace's planted needle, or the fact "
+                   "a task template recorded in the trace)")
     p.add_argument("--answer", help="query positions START:END of the answer (default: the last generated segment)")
     p.add_argument("--only", choices=sorted(QUESTIONS), help="answer one question")
     p.set_defaults(func=cmd_questions)

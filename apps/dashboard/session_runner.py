@@ -142,7 +142,9 @@ class SessionRunner(pn.viewable.Viewer):
         self._list_documents()
         # the last session's branch points and model config, published once its recording closed
         self._rerun_base: tuple[RerunBase | None, Any] = (None, None)
-        self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK)
+        # a rerun writes the trace's effects table after the recording finished: wake the follower so the
+        # effects view shows it now, not after a reload
+        self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK, on_written=self._effects_written)
         self.tasks = TaskForm()
         self.tasks.sample_button.on_click(lambda _: self.add_sample_picture())
         self.tasks.param.watch(self._task_changed, "task")
@@ -358,6 +360,10 @@ class SessionRunner(pn.viewable.Viewer):
         finally:
             with self._lock:
                 self._session = None
+
+    def _effects_written(self) -> None:
+        if self.state is not None and self.state.follower is not None:
+            self.state.follower.wake()
 
     def poll(self) -> None:
         """Apply what the recording thread left (event loop only)."""

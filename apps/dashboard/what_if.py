@@ -8,8 +8,12 @@ such a rerun continues from the fork at its start: a partial prefill, never the 
 
 "Rerun last answer" runs, in a worker thread (the Bokeh event loop only applies the outcome, in
 `poll()`), `workbench.effects` from that base: the last answer's tokens scored with and without the
-intervention, both answers generated greedily, and the same for random same-size controls (a random
-span of the context, or as many random experts), so the change is shown beside what chance gives.
+intervention, both answers generated greedily, and the answer scored with each of eight random
+same-size controls (`workbench.analysis.causal.control_spans`: spans of the context that overlap
+neither the switched-off span, the recorded fact and its restatements, nor each other; or as many
+random experts), so the change is shown beside what chance gives, with its verdict in words (none
+when too few controls fit). What to switch off: a segment, a span the task template recorded (the
+fact, its restatement), or any range of positions typed as START:END.
 The result is written into the trace's effects table (`workbench.trace.effects_table`), where the
 effects view shows it. The intervention's two branches (not the controls) are also recorded, DSA
 selections only, into two small traces beside the session's trace (`what_if_traces`), and their DSA
@@ -31,6 +35,7 @@ import param
 from apps.dashboard.components.dsa_diff import diff_summary, layers_table
 from apps.dashboard.components.figures import HeatFigure
 from apps.dashboard.components.panes import AlertText, HTMLText, alert_text, html_table, set_text, text_pane
+from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
 
 HIDE_DSA = "hide it from DSA layers"
 SUPPRESS_KDA = "suppress KDA heads' writes over it"
@@ -42,8 +47,10 @@ MAX_SEGMENT_FORKS = 8
 # state at its point: at long contexts or full model sizes only the first few fit); the fork before
 # the answer is always kept
 FORK_BUDGET_BYTES = 1 << 30
-CONTROLS = 2  # random same-size controls per rerun (seeded: a rerun is deterministic)
+CONTROLS = DEFAULT_CONTROLS  # random same-size controls per rerun (seeded: a rerun is deterministic)
 CONTROL_SEED = 0
+# the selector's entry for a range of positions typed in the "positions" box
+RANGE = "a range of positions (type START:END)"
 # generated tokens per rerun branch, at most: the answer is scored in full whatever its length
 MAX_RERUN_TOKENS = 64
 # position bins of the branches' DSA difference heat map (a rerun covers only the answer's few queries)
@@ -60,6 +67,7 @@ class RerunBase:
     segments: tuple[Any, ...] = ()  # the context's segments (engine Segment)
     opening: tuple[int, ...] = ()  # ids between the context and the answer (the assistant turn opened)
     answer: tuple[int, ...] = ()  # the last answer's generated ids
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # recorded spans (the fact, restatements)
 
     def base_for(self, position: int) -> tuple[int, Any]:
         """The latest kept fork at or before `position` (a KDA rerun from a segment continues from it)."""
@@ -101,13 +109,32 @@ def segment_label(seg: Any) -> str:
     return f"{seg.name} [{seg.start}, {seg.end})"
 
 
-def random_span(length: int, region: tuple[int, int], avoid: tuple[int, int], rng: np.random.Generator) -> tuple[int, int]:
-    """A span of `length` positions inside `region` not overlapping `avoid` (inside `region` regardless, when
-    there is no such room)."""
-    starts = np.arange(region[0], max(region[0] + 1, region[1] - length + 1))
-    free = starts[(starts + length <= avoid[0]) | (starts >= avoid[1])]
-    start = int(rng.choice(free if len(free) else starts))
-    return start, start + length
+def recorded_spans(trace: Path) -> dict[str, tuple[int, int]]:
+    """The spans a task template recorded in the trace (session.json `task.spans`: the fact, its
+    restatements), by label; {} when it recorded none."""
+    from workbench.trace import open_trace
+
+    task = open_trace(trace).session.get("task")
+    spans = task.get("spans") if isinstance(task, dict) else None
+    if not isinstance(spans, dict):
+        return {}
+    return {str(k): (int(v[0]), int(v[1])) for k, v in spans.items()
+            if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 0 <= v[0] < v[1]}
+
+
+def span_label(label: str, span: tuple[int, int]) -> str:
+    return f"{label} [{span[0]}, {span[1]})"
+
+
+def parse_range(text: str, end: int) -> tuple[int, int]:
+    """'120:180' -> (120, 180), inside the context's `end` positions; ValueError naming what is wrong."""
+    try:
+        start, stop = (int(v) for v in text.replace(",", ":").split(":"))
+    except ValueError:
+        raise ValueError(f"positions: {text[:40]!r} is not START:END (token positions, end exclusive)") from None
+    if not 0 <= start < stop <= end:
+        raise ValueError(f"positions: need 0 <= START < END <= {end} (the context), got {text[:40]!r}")
+    return start, stop
 
 
 def parse_experts(text: str, num_experts: int) -> list[int]:
@@ -135,10 +162,16 @@ class Rerun:
     heads: Any
     experts: list[int] | None
     size: int
+    note: str = ""  # why fewer controls than CONTROLS fitted ("" when all did)
+    what: str = ""  # what is switched off, in words (for the verdict)
 
 
-def plan_rerun(base: RerunBase, config: Any, action: str, segment: str, layer: str, experts: str) -> Rerun:
-    """The rerun the panel's choices describe (ValueError naming a bad choice, before anything runs)."""
+def plan_rerun(base: RerunBase, config: Any, action: str, segment: str, layer: str, experts: str,
+               positions: str = "") -> Rerun:
+    """The rerun the panel's choices describe (ValueError naming a bad choice, before anything runs).
+    `segment`: a segment's label, a recorded span's label (the fact), or RANGE with `positions` typed.
+    Controls: `workbench.analysis.causal.control_spans`, never overlapping the span, the recorded
+    evidence (the fact and its restatements) or each other."""
     rng = np.random.default_rng(CONTROL_SEED)
     end = len(base.end.tokens)
     layers: Any = "all" if layer == "all" else [int(layer)]
@@ -154,27 +187,42 @@ def plan_rerun(base: RerunBase, config: Any, action: str, segment: str, layer: s
         controls = [[{"op": "moe.ban", "experts": sorted(rng.choice(others, len(banned), replace=False).tolist()),
                       "layers": layers, "positions": positions}] for _ in range(CONTROLS)]
         return Rerun(f"ban experts {banned} in layer {layer}", "moe.ban", spec, controls, None, None, layer, None,
-                     banned, len(banned))
-    seg = next((s for s in base.segments if segment_label(s) == segment or s.name == segment), None)
-    if seg is None:
-        raise ValueError(f"pick a segment of the session (got {segment!r})")
-    span = (int(seg.start), int(seg.end))
+                     banned, len(banned), what=f"experts {banned} of layer {layer}")
+    name, span = _chosen_span(base, segment, positions, end)
     if action == HIDE_DSA:
-        op, extra, region = "dsa.hide", {}, (0, end)
+        op, extra, lowest = "dsa.hide", {}, 0
     elif action == SUPPRESS_KDA:
-        op, extra, region = "kda.suppress_writes", {"heads": "all"}, (span[0], end)
-        base.base_for(span[0])  # a fork at the segment's start must be kept
+        op, extra, lowest = "kda.suppress_writes", {"heads": "all"}, span[0]
+        base.base_for(span[0])  # a fork at or before the span's start must be kept
     else:
         raise ValueError(f"unknown action {action!r}")
 
     def spec_for(s: tuple[int, int]) -> list[dict]:
         return [{"op": op, "positions": list(s), "layers": layers, **extra}]
 
-    controls = [spec_for(random_span(span[1] - span[0], region, span, rng)) for _ in range(CONTROLS)]
+    avoid = [span, *base.spans.values()]
+    draw = control_spans(span[1] - span[0], (lowest, end), avoid, CONTROLS, CONTROL_SEED)
+    if not draw.enough and lowest:  # KDA controls after the span re-run less; anywhere when too few fit there
+        draw = control_spans(span[1] - span[0], (0, end), avoid, CONTROLS, CONTROL_SEED)
     where = "every layer" if layer == "all" else f"layer {layer}"
     verb = "hidden from DSA" if op == "dsa.hide" else "KDA writes suppressed in"
-    return Rerun(f"{seg.name} {verb} {where}", op, spec_for(span), controls, seg.name, span, layer,
-                 "all" if op == "kda.suppress_writes" else None, None, span[1] - span[0])
+    what = name + ("" if layer == "all" else f" in layer {layer}")
+    return Rerun(f"{name} {verb} {where}", op, spec_for(span), [spec_for(c) for c in draw.spans], name, span, layer,
+                 "all" if op == "kda.suppress_writes" else None, None, span[1] - span[0], draw.note, what)
+
+
+def _chosen_span(base: RerunBase, choice: str, positions: str, end: int) -> tuple[str, tuple[int, int]]:
+    """(name, span) of the selector's choice: a segment, a recorded span, or a typed range."""
+    if choice == RANGE:
+        span = parse_range(positions, end)
+        return f"positions [{span[0]}, {span[1]})", span
+    seg = next((s for s in base.segments if segment_label(s) == choice or s.name == choice), None)
+    if seg is not None:
+        return seg.name, (int(seg.start), int(seg.end))
+    for label, span in base.spans.items():
+        if choice in (label, span_label(label, span)):
+            return label, span
+    raise ValueError(f"pick a segment or recorded span of the session (got {choice!r})")
 
 
 def _first_position(spec: list[dict]) -> int:
@@ -192,6 +240,7 @@ class RerunResult:
     control_changes: tuple[float, ...]  # each control's change of the total, nats
     fork_at: int
     dsa_traces: tuple[Path, Path] | None = None  # the branches' DSA recordings (plain, intervened)
+    verdict: Verdict | None = None  # the change among the controls' (`workbench.analysis.causal.verdict`)
 
     @property
     def change(self) -> float:
@@ -234,16 +283,28 @@ def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
         return workbench.effects(session, *spec, continuation=continuation, target=list(base.answer),
                                  max_new_tokens=min(len(base.answer), MAX_RERUN_TOKENS), record_to=record_to)
 
+    def control(spec: list[dict]) -> float:
+        """A control's change: only the answer scored (no answers generated, nothing recorded); a KDA
+        control continues from the kept fork at or before its span (the float rounding of another
+        prefill split is all that differs from the plain branch's)."""
+        from workbench.causal_effects import target_logprobs
+
+        session = base.end if rerun.op != "kda.suppress_writes" else base.base_for(_first_position(spec))[1]
+        return float(target_logprobs(session, spec, continuation, list(base.answer)).sum()) - plain_total
+
     traces = what_if_traces(Path(base.trace))
     traces[0].parent.mkdir(parents=True, exist_ok=True)
     found = effects(rerun.spec, record_to=traces)
-    controls = tuple(float(effects(spec).target_logprob_change) for spec in rerun.controls)
+    plain_total = float(found.plain.target_logprobs.sum())
+    controls = tuple(control(spec) for spec in rerun.controls)
+    judged = verdict(found.target_logprob_change, controls, rerun.what or rerun.description, note=rerun.note,
+                     unit="span" if rerun.span is not None else "set of experts")
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
     context = list(base.end.tokens) + opening
     return RerunResult(rerun, answer_text(tokenizer, context, found.plain.answer),
                        answer_text(tokenizer, context, found.intervened.answer),
                        tuple(text([t]) for t in base.answer), tuple(map(float, found.plain.target_logprobs)),
-                       tuple(map(float, found.intervened.target_logprobs)), controls, found.fork_at, traces)
+                       tuple(map(float, found.intervened.target_logprobs)), controls, found.fork_at, traces, judged)
 
 
 def branch_diff(result: RerunResult, extent: int) -> Any:
@@ -281,11 +342,16 @@ def token_table(result: RerunResult) -> str:
 
 def result_text(result: RerunResult) -> str:
     c = result.control_changes
-    return (f"{result.rerun.description} (rerun from the {result.fork_at:,}-token prefix)\n"
-            f"answer, plain:       {result.plain_text!r}\n"
-            f"answer, intervened:  {result.intervened_text!r}\n"
-            f"last answer's log p: {sum(result.plain):.3f} -> {sum(result.intervened):.3f} nats ({result.change:+.3f}); "
-            f"controls (random same-size): mean {np.mean(c):+.3f}, range [{min(c):+.3f}, {max(c):+.3f}]")
+    controls = (f"controls ({len(c)} random same-size, disjoint): mean {np.mean(c):+.3f}, range [{min(c):+.3f}, "
+                f"{max(c):+.3f}]" if c else "no control fitted")
+    lines = [f"{result.rerun.description} (rerun from the {result.fork_at:,}-token prefix)",
+             f"answer, plain:       {result.plain_text!r}",
+             f"answer, intervened:  {result.intervened_text!r}",
+             f"last answer's log p: {sum(result.plain):.3f} -> {sum(result.intervened):.3f} nats ({result.change:+.3f}); "
+             + controls]
+    if result.verdict is not None:
+        lines.append(f"verdict: {result.verdict.sentence}")
+    return "\n".join(lines)
 
 
 class WhatIfPanel(pn.viewable.Viewer):
@@ -295,12 +361,14 @@ class WhatIfPanel(pn.viewable.Viewer):
     action = param.Selector(default=HIDE_DSA, objects=ACTIONS, doc="what to switch off")
     layer = param.Selector(default="all", objects=["all"], doc="layer it applies to ('all' or a layer id)")
     experts = param.String(default="0", doc="experts to ban, e.g. '0, 3' (ban experts only)")
+    positions = param.String(default="", doc=f"START:END token positions to switch off (with '{RANGE}')")
     running = param.Boolean(default=False)
     message = param.String(default="")
 
     def __init__(self, base_source: Callable[[], tuple[RerunBase | None, Any]], lock: threading.Lock,
-                 **params: Any) -> None:
+                 on_written: Callable[[], None] | None = None, **params: Any) -> None:
         super().__init__(**params)
+        self._on_written = on_written  # told (event loop) when a rerun wrote the effects table: views re-read it
         self._base_source = base_source  # -> (the runner's kept base or None, the model config)
         self._lock = lock  # the runner's model lock: a rerun and a recording never share the model at once
         self._base: RerunBase | None = None
@@ -316,9 +384,10 @@ class WhatIfPanel(pn.viewable.Viewer):
         # the branches' DSA difference, drawn as the side-by-side dashboard draws two traces'
         self.last_diff: Any = None
         self.diff_summary = text_pane("", sizing_mode="stretch_width", css_classes=["k3-what-if-dsa-diff-summary"])
-        self.diff_heat = HeatFigure("Share of queries whose DSA reads changed (plain vs intervened)", "query position",
+        self.diff_heat = HeatFigure("Queries whose DSA reads changed", "query position",
                                     "DSA layer", "share changed", palette="inferno", height=200)
         self.diff_heat.mapper.update(low=0.0, high=1.0)
+        self.diff_heat.figure.visible = False  # shown with the first rerun's difference, not as an empty plot
         self.diff_table = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-what-if-dsa-diff"])
 
     def refresh(self) -> None:
@@ -328,6 +397,12 @@ class WhatIfPanel(pn.viewable.Viewer):
             return
         self._base, self._config = base, config
         labels = [segment_label(s) for s in base.segments] if base is not None else []
+        if base is not None:
+            try:
+                base.spans = base.spans or recorded_spans(base.trace)
+            except Exception:  # noqa: BLE001 - an unreadable trace only loses the recorded spans' entries
+                base.spans = {}
+            labels = [span_label(k, v) for k, v in base.spans.items()] + labels + [RANGE]
         self.param.segment.objects = labels
         self.segment = labels[0] if labels else None
         self._layers()
@@ -361,7 +436,7 @@ class WhatIfPanel(pn.viewable.Viewer):
             self.message = "error: drive a session first" if base is None else "error: a rerun is running"
             return False
         try:
-            rerun = plan_rerun(base, config, self.action, self.segment or "", self.layer, self.experts)
+            rerun = plan_rerun(base, config, self.action, self.segment or "", self.layer, self.experts, self.positions)
         except ValueError as exc:
             self.message = f"error: {exc}"
             return False
@@ -418,6 +493,8 @@ class WhatIfPanel(pn.viewable.Viewer):
             self.tokens.object = token_table(value)
             self._show_diff(diff)
             self.message = f"written to {value.rerun.description!r} in the trace's effects table"
+            if self._on_written is not None:
+                self._on_written()
         else:
             self.message = value
 
@@ -427,12 +504,14 @@ class WhatIfPanel(pn.viewable.Viewer):
         plain = self.last.dsa_traces[0] if self.last is not None and self.last.dsa_traces else ""
         set_text(self.diff_summary, diff_summary(diff, f"plain branch ({plain})"))
         self.diff_heat.update(diff.heat)
+        self.diff_heat.figure.visible = True
         self.diff_table.object = layers_table(diff.layers) if diff.layers else ""
 
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Column(
             pn.pane.Markdown("### What if"),
-            pn.widgets.Select.from_param(self.param.segment, label="Segment"),
+            pn.widgets.Select.from_param(self.param.segment, label="Segment or recorded span"),
+            pn.widgets.TextInput.from_param(self.param.positions, label="Positions (START:END, with a range)"),
             pn.widgets.Select.from_param(self.param.action, label="Switch off"),
             pn.widgets.Select.from_param(self.param.layer, label="Layer"),
             pn.widgets.TextInput.from_param(self.param.experts, label="Experts to ban"),

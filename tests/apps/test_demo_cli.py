@@ -57,18 +57,22 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     assert (trace / image["thumbnail"]).is_file() and image["image"]["grid_rows"] > 0
     assert (tmp_path / "traces" / "demo-export" / "tokens.parquet").is_file()
     assert "export (Parquet)" in out and "answer:" in out and "chance" in out
-    # the causal check after the answers: the needle's and the picture's, each with its control
+    # the causal check after the answers: the needle's and the picture's, each beside 8 disjoint controls
     checks = out.split("causal check: ")[1:]
     assert [c.split(" ", 2)[1] for c in checks] == ["needle", "picture"]
     needle_check = checks[0].splitlines()
     assert f"[{start}, {end}) hidden" in needle_check[0] and "nothing hidden" in needle_check[2]
+    assert "8 random" in needle_check[1] and "none overlapping it or each other" in needle_check[1]
     assert any("hidden from every DSA layer" in line for line in needle_check)
-    assert any(line.strip().startswith("control [") for line in needle_check)
+    verdicts = [line.strip() for line in needle_check if line.strip().startswith("hiding the needle")]
+    assert verdicts and all("8 random spans of the same size changed it by" in v for v in verdicts)
+    assert all(v.endswith(("the answer depends on the needle", "from a random span of the same size"))
+               for v in verdicts)
     # ... and its rows in the trace's effects table, for `workbench questions`
     from workbench.trace.effects_table import read_effects
 
     effects = read_effects(trace)
-    assert set(effects["check_name"]) == {"needle", "picture"} and (effects["controls"] == 1).all()
+    assert set(effects["check_name"]) == {"needle", "picture"} and (effects["controls"] == 8).all()
 
 
 def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

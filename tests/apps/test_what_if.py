@@ -14,7 +14,7 @@ import pytest
 from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
-from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, SUPPRESS_KDA, what_if_traces
+from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, RANGE, SUPPRESS_KDA, what_if_traces
 from workbench.trace.effects_table import EFFECTS_FILE, effect_row, read_effects, write_effects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,9 @@ def test_effects_view_shows_the_demos_causal_check(demo_trace: Path) -> None:
         cell = needle.cells[0][-1]
         row = table[(table["check_name"] == "needle") & (table["layer"] == "all")].iloc[0]
         assert cell.effect == pytest.approx(row["effect"]) and cell.control_mean == pytest.approx(row["control_mean"])
-        assert cell.within_control == (abs(row["effect"]) <= max(abs(row["control_min"]), abs(row["control_max"])))
+        assert row["controls"] == 8 and cell.controls == 8
+        assert cell.within_control == (cell.verdict != "depends") and cell.sentence.startswith("hiding needle ")
+        assert cell.verdict == "depends" or "not distinguishable" in cell.sentence
         view = dash.view("effects")
         assert view in dash.views() and "k3-has-data" in view.drawn_marker.object
         assert "control mean" in view.table.object and "all layers" in view.table.object
@@ -60,7 +62,7 @@ def test_effects_view_marks_chance_and_survives_a_bad_table(demo_trace: Path, tm
     dash = page.dashboard
     try:
         sweep = next(g for g in dash.state.sync().view("effects").grids if g.check == "sweep")
-        assert sweep.cells[0][0].within_control  # |-0.05| <= |-0.1|: a random span did as much
+        assert sweep.cells[0][0].within_control and sweep.cells[0][0].verdict == "no verdict"  # two controls
         assert "k3-within-control" in dash.view("effects").table.object
         (trace / EFFECTS_FILE).write_bytes(b"not parquet")
         data = dash.state.sync().view("effects")
@@ -97,6 +99,7 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     panel = runner.what_if
     base, _ = runner._rerun_base
     assert base is not None and base.answer and panel.param.segment.objects[0].startswith("notes.txt [")
+    assert panel.param.segment.objects[-1] == RANGE
     assert panel.param.layer.objects == ["all", "2", "5"]  # tiny: DSA layers 2 and 5
     panel.segment = panel.param.segment.objects[0]
     panel.layer = "all"
@@ -110,8 +113,23 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     rows = read_effects(trace)
     assert rows is not None and "what if: notes.txt hidden from DSA every layer" in set(rows["check_name"])
     row = rows[rows["check_name"] == "what if: notes.txt hidden from DSA every layer"].iloc[0]
-    assert row["effect"] == pytest.approx(result.change) and row["controls"] == 2
+    assert row["effect"] == pytest.approx(result.change) and row["controls"] == len(result.control_changes)
+    assert result.verdict is not None and "verdict: hiding notes.txt" in panel.answers.object
+    for control in result.rerun.controls:          # disjoint from the span hidden and from each other
+        start, end = control[0]["positions"]
+        assert end <= result.rerun.span[0] or start >= result.rerun.span[1]
     _branch_reads_differ_where_hidden(panel, trace, result.rerun.span)
+
+    # any range typed as START:END; a bad one is an error before anything runs
+    panel.segment = RANGE
+    panel.positions = "oops"
+    assert not panel.rerun() and panel.message.startswith("error: positions")
+    panel.positions = "3:9"
+    assert panel.rerun()
+    _wait(runner)
+    assert panel.last.rerun.span == (3, 9) and len(panel.last.control_changes) == 8
+    assert "what if: positions [3, 9) hidden from DSA every layer" in set(read_effects(trace)["check_name"])
+    panel.segment = panel.param.segment.objects[0]
 
     # KDA: writes suppressed from the segment's start on (the fork kept there); experts banned in one layer
     panel.action = SUPPRESS_KDA
@@ -129,7 +147,7 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     _wait(runner)
     assert not panel.message.startswith("error:"), panel.message
     assert panel.last.rerun.experts == [0, 1]
-    assert len(set(read_effects(trace)["check_name"])) == 3
+    assert len(set(read_effects(trace)["check_name"])) == 4
 
     panel.action = HIDE_DSA
     panel.segment = panel.param.segment.objects[1]
@@ -180,3 +198,39 @@ def test_segment_forks_stay_within_their_memory_budget(monkeypatch, tmp_path) ->
     assert base.end is not None and base.starts == {len(session.tokens): base.end}
     with pytest.raises(ValueError, match="fit in"):
         base.base_for(0)
+
+
+def test_a_rerun_shows_in_the_effects_view_without_a_reload(driven) -> None:
+    """The follower sleeps on a finished trace; a rerun's effects table wakes it (no page reload)."""
+    from apps.dashboard.views import view_reducers
+
+    runner, trace = driven
+    state = runner.state
+    state.reducers = view_reducers()  # the page's views, the effects view among them
+    (trace / EFFECTS_FILE).unlink(missing_ok=True)
+    state.follow(trace)
+    state.start()
+    assert not state.sync().view("effects").grids
+    calls = []
+    follower = state.follower
+    assert follower is not None
+    original = follower.wake
+    follower.wake = lambda: (calls.append(1), original())[1]
+    try:
+        runner.what_if.segment = runner.what_if.param.segment.objects[0]
+        runner.what_if.action = HIDE_DSA
+        runner.what_if.layer = "all"
+        assert runner.what_if.rerun()
+        _wait(runner)
+        assert calls, "the follower was not woken after the rerun wrote its effects"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state.poll()
+            data = state.frame.view("effects")
+            if data is not None and data.grids:
+                break
+            time.sleep(0.05)
+        assert data is not None and any(g.check.startswith("what if:") for g in data.grids)
+        assert state.frame.session.status == "complete"  # the finished trace's follower had been asleep
+    finally:
+        follower.wake = original

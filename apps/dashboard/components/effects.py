@@ -3,9 +3,10 @@
 One grid per check (the needle, the picture, a sweep, a "what if" rerun): rows are the memories
 switched off, columns the layers they were switched off from. A cell's colour is the effect (change of
 the target's log-probability, nats: red where it fell, blue where it rose, scaled to the grid's largest
-change); its text is the effect beside the controls' mean; hovering shows the controls' mean, min
-and max. A cell whose |effect| does not exceed the controls' range is marked "~" and drawn faint:
-a random switch-off of the same size did as much, so it is not told from chance.
+change); its text is the effect beside the controls' mean; hovering shows the verdict in words and
+the controls' mean, min and max. A cell whose effect is not a drop below every control is marked
+"~" and drawn faint (a random switch-off of the same size did as much); one with too few disjoint
+controls to judge is marked "?" (no verdict).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import panel as pn
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
+from workbench.analysis.causal import NO_VERDICT
 from workbench.analysis.views.effects_view import EffectCell, EffectsData, EffectsGrid
 
 CHANCE_MARK = "~"
+NO_VERDICT_MARK = "?"  # too few disjoint controls fitted to judge the effect
 
 
 def cell_colour(effect: float, scale: float) -> str:
@@ -32,20 +35,20 @@ def cell_colour(effect: float, scale: float) -> str:
 
 
 def cell_hover(cell: EffectCell) -> str:
-    return (f"effect {cell.effect:+.3f} nats; control mean {cell.control_mean:+.3f}, min {cell.control_min:+.3f}, "
-            f"max {cell.control_max:+.3f} ({cell.controls} random same-size switch-offs); "
-            f"log p without intervention {cell.plain:.3f}"
-            + ("; within the controls' range: chance alone gives as much" if cell.within_control else ""))
+    controls = (f"control mean {cell.control_mean:+.3f}, min {cell.control_min:+.3f}, max {cell.control_max:+.3f} "
+                f"({cell.controls} random same-size switch-offs)" if cell.controls else "no control fitted")
+    return (f"{cell.sentence or f'effect {cell.effect:+.3f} nats'}. Effect {cell.effect:+.3f} nats; {controls}; "
+            f"log p without intervention {cell.plain:.3f}")
 
 
 def cell_html(cell: EffectCell | None, scale: float) -> str:
     if cell is None:
         return ""
-    mark = f" {CHANCE_MARK}" if cell.within_control else ""
+    mark = f" {NO_VERDICT_MARK}" if cell.verdict == NO_VERDICT else f" {CHANCE_MARK}" if cell.within_control else ""
     style = f"background:{cell_colour(cell.effect, scale)};{'opacity:0.55;' if cell.within_control else ''}"
     return (f"<div class='k3-effect-cell{' k3-within-control' if cell.within_control else ''}' style='{style}' "
             f"title='{html.escape(cell_hover(cell), quote=True)}'>{cell.effect:+.2f}{mark}"
-            f"<br><small>ctl {cell.control_mean:+.2f}</small></div>")
+            f"<br><small>{f'ctl {cell.control_mean:+.2f}' if cell.controls else 'no control'}</small></div>")
 
 
 def grid_table(grid: EffectsGrid) -> str:
@@ -82,8 +85,9 @@ class EffectsView(ViewComponent):
         if data.grids:
             rows = sum(len(g.rows) for g in data.grids)
             set_text(self.summary, f"{len(data.grids)} check(s), {rows} switched-off memories. Cell: change of the "
-                                   f"target's log-probability (nats) beside the controls' mean; {CHANCE_MARK} = within "
-                                   f"the range of random same-size switch-offs (not told from chance).")
+                                   f"target's log-probability (nats) beside the controls' mean; {CHANCE_MARK} = not "
+                                   f"distinguishable from random same-size switch-offs; {NO_VERDICT_MARK} = no "
+                                   f"verdict (too few disjoint controls fitted). Hover a cell for its verdict.")
         else:
             set_text(self.summary, data.note or "no effects table yet")
         self.table.object = effects_html(data)

@@ -3,8 +3,10 @@
 Reads `effects.parquet` (`workbench.trace.effects_table`: written by `workbench demo`, notebook 09's
 sweeps and the dashboard's "what if" panel) and lays it out as one grid per check: rows are the
 memories switched off (op and segment, or op and experts), columns the layer each acted on ("all"
-last). Each cell keeps the effect beside its same-size controls, and whether the effect stays inside
-the controls' range: such an effect is one chance alone could give (house rule), and the view marks it.
+last). Each cell keeps the effect beside its same-size controls and its verdict
+(`workbench.analysis.causal.verdict_of_summary`: the answer depends on it only when the effect is a
+drop below every control, with enough controls); any other effect is one chance alone could give, or
+one too few controls can judge (house rule), and the view marks it.
 Re-read only when the file changed (its size and modification time).
 """
 
@@ -14,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.analysis.causal import DEPENDS, verdict_of_summary
 from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.trace import TraceError
 from workbench.trace.effects_table import EFFECTS_FILE, read_effects
@@ -24,8 +27,10 @@ MAX_ROWS_PER_CHECK = 200
 
 @dataclass(frozen=True)
 class EffectCell:
-    """One intervention's effect (nats) beside its controls; `within_control`: |effect| does not
-    exceed the largest |control| (chance alone could give it)."""
+    """One intervention's effect (nats) beside its controls; `within_control`: the verdict is not "the
+    answer depends on it" (chance alone could give it, or too few controls fitted to tell);
+    `verdict`: the label (`workbench.analysis.causal`: depends / not distinguishable / no verdict) and
+    `sentence` the verdict in words."""
 
     effect: float
     control_mean: float
@@ -34,6 +39,8 @@ class EffectCell:
     controls: int
     plain: float
     within_control: bool
+    verdict: str = ""
+    sentence: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,11 +88,15 @@ def _column_key(name: str) -> tuple[int, int, str]:
 def effect_cell(record: dict) -> EffectCell:
     effect = as_float(record.get("effect"))
     low, high = as_float(record.get("control_min")), as_float(record.get("control_max"))
-    bound = max(abs(low), abs(high)) if math.isfinite(low) and math.isfinite(high) else math.inf
     controls = as_float(record.get("controls"))
-    return EffectCell(effect, as_float(record.get("control_mean")), low, high,
-                      int(controls) if math.isfinite(controls) else 0,
-                      as_float(record.get("plain")), not math.isfinite(effect) or abs(effect) <= bound)
+    count = int(controls) if math.isfinite(controls) else 0
+    what = row_label(record).split(" · ", 1)[-1]
+    if str(record.get("layer")) not in ("all", "None"):
+        what += f" from layer {record.get('layer')}"
+    found = verdict_of_summary(effect, low, high, count, what,
+                               unit="set of experts" if record.get("op") == "moe.ban" else "span")
+    return EffectCell(effect, as_float(record.get("control_mean")), low, high, count, as_float(record.get("plain")),
+                      found.label != DEPENDS, found.label, found.sentence)
 
 
 def effects_grids(table: Any) -> tuple[EffectsGrid, ...]:
