@@ -18,6 +18,7 @@ import base64
 import binascii
 import io
 import re
+import tokenize
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,7 +27,9 @@ import numpy as np
 from engine.errors import InputError
 
 NPY_MAGIC = b"\x93NUMPY"
-MAX_NPY_HEADER = 1 << 16  # a 3-D integer array needs a short header; a longer one is not a capture
+MAX_NPY_HEADER = 4096  # a 3-D integer array's header takes about 120 bytes; a longer one is not a capture
+MAX_HEADER_BRACKETS = 4  # the header is a dict holding one shape tuple: the literal parser sees no deeper nesting
+MAX_SHAPE_DIGITS = 20  # digits of one dimension (int64 at most)
 WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}  # SGLang's names
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
@@ -84,7 +87,7 @@ def flat_array(text: object, dtype_name: object, rows: int, layer_choices: Seque
     if dtype_name is None:
         dtype = WIRE_DTYPES["int32"]
     elif not isinstance(dtype_name, str) or dtype_name.strip().lower() not in WIRE_DTYPES:
-        raise InputError(f"{where}: unknown dtype {dtype_name!r}; SGLang sends one of {', '.join(WIRE_DTYPES)}")
+        raise InputError(f"{where}: unknown dtype {dtype_name!r:.80}; SGLang sends one of {', '.join(WIRE_DTYPES)}")
     else:
         dtype = WIRE_DTYPES[dtype_name.strip().lower()]
     check_int_dtype(dtype, largest, what, where)
@@ -101,6 +104,19 @@ def flat_array(text: object, dtype_name: object, rows: int, layer_choices: Seque
     return RowArray(text, 0, dtype, rows, layers, width, where)
 
 
+def _check_header_text(header: str, where: str) -> None:
+    """Refuse a `.npy` header the literal parser would choke on (deep nesting: tokenizer errors and
+    recursion; a huge number: Python refuses past 4,300 digits) before handing it to the parser."""
+    brackets = sum(header.count(c) for c in "{([")
+    if brackets > MAX_HEADER_BRACKETS:
+        raise InputError(f"{where}: .npy header holds {brackets:,} brackets; a header is a dict with one shape "
+                         f"tuple ({MAX_HEADER_BRACKETS} at most)")
+    longest = max((len(run) for run in re.findall(r"[0-9]+", header)), default=0)
+    if longest > MAX_SHAPE_DIGITS:
+        raise InputError(f"{where}: .npy header holds a number of {longest:,} digits; a dimension has at most "
+                         f"{MAX_SHAPE_DIGITS}")
+
+
 def npy_array(text: object, max_rows: int, layer_choices: Sequence[int], width: int, largest: int, what: str,
               where: str) -> RowArray:
     """vLLM's base64 `.npy` payload: its header checked (3-D, C order, integers, shape the model allows)."""
@@ -113,16 +129,21 @@ def npy_array(text: object, max_rows: int, layer_choices: Sequence[int], width: 
         raise InputError(f"{where}: unknown .npy format version {major}")
     header_len = int.from_bytes(head[8:10], "little") if major == 1 else int.from_bytes(head[8:12], "little")
     offset = (10 if major == 1 else 12) + header_len
-    if header_len > MAX_NPY_HEADER or offset > size:
+    if header_len > MAX_NPY_HEADER:
+        raise InputError(f"{where}: .npy header of {header_len:,} bytes, more than the {MAX_NPY_HEADER:,} a 3-D "
+                         f"integer array's header takes")
+    if offset > size:
         raise InputError(f"{where}: .npy header of {header_len:,} bytes does not fit the payload (truncated?)")
     prefix = base64.b64decode(text[: 4 * -(-offset // 3)])[:offset]
+    _check_header_text(prefix[offset - header_len:].decode("latin-1"), where)
     try:
         fp = io.BytesIO(prefix)
         version = np.lib.format.read_magic(fp)
         reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran, dtype = reader(fp, max_header_size=MAX_NPY_HEADER)
-    except (ValueError, SyntaxError, TypeError, binascii.Error) as exc:
-        raise InputError(f"{where}: unreadable .npy header ({str(exc)[:160]})") from None
+    except (ValueError, SyntaxError, TypeError, binascii.Error, tokenize.TokenError, RecursionError,
+            MemoryError, OverflowError) as exc:
+        raise InputError(f"{where}: unreadable .npy header ({' '.join(str(exc).split())[:160]})") from None
     if fortran:
         raise InputError(f"{where}: the .npy array is in Fortran order; expected C order (as vLLM writes it)")
     if dtype.hasobject or dtype.fields is not None:
@@ -131,6 +152,8 @@ def npy_array(text: object, max_rows: int, layer_choices: Sequence[int], width: 
     if len(shape) != 3:
         raise InputError(f"{where}: expected a [tokens, layers, {width}] array, got shape {list(shape)}")
     rows, layers, got_width = shape
+    if rows < 0:
+        raise InputError(f"{where}: shape {list(shape)} has a negative row count")
     if layers not in layer_choices or got_width != width:
         allowed = " or ".join(str(n) for n in layer_choices)
         raise InputError(f"{where}: shape {list(shape)} does not match the model config: expected {allowed} layers "

@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.io.files import read_limited
 from workbench.captures.arrays import RowArray, flat_array, npy_array
+from workbench.captures.json_cost import check_json_cost
 
 ENGINES = ("vllm", "sglang")
 MAX_RESPONSES_BYTES = 16 << 30  # the responses file is parsed in memory; past this, split it per conversation
@@ -96,14 +97,16 @@ def read_responses(path: str | Path) -> list[tuple[int, Any]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text (byte {exc.start:,})") from None
+    del data
+    check_json_cost(text, str(path))  # what the parse would build, bounded before it builds it
     try:
         whole = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg != "Extra data":  # JSON Lines parse as one value followed by more
             raise InputError(f"{path}: not valid JSON or JSON Lines ({exc.msg} at line {exc.lineno})") from None
         whole = None
-    except RecursionError:
-        raise InputError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (RecursionError, ValueError) as exc:  # ValueError: a number Python will not parse
+        raise InputError(f"{path}: not valid JSON ({str(exc)[:160]})") from None
     if whole is not None:
         items = whole if isinstance(whole, list) else [whole]
         return list(enumerate(items, 1))
@@ -113,7 +116,7 @@ def read_responses(path: str | Path) -> list[tuple[int, Any]]:
             continue
         try:
             out.append((len(out) + 1, json.loads(line)))
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
             raise InputError(f"{path}: line {lineno} is not valid JSON ({str(exc)[:160]})") from None
     if not out:
         raise InputError(f"{path}: no responses in the file")
@@ -126,7 +129,7 @@ def token_ids(value: Any, where: str, vocab_size: int) -> np.ndarray:
         raise InputError(f"{where}: expected a list of token ids, got {type(value).__name__}")
     bad = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, int)), None)
     if bad is not None:
-        raise InputError(f"{where}[{bad}]: token id {value[bad]!r} is not an integer")
+        raise InputError(f"{where}[{bad}]: token id {value[bad]!r:.80} is not an integer")
     ids = np.array([v if -1 <= v <= vocab_size else -1 for v in value], dtype=np.int64)
     out = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if len(out):
@@ -151,7 +154,7 @@ def _split(raw: Any, where: str) -> tuple[dict, dict]:
 
 def _start(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{where}: expected a non-negative integer, got {value!r}")
+        raise InputError(f"{where}: expected a non-negative integer, got {value!r:.80}")
     return value
 
 
