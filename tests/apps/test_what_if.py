@@ -234,3 +234,23 @@ def test_a_rerun_shows_in_the_effects_view_without_a_reload(driven) -> None:
         assert state.frame.session.status == "complete"  # the finished trace's follower had been asleep
     finally:
         follower.wake = original
+
+
+def test_a_recorded_fact_is_offered_and_its_controls_avoid_the_evidence() -> None:
+    from types import SimpleNamespace
+
+    from apps.dashboard.what_if import RerunBase, plan_rerun, span_label
+    from engine.session.segments import Segment
+
+    seg = Segment(id=0, kind="document", name="notes.txt", start=0, end=900)
+    base = RerunBase(trace=Path("unused"), end=SimpleNamespace(tokens=[0] * 1000), segments=(seg,),
+                     spans={"the fact": (400, 412), "restatement 1": (880, 892)})
+    rerun = plan_rerun(base, None, HIDE_DSA, span_label("the fact", (400, 412)), "all", "")
+    assert rerun.span == (400, 412) and rerun.what == "the fact" and len(rerun.controls) == 8 and not rerun.note
+    spans = sorted(tuple(c[0]["positions"]) for c in rerun.controls)
+    for i, (start, end) in enumerate(spans):
+        assert end - start == 12 and (i == 0 or start >= spans[i - 1][1])
+        assert all(end <= a or start >= b for a, b in base.spans.values())
+    # the whole document leaves no room: the rerun still runs, and says why it can give no verdict
+    whole = plan_rerun(base, None, HIDE_DSA, "notes.txt", "all", "")
+    assert whole.controls == [] and "no random span of 900 tokens fit" in whole.note
