@@ -20,6 +20,7 @@ from apps.dashboard.follower import TraceFollower
 from workbench.analysis.views.kda_state import from_the_start
 from workbench.analysis import bin_mean, carry_forward, token_reads
 from workbench.trace.schema import TABLES, parquet_options
+from workbench.signals import dsa as dsa_signals
 
 BINS = 96
 
@@ -69,7 +70,7 @@ def test_dsa_map_heat_and_readout(recorded) -> None:
     reducer = DSAMapReducer()
     data = reducer.reduce(trace, ViewOptions(bins=BINS), session)
     assert data.heat.rows == tuple(config.dsa.layers) and data.heat.values.shape == (len(config.dsa.layers), BINS)
-    expected = trace.dsa_heatmap(list(config.dsa.layers), bins=BINS, end=session.extent)
+    expected = dsa_signals.heatmap(trace, list(config.dsa.layers), bins=BINS, end=session.extent, spread=True)
     np.testing.assert_allclose(np.nan_to_num(data.heat.values.astype(np.float64)), expected, rtol=1e-5)
     # beside each bin: what random picks of the recorded top-k would select there, as many in all as were read
     # (the stored 256-token bins spread the last one's count past the end of the context: a few % lost there)

@@ -55,7 +55,7 @@ def test_a_tiny_part_with_a_huge_key_bin_is_skipped_not_allocated(tmp_path, stat
     before = _peak_rss_mib()
     t = open_trace(path)
     heat = t.dsa_heatmap(bins=16)
-    assert heat.shape == (1, 16) and heat.sum() == 8
+    assert heat.shape[0] == 1 and heat.sum() == 8  # columns: at most the recording's bins (issue 42)
     assert _peak_rss_mib() - before < 200
     assert len(t.problems) == 1 and str(bad) in t.problems[0] and "key_bin" in t.problems[0]
     assert "skipped" in t.problems[0]

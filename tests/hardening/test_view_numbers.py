@@ -19,6 +19,7 @@ from engine.errors import InputError
 from workbench.analysis import (chance_of_hit, cross_layer_jaccard, faithfulness, locality, patch_reads,
                                 sink_over_time)
 from workbench.trace.schema import TABLES
+from workbench.signals import dsa as dsa_signals
 
 POLICY = {"dsa_prefill_stride": 128, "dense_mass_stride": 512, "dense_overlap": True}
 
@@ -161,7 +162,7 @@ def test_dsa_map_shows_counts_beside_chance(dashboard, demo_trace: Path) -> None
     trace = workbench.open_trace(demo_trace)
     heat, chance = frame.dsa.heat, frame.dsa.heat_chance
     assert heat.rows == (2, 5)
-    want = trace.dsa_heatmap([2, 5], bins=heat.values.shape[1], end=frame.session.extent)
+    want = dsa_signals.heatmap(trace, [2, 5], bins=heat.values.shape[1], end=frame.session.extent, spread=True)
     np.testing.assert_allclose(np.nan_to_num(heat.values), want, rtol=1e-5)  # the counts, not log(1 + count)
     # random top-64 picks of the same queries make as many selections in all as the model made
     assert chance.sum() == pytest.approx(trace.dsa_heatmap(bins=1)[0, 0], rel=1e-6)

@@ -119,4 +119,4 @@ def test_unknown_table_and_column_requests(tmp_path):
     with pytest.raises(TraceError, match="no column"):
         t.table("dsa_dense_mass", columns=["nope"])
     assert t.table("kda_norms").num_rows == 0 and t.kda_norm_matrix(0)[1].shape == (0, 0)
-    assert t.dsa_heatmap(bins=4).shape == (0, 4) and t.moe_counts_matrix().shape == (0, 0)
+    assert t.dsa_heatmap(bins=4).shape[0] == 0 and t.moe_counts_matrix().shape == (0, 0)

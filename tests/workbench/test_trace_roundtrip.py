@@ -147,7 +147,11 @@ def test_deltas_coalesce_and_sum(tmp_path):
     heat = t.dsa_heatmap(bins=6, start=0, end=96)  # stored bins of 16 tokens onto 6 bins of 16
     assert heat.shape == (2, 6) and heat[0].tolist() == [9, 0, 40, 0, 0, 8 * 0] and heat[1, 5] == 8
     assert t.dsa_heatmap(layer=7, bins=3, start=0, end=96).tolist() == [[0, 0, 8]]
-    assert np.isclose(t.dsa_heatmap(bins=12, start=0, end=96)[0, :2], [4.5, 4.5]).all()
+    capped = t.dsa_heatmap(bins=12, start=0, end=96)  # never finer than the stored 16-token bins (issue 42)
+    assert capped.shape == (2, 6) and capped[0].tolist() == [9, 0, 40, 0, 0, 0] and capped.layers == (3, 7)
+    from workbench.signals import dsa as dsa_signals  # the dashboard's screen bins spread a stored bin's count
+
+    assert np.isclose(dsa_signals.heatmap(t, bins=12, start=0, end=96, spread=True)[0, :2], [4.5, 4.5]).all()
     assert t.moe_counts_matrix().tolist() == [[0, 0, 28, 0, 0, 0, 0, 0]]
     assert t.moe_counts_matrix("image").tolist() == [[0, 0, 16, 0, 0, 0, 0, 0]]
     assert t.moe_counts_matrix(segments=[0]).sum() == 12

@@ -17,7 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from engine.probes import Emission, Marks, ProbeRequest, Sample
-from workbench.analysis.dsa import rebin_counts
+from workbench.analysis.chance import expected_key_selections
+from workbench.analysis.dsa import queries_per_position, rebin_counts
+from workbench.analysis.dsa_heatmap import DSAHeatmap, columns as heatmap_columns
 from workbench.signals.family import RecordingContext, RunningSums, SignalFamily, register
 from workbench.trace.aggregates import DenseSums
 from workbench.trace.errors import TraceCorruptError
@@ -143,9 +145,10 @@ def to_rows(ctx: RecordingContext, name: str, layer: int, rank: int, items: list
 
 # ---- reading ---------------------------------------------------------------------------------------------
 def heatmap(trace: Any, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
-            end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
-    """How often each context range was selected, per DSA layer: float64 [len(layers), bins]
-    (`Trace.dsa_heatmap` documents the arguments)."""
+            end: int | None = None, steps: tuple[int, int] | None = None, *, spread: bool = False) -> DSAHeatmap:
+    """How often each context range was selected, per DSA layer: a labelled `DSAHeatmap` (`Trace.dsa_heatmap`
+    documents the arguments). `spread` (the dashboard's screen columns): exactly `bins` equal columns,
+    a stored bin's count spread over the finer ones, and no chance row (the view computes its own)."""
     if steps is None:
         sums = trace.folded_sums("dsa_key_counts").total(by="layer")
     else:
@@ -160,9 +163,22 @@ def heatmap(trace: Any, layer: int | Sequence[int] | None = None, bins: int = 51
     if end is None:
         longest = max((len(v) for v in sums.values()), default=0) * width
         end = max(int(trace.session.get("tokens", 0)), longest, start + 1)
-    edges = np.linspace(start, end, bins + 1)
-    return np.stack([rebin_counts(sums.get(int(l), np.zeros(0, np.int64)), width, edges) for l in rows]) \
-        if rows else np.zeros((0, bins))
+    n = bins if spread else heatmap_columns(start, end, bins, width)
+    edges = np.linspace(start, end, n + 1)
+    counts = np.stack([rebin_counts(sums.get(int(l), np.zeros(0, np.int64)), width, edges) for l in rows]) \
+        if rows else np.zeros((0, n))
+    return DSAHeatmap(counts, tuple(rows), edges, width, None if spread else _chance(trace, edges, steps))
+
+
+def _chance(trace: Any, edges: np.ndarray, steps: tuple[int, int] | None) -> np.ndarray | None:
+    """Per column, the selections uniformly random picks of the recorded top-k would make for the queries
+    the trace counted (of `steps` when given): the DSA map's chance row. None without a recorded top-k."""
+    topk = trace.settings.get("topk")
+    extent = int(np.ceil(edges[-1])) if len(edges) else 0
+    if not topk or extent <= 0:
+        return None
+    sink = trace.table("dsa_sink", steps=steps, columns=["layer", "rank", "position", "queries"])
+    return expected_key_selections(queries_per_position(sink, extent), int(topk), edges)
 
 
 def topk_for(trace: Any, position: int, layers: Sequence[int] | None = None) -> pa.Table:

@@ -26,7 +26,7 @@ from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
 from apps.dashboard.components.panes import HTMLText, set_text, text_pane
-from apps.dashboard.components.token_strip import TokenStrip, link_selection
+from apps.dashboard.components.token_strip import TokenStrip, link_selection, strip_tokens
 from workbench.analysis.views import DSAMapData, HeatMap, RecordingMapData
 
 
@@ -109,7 +109,7 @@ class DSAMemoryMap(ViewComponent):
             if "reads" in self.__dict__:
                 self.reads.set_marks(session.marks)
         if "generated" in changed:
-            self.strip.tokens = [list(t) for t in session.generated]
+            self.strip.tokens = strip_tokens(session.generated)
         if "reads" in changed:
             self._show_reads(data, session)
         if "image" in changed and (data.image is not None or "image" in self.__dict__):

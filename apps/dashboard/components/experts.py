@@ -21,7 +21,7 @@ from bokeh.models import ColumnDataSource, FactorRange, FixedTicker, HoverTool, 
 from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import HeatFigure, trim
+from apps.dashboard.components.figures import HeatFigure, legend_above, trim
 from apps.dashboard.components.panes import set_text, text_pane
 from workbench.analysis.views import ExpertsData, RecordingMapData
 
@@ -51,7 +51,7 @@ class ExpertsView(ViewComponent):
         self.uniform_source = ColumnDataSource({"x": [], "y": []})
         self.bars.line(x="x", y="y", source=self.uniform_source, line_color="#333", line_dash="dashed",
                        legend_label="uniform 1/E")
-        self.bars.legend.location = "top_right"
+        legend_above(self.bars)  # inside the plot it covered the bars of the last experts
         trim(self.bars)
         self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
         self.load_mean = ColumnDataSource({"x": [], "y": []})
@@ -61,7 +61,7 @@ class ExpertsView(ViewComponent):
         self.load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
         self.load.line(x="x", y="y", source=self.load_mean, line_color="#333", line_dash="dashed",
                        legend_label="even split (mean)")
-        self.load.legend.location = "bottom_right"
+        legend_above(self.load)
         self.load.xaxis.ticker = FixedTicker(ticks=[])
         trim(self.load)
         self.load_note = text_pane("", width=320, css_classes=["k3-ep-note"])  # wraps beside the routes

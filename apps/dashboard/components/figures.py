@@ -52,6 +52,8 @@ class HeatFigure:
         else:
             self.mapper = LinearColorMapper(palette=colours, nan_color="rgba(0,0,0,0)")
         self.log_scale = log_scale
+        # the linear range this figure last chose itself; a view that fixes its own (0..1) is left alone
+        self._auto_range: tuple[float | None, float | None] = (None, None)
         self.figure = figure(title=title, height=height, sizing_mode="stretch_width", x_range=Range1d(0, 1),
                              y_range=Range1d(-0.5, 0.5), tools="xpan,xwheel_zoom,reset,save",
                              toolbar_location="above", x_axis_label=x_label, y_axis_label=y_label)
@@ -81,7 +83,8 @@ class HeatFigure:
 
     @staticmethod
     def _empty_data(values: np.ndarray | None = None) -> dict:
-        return {"image": [values if values is not None else np.zeros((1, 1), np.float32)], "x": [0.0], "y": [-0.5],
+        # nothing yet is NaN (transparent), not a zero cell that paints the whole plot the palette's darkest
+        return {"image": [values if values is not None else np.full((1, 1), np.nan, np.float32)], "x": [0.0], "y": [-0.5],
                 "dw": [1.0], "dh": [1.0], "chance": [[]]}
 
     def update(self, heat: HeatMap | None, row_labels: list[str] | None = None,
@@ -93,10 +96,10 @@ class HeatFigure:
             return
         n = len(heat.rows)
         values = np.ascontiguousarray(heat.values, dtype=np.float32)
-        if self.log_scale:
-            shown = values[np.isfinite(values) & (values > 0)]
-            low = float(shown.min()) if shown.size else 1.0
-            self.mapper.update(low=low, high=max(float(shown.max()) if shown.size else 1.0, low * 1.0001))
+        if self.log_scale or (self.mapper.low, self.mapper.high) == self._auto_range:  # not fixed by the view
+            auto = colour_range(values, self.log_scale)
+            self.mapper.update(**auto)
+            self._auto_range = (auto["low"], auto["high"])
         self.source.data = {"image": [values], "x": [heat.x0], "y": [-0.5], "dw": [heat.x1 - heat.x0],
                             "dh": [float(n)],
                             "chance": [_chance_column(chance)]}
@@ -120,6 +123,30 @@ class HeatFigure:
         """Mark segment starts (dashed vertical lines)."""
         if list(self.bounds.data.get("x", [])) != positions:
             self.bounds.data = {"x": positions}
+
+
+# a colour scale spans at least this: a near-uniform map (a short session's few stored bins spread over
+# the screen's columns, all about 8.73) would otherwise stretch 8.7280-8.7288 over the whole palette
+MIN_LOG_DECADES = 1.0
+MIN_LINEAR_SPAN = 1e-3  # relative to the largest magnitude
+
+
+def colour_range(values: np.ndarray, log_scale: bool) -> dict:
+    """The colour mapper's low/high for `values`: a log scale from the smallest count shown to the largest,
+    over at least `MIN_LOG_DECADES`; a linear scale automatic (None, None) unless it would be degenerate."""
+    finite = values[np.isfinite(values)]
+    if log_scale:
+        shown = finite[finite > 0]
+        high = float(shown.max()) if shown.size else 10.0
+        low = float(shown.min()) if shown.size else 1.0
+        return {"low": min(low, high / 10.0 ** MIN_LOG_DECADES), "high": high}
+    if not finite.size:
+        return {"low": None, "high": None}
+    low, high = float(finite.min()), float(finite.max())
+    if high - low >= MIN_LINEAR_SPAN * max(abs(low), abs(high), 1e-12):
+        return {"low": None, "high": None}
+    low, high = min(low, 0.0), max(high, 0.0)  # a constant map: from zero to its value
+    return {"low": low, "high": high if high > low else low + 1.0}
 
 
 def _chance_column(chance: np.ndarray | None) -> np.ndarray | list:
@@ -179,6 +206,17 @@ def trim(fig: figure) -> figure:
         kept = [a for a in getattr(fig, side) if not (isinstance(a, Axis) and not a.visible and id(a) not in used)]
         if len(kept) != len(getattr(fig, side)):
             setattr(fig, side, kept)
+    return fig
+
+
+def legend_above(fig: figure) -> figure:
+    """Move `fig`'s legend out of the plot area to a row above it: a legend inside covers the glyphs
+    under it (the last experts' bars), whatever corner it is put in."""
+    for legend in list(fig.legend):
+        fig.center = [c for c in fig.center if c is not legend]
+        legend.update(orientation="horizontal", location="top_left", label_text_font_size="10px", glyph_height=10,
+                      glyph_width=14, padding=2, spacing=8, margin=0, border_line_alpha=0)
+        fig.add_layout(legend, "above")
     return fig
 
 

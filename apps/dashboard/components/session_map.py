@@ -18,24 +18,43 @@ from bokeh.plotting import figure
 from apps.dashboard.components.figures import SEGMENT_COLOURS, position_format, trim
 from apps.dashboard.components.panes import HTMLText, set_text, text_pane
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.token_strip import TokenStrip, link_selection
+from apps.dashboard.components.token_strip import TokenStrip, link_selection, strip_tokens
 from workbench.analysis.views import RecordingMapData
 
 
+def conversation_size(snap: RecordingMapData) -> tuple[int, int]:
+    """(turns answered or being answered, tokens in context) of the followed session: a turn is one
+    answer (a generated segment, or an assistant message a transcript replayed); the context counts
+    every recorded token, every turn's prompt and answer."""
+    turns = sum(1 for s in snap.segments if s.get("kind") == "generated"
+                or (s.get("kind") == "turn" and str(s.get("name") or "").endswith("(assistant)")))
+    ends = [int(s.get("end") or 0) for s in snap.segments]
+    return turns, max([snap.tokens, *ends])
+
+
 def progress_text(snap: RecordingMapData) -> str:
-    """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only)."""
+    """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only); in a conversation
+    of several turns, also the turn and the whole context (the progress entry counts the last turn only)."""
     p = snap.progress
-    if not p:
-        return f"{snap.status}: {snap.tokens:,} tokens"
+    turns, context = conversation_size(snap)
     done, total = int(p.get("done") or 0), int(p.get("total") or 0)
+    # the whole context, when this turn's prefill and answer are not all of it
+    earlier = turns > 1 or context > total + int(p.get("generated") or 0)
+    counted = f"{turns:,} turns" if turns > 1 else "1 turn"
+    whole = f"conversation: {counted}, {context:,} tokens in context" if earlier and p else ""
+    if not p:
+        return f"{snap.status}: {context:,} tokens" + (f" ({turns:,} turns)" if turns > 1 else "")
     rate = float(p.get("tokens_per_s") or 0.0)
     eta = p.get("eta_s")
     if p.get("phase") == "decode" and "generated" in p:
         # while decoding, the recorder keeps the prefill's done/total and counts generated tokens apart
-        head = f"{snap.status} · decode: {int(p['generated']):,} tokens generated after a {total:,}-token prefill"
+        turn = f"turn {turns}: " if turns > 1 else ""
+        prefill = "prefill of this turn" if turns > 1 else "prefill"
+        head = (f"{snap.status} · decode: {turn}{int(p['generated']):,} tokens generated after a {total:,}-token "
+                f"{prefill}")
     else:
         head = f"{snap.status} · {p.get('phase', '?')}: {done:,} / {total:,} tokens"
-    parts = [head, f"{rate:,.1f} tokens/s"]
+    parts = [head] + ([whole] if whole else []) + [f"{rate:,.1f} tokens/s"]
     if eta is not None:
         parts.append(f"ETA {float(eta):,.0f} s")
     return " · ".join(parts)
@@ -84,7 +103,7 @@ class SessionMap(ViewComponent):
             self.figure.x_range.update(start=0, end=snap.extent)
             self.table.object = self._segment_table(segs)
         if "generated" in changed:
-            self.strip.tokens = [list(t) for t in snap.generated]
+            self.strip.tokens = strip_tokens(snap.generated)
 
     def has_data(self, data: None, session: RecordingMapData) -> bool:
         return bool(session.segments)

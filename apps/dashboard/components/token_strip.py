@@ -4,21 +4,47 @@
   which the dashboard links to the shared selection. Pieces are inserted with `textContent`, so a
   document containing `<script>` is shown as text, never parsed as HTML.
 - `WidthProbe`: reports its own pixel width, so the server bins position axes to the screen.
+- `strip_tokens(generated)`: the strip's rows; a chat's structure (control tags such as `<|close|>`
+  and the tag names between `<|open|>`/`<|close|>` and `<|sep|>`) is drawn as small grey marks
+  (still clickable, the tag in its tooltip), so "Generated text" reads as the answer.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Iterable
 
 import param
 from panel.custom import JSComponent
 
 
 STRIP_HEIGHT = 160  # pixels: about seven lines of tokens
+# a tokenizer's control pieces: <|close|>, <|sep|>, <|end_of_msg|>, [BOS], [EOS], <|media_pad|>, ...
+CONTROL_PIECE = re.compile(r"^(<\|[A-Za-z0-9_:\-]{1,40}\|>|\[(BOS|EOS|PAD|UNK)\])$")
+
+
+def strip_tokens(generated: Iterable[tuple[int, str]]) -> list[list]:
+    """[[position, piece, control], ...] for `TokenStrip.tokens`: `control` marks a chat structure
+    token (a control piece, or the tag name after `<|open|>` / `<|close|>` up to `<|sep|>`)."""
+    rows: list[list] = []
+    in_tag = False
+    for position, piece in generated:
+        control = bool(CONTROL_PIECE.match(piece))
+        if piece in ("<|open|>", "<|close|>"):
+            in_tag = True
+        elif piece == "<|sep|>" or (control and in_tag):
+            in_tag = False
+        elif in_tag:
+            control = True
+        rows.append([position, piece, control])
+    return rows
 
 
 class TokenStrip(JSComponent):
     """Clickable tokens: `tokens` is a list of [position, piece]; `selected` is the clicked position."""
 
-    tokens = param.List(default=[], doc="[[position, piece], ...] shown in order (the server caps the length)")
+    tokens = param.List(default=[], doc="[[position, piece(, control)], ...] shown in order (the server caps the "
+                                        "length); a control token is drawn as a small grey mark (`strip_tokens`)")
     selected = param.Integer(default=None, allow_None=True, doc="position of the clicked token (None: none)")
     placeholder = param.String(default="(no generated text yet)", doc="shown while there are no tokens")
 
@@ -38,7 +64,9 @@ export function render({ model, el }) {
     ' white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-all; overflow-y: auto;' +
     ' height: 100%; padding: 4px; width: 100%; box-sizing: border-box; contain: content; }' +
     ' .k3-token { cursor: pointer; border-bottom: 1px dotted #999; }' +
-    ' .k3-token.k3-selected { background: #ffd54f; }';
+    ' .k3-token.k3-selected { background: #ffd54f; }' +
+    ' .k3-token.k3-control { display: inline-block; width: 5px; height: 0.9em; margin: 0 1px; background: #ccc;' +
+    ' border: none; vertical-align: middle; overflow: hidden; color: transparent; font-size: 1px; }';
   const box = document.createElement('div');
   box.className = 'k3-tokens';
   el.append(sheet, box);
@@ -60,12 +88,12 @@ export function render({ model, el }) {
   };
   box.onmouseover = (event) => {
     const s = event.target.closest('.k3-token');
-    if (s && !s.title) { s.title = 'position ' + positions[index(s)]; }
+    if (s && !s.title) { s.title = 'position ' + positions[index(s)] + (s.dataset.tag ? ': ' + s.dataset.tag : ''); }
   };
-  const span = (piece) => {
+  const span = (piece, control) => {
     const s = document.createElement('span');
-    s.className = 'k3-token';
-    s.textContent = piece;  // text, never HTML
+    s.className = control ? 'k3-token k3-control' : 'k3-token';
+    if (control) { s.dataset.tag = piece; } else { s.textContent = piece; }  // text, never HTML
     return s;
   };
   const draw = () => {
@@ -84,7 +112,7 @@ export function render({ model, el }) {
     const extends_shown = n > 0 && n <= tokens.length && positions[0] === tokens[0][0] &&
       positions[n - 1] === tokens[n - 1][0];
     const spans = document.createDocumentFragment();
-    for (let i = extends_shown ? n : 0; i < tokens.length; i++) { spans.append(span(tokens[i][1])); }
+    for (let i = extends_shown ? n : 0; i < tokens.length; i++) { spans.append(span(tokens[i][1], tokens[i][2] === true)); }
     if (extends_shown) { box.append(spans); } else { box.replaceChildren(spans); shown = null; }
     positions = tokens.map((t) => t[0]);
     paint();

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.analysis import expected_key_selections, queries_per_position, token_reads
+from workbench.signals import dsa as dsa_signals
 from workbench.trace import Trace
 
 from workbench.analysis.views.readout import reads_html
@@ -39,9 +40,10 @@ class DSAMapData:
 
 
 def dsa_heat(trace: Trace, extent: int, bins: int) -> HeatMap:
-    """Selections per DSA layer over [0, extent) in `bins` bins; unreached bins NaN."""
+    """Selections per DSA layer over [0, extent) in `bins` screen bins; unreached bins NaN. The stored
+    bins' counts are spread over finer screen bins (`Trace.dsa_heatmap` never splits them)."""
     layers = trace.layers("dsa_key_counts")
-    heat = trace.dsa_heatmap(layers, bins=bins, end=extent) if layers else np.zeros((0, bins))
+    heat = dsa_signals.heatmap(trace, layers, bins=bins, end=extent, spread=True) if layers else np.zeros((0, bins))
     values = heat.astype(np.float32)
     read = np.flatnonzero(heat.sum(axis=0) > 0)
     values[:, (read[-1] + 1 if len(read) else 0):] = np.nan
