@@ -477,11 +477,14 @@ class Trace:
 
     def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
                     end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
-        """How often each context range was selected, per DSA layer: float64 [len(layers), bins].
+        """How often each context range was selected, per DSA layer: a float64 [len(layers), columns]
+        array, labelled (`workbench.analysis.dsa_heatmap.DSAHeatmap`: `.layers`, `.edges`, `.chance`,
+        `.ratio`, `.to_frame()`; the chance row is the DSA map's: what random top-k picks would select).
 
         Rows follow `layer` (an int or a list) or, when None, `trace.layers("dsa_key_counts")`.
-        Columns are `bins` equal ranges of [start, end) (end defaults to the session's tokens); counts
-        of stored bins (width policy.dsa_bin_tokens) are spread uniformly when rebinned. `steps`
+        Columns are `bins` equal ranges of [start, end) (end defaults to the session's tokens), but
+        never finer than the recording's bins (width policy.dsa_bin_tokens): a short session gets
+        fewer columns, and a count is split only where a column boundary cuts a stored bin. `steps`
         (inclusive) restricts to deltas of those steps, e.g. the decode phase; without it the running
         sums are used, which cost only the parts added since the last call.
         """
