@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow --save and --trace to replace a snapshot / trace written before (files you added "
                         "there are kept; nothing else is ever replaced)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill progress bar on stderr (default: for prompts of 8K tokens or more)")
+                   help="prefill progress bar on stderr (default: for prompts of 2K tokens or more, once the "
+                        "prefill has run two seconds)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="decode through the compiled step (engine.decode.step): auto = on CUDA only; on a CPU the "
                         "first use compiles for minutes (cached on disk afterwards)")

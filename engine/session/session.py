@@ -56,7 +56,10 @@ from engine.vision import ImageSource
 from engine.session.images import PreparedImage, prepare_image
 
 Observer = Callable[[str, dict], None]
-PROGRESS_MIN_TOKENS = 8192
+# a prefill this long can take seconds on a CPU (a 5.7K-token quick start waited 19 s in silence when the
+# bar started at 8K): its bar is shown once the prefill has run PROGRESS_DELAY_S, so a fast one prints nothing
+PROGRESS_MIN_TOKENS = 2048
+PROGRESS_DELAY_S = 2.0
 
 
 @dataclass
@@ -388,7 +391,8 @@ class Session:
             return None if return_logits else self.last_logits
         collected = []
         show = self.progress if self.progress is not None else total >= PROGRESS_MIN_TOKENS
-        bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, disable=not show, smoothing=0.1)
+        bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, disable=not show, smoothing=0.1,
+                   delay=PROGRESS_DELAY_S if self.progress is None else 0.0)
         started = time.perf_counter()
         done = 0
         with bar:

@@ -81,3 +81,52 @@ def test_the_cli_prints_the_picture_note_for_an_unfamiliar_picture(tmp_path: Pat
     assert out.startswith("shape: ")  # answered, in the trained format
     assert err.count("note: tri.png is 256 x 160, unlike the pictures this model was trained on") == 1, err
     assert PICTURE_HINT in err
+
+
+# --- item 15: long silent waits
+
+
+def test_a_few_thousand_token_prefill_shows_its_progress(monkeypatch, capsys) -> None:
+    """The bar started at 8K tokens: a 5.7K-token quick start waited 19 s in silence. Now a prefill of 2K
+    tokens or more shows it once it has run PROGRESS_DELAY_S (0 here); a short one still prints nothing."""
+    from engine.session import session as session_module
+
+    monkeypatch.setattr(session_module, "PROGRESS_DELAY_S", 0.0)
+    model = load_model("preset:tiny", seed=3, dtype=torch.float32)
+    for tokens, shown in ((2100, True), (600, False)):
+        session = Session(model, Tokenizer.byte_level(), prefill_chunk=1024)
+        session.append(ids=[65 + i % 26 for i in range(tokens)], name="doc")
+        session.prefill()
+        err = capsys.readouterr().err
+        assert ("prefill" in err and f"{tokens}/{tokens}" in err) == shown, (tokens, err[-300:])
+
+
+def test_the_slow_prefill_bar_waits_before_it_shows() -> None:
+    from engine.session import session as session_module
+
+    assert session_module.PROGRESS_MIN_TOKENS <= 4096 and 0 < session_module.PROGRESS_DELAY_S <= 5
+
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def test_notebook_09_says_what_it_is_doing_and_how_long_it_takes() -> None:
+    import json
+
+    cells = ["".join(c["source"]) for c in json.loads((NOTEBOOKS / "09_which_memory.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    assert "def note(" in cells[0] and "sys.__stderr__" in cells[0] and "about 7 minutes" in cells[0]
+    # every cell that runs the model for long says so first
+    slow = [c for c in cells if any(call in c for call in ("prefill()", "workbench.effects(", "workbench.attribution(",
+                                                           "load_with_tokenizer(MODEL)"))]
+    assert slow and all("note(" in c for c in slow), [c[:80] for c in slow if "note(" not in c]
+
+
+def test_every_notebook_environment_variable_is_documented() -> None:
+    import re
+
+    used = set()
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        used |= set(re.findall(r"K3WB_NOTEBOOK_[A-Z_]+", path.read_text()))
+    docs = (NOTEBOOKS.parent / "docs" / "notebooks.md").read_text()
+    assert used and all(name in docs for name in used), sorted(name for name in used if name not in docs)
