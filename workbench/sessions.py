@@ -17,15 +17,42 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 from engine import load_model
 from engine.errors import InputError
-from engine.session import Session
+from engine.session import GeneratedToken, Session
+from engine.session.sampling import SamplingParams
+from engine.session.answer import Answer, generate_answer
 from engine.tokenizer import Tokenizer
+from workbench.interventions import intervene
 from workbench.recorders import RecordPolicy, Recorder, record
 from workbench.signals import families_from_spec
 Loader = Callable[..., tuple[Any, Tokenizer]]
+
+
+@dataclass(frozen=True)
+class AnswerText:
+    """A piece of the answer's shown text, as it is read."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class AnswerThinking:
+    """A piece of the text the model wrote inside `think` (not part of the answer)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class AnswerToken:
+    """One generated token, before it is read (raw streaming, timing)."""
+
+    token: GeneratedToken
+
+
+AnswerEvent = AnswerText | AnswerThinking | AnswerToken
 
 
 @dataclass
@@ -40,6 +67,31 @@ class RecordedSession:
 
     session: Session
     recorder: Recorder | None
+
+    def answer(self, params: SamplingParams | None = None, *, interventions: Sequence[Any] = (),
+               stop_strings: Sequence[str] = (), on_event: Callable[[AnswerEvent], None] | None = None,
+               keep_going: Callable[[GeneratedToken], bool] | None = None, **overrides: Any) -> Answer:
+        """Generate one answer (`engine.session.answer.generate_answer`: until the chat response ends)
+        with `interventions` active for it (`workbench.intervene`: checked before anything runs) and
+        each piece handed to `on_event` as a typed event. Sampling as `Session.generate` takes it."""
+        emit = on_event or (lambda event: None)
+        # none given: whatever is active on the session stays as it is (an empty intervene would clear it)
+        with intervene(self.session, *interventions) if interventions else contextlib.nullcontext():
+            return generate_answer(self.session, params, stop_strings=stop_strings, keep_going=keep_going,
+                                   on_text=lambda text: emit(AnswerText(text)),
+                                   on_thinking=lambda text: emit(AnswerThinking(text)),
+                                   on_token=(lambda token: emit(AnswerToken(token))) if on_event else None,
+                                   **overrides)
+
+
+def open_session(model: Any, tokenizer: Tokenizer | None, *, model_name: str, prefill_chunk: int = 2048,
+                 progress: bool | None = None, snapshot: str | Path | None = None) -> Session:
+    """A `Session` on an already loaded model (fresh, or continued from `snapshot`): how every front door
+    gets one (the server's conversations, drive mode's cached models), never by building it itself."""
+    options = dict(prefill_chunk=prefill_chunk, model_name=model_name, progress=progress)
+    if snapshot is not None:
+        return Session.load(snapshot, model, tokenizer, **options)
+    return Session(model, tokenizer, **options)
 
 
 def builtin_models() -> list[str]:
@@ -86,11 +138,8 @@ def recorded_session(model_ref: str | Path, trace: str | Path | None, *, snapsho
             raise InputError(f"families: a non-empty list of signal families (or None for all); got {families!r:.80}")
         families_from_spec(",".join(map(str, families)))
     model, tokenizer = loader(model_ref, **load_options)
-    options = dict(prefill_chunk=prefill_chunk, model_name=str(model_ref), progress=progress)
-    if snapshot is not None:
-        session = Session.load(snapshot, model, tokenizer, **options)
-    else:
-        session = Session(model, tokenizer, **options)
+    session = open_session(model, tokenizer, model_name=str(model_ref), prefill_chunk=prefill_chunk,
+                           progress=progress, snapshot=snapshot)
     if trace is None:
         yield RecordedSession(session, None)
         return

@@ -17,7 +17,7 @@ from typing import Sequence, TextIO
 
 from apps.cli.model_cmds import DTYPES, add_parallel_args
 from apps.cli.run_task import add_task_args, free_form_notice, prepare_task, resolve_card_defaults, run_task
-from engine.session.answer import Answer, generate_answer
+from engine.session.answer import Answer
 from engine.errors import InputError
 from engine.io.inputs import read_prompt_file
 from engine.parallel import ParallelContext, distributed
@@ -25,8 +25,8 @@ from engine.session.sampling import SamplingParams
 from engine.session import Session
 from engine.session.snapshot import check_target as check_snapshot_target
 from engine.session.transcript import read_transcript
-from workbench import intervene, load_intervention_spec
-from workbench.sessions import recorded_session
+from workbench import load_intervention_spec
+from workbench.sessions import AnswerEvent, AnswerText, AnswerToken, RecordedSession, recorded_session
 from workbench.signals import families_from_spec
 from workbench.trace import check_trace_target
 
@@ -155,24 +155,28 @@ def write_dashboard_summaries(trace: Path) -> None:
         print(f"dashboard summaries written ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 
-def stream_answer(session: Session, params: SamplingParams, out: TextIO, *, raw: bool = False,
-                  stop_strings: Sequence[str] = (), chat: bool = False) -> Answer:
-    """Generate (`engine.session.answer`) and write the answer to `out` as it comes: the response text
-    (every token's text with `raw`), ending where the chat format says the response ends or at a stop
-    string. `chat`: when nothing was printed (the model wrote only chat tags or thinking), say so on stderr."""
-    if session.tokenizer is None:
+def stream_answer(run: RecordedSession, params: SamplingParams | None, out: TextIO, *, raw: bool = False,
+                  stop_strings: Sequence[str] = (), chat: bool = False, interventions: Sequence = ()) -> Answer:
+    """Generate the run's answer (`RecordedSession.answer`, with `interventions` active) and write it to
+    `out` as it comes: the response text (every token's text with `raw`), ending where the chat format
+    says the response ends or at a stop string. `chat`: when nothing was printed (the model wrote only
+    chat tags or thinking), say so on stderr."""
+    tokenizer = run.session.tokenizer
+    if tokenizer is None:
         raise InputError("this model has no tokenizer files: its output cannot be printed as text")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def write(text: str) -> None:
+    def write(event: AnswerEvent) -> None:
+        if raw and isinstance(event, AnswerToken):
+            text = decoder.decode(tokenizer.encoding.decode_single_token_bytes(event.token.id))
+        elif not raw and isinstance(event, AnswerText):
+            text = event.text
+        else:
+            return
         out.write(text)
         out.flush()
 
-    def write_raw(token) -> None:
-        write(decoder.decode(session.tokenizer.encoding.decode_single_token_bytes(token.id)))
-
-    answer = generate_answer(session, params, stop_strings=stop_strings, on_text=None if raw else write,
-                             on_token=write_raw if raw else None)
+    answer = run.answer(params, interventions=interventions, stop_strings=stop_strings, on_event=write)
     out.write((decoder.decode(b"", final=True) if raw else "") + "\n")
     if chat and not raw and not answer.text and answer.hidden_tokens:
         print(f"note: the model wrote no response text ({answer.hidden_tokens} tokens of chat tags or thinking, "
@@ -215,9 +219,9 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
             _append_prompt(session, args, prompt)
             if args.notice and ctx.is_leader:  # once, before the answer: what this model can and cannot answer
                 print(args.notice, file=sys.stderr, flush=True)
-            with intervene(session, *args.interventions):  # segment names resolve to the prompt's segments
-                stream_answer(session, params, out, raw=args.raw, stop_strings=args.stop,
-                              chat=(args.chat or args.system is not None) and ctx.is_leader)
+            # interventions after the prompt: segment names resolve to the prompt's segments
+            stream_answer(run, params, out, raw=args.raw, stop_strings=args.stop, interventions=args.interventions,
+                          chat=(args.chat or args.system is not None) and ctx.is_leader)
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)
         write_dashboard_summaries(args.trace)

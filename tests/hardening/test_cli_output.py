@@ -70,11 +70,12 @@ def test_thinking_before_the_response_is_not_printed() -> None:
     import io
 
     from apps.cli.run_cmd import stream_answer
+    from workbench.sessions import RecordedSession
 
     tok = ScriptedSession([]).tokenizer
     session = ScriptedSession(tok.encode("let me think") + tok.response_prefix("42") + [tok.close_id] + tok.encode("x"))
     out = io.StringIO()
-    stream_answer(session, None, out, chat=True)
+    stream_answer(RecordedSession(session, None), None, out, chat=True)
     assert out.getvalue() == "42\n" and session.tokens[-1] == tok.close_id  # nothing generated past the close
 
 
