@@ -55,7 +55,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
-                           "workbench.attribution", "workbench.causal_check",
+                           "workbench.attribution", "workbench.causal",
                            "workbench.__main__", "workbench.conversation_trace")),
     # the follower and the frame every view draws; below the components that watch it
     ("apps dashboard state", ("apps.dashboard.follower",)),

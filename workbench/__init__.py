@@ -20,7 +20,7 @@ Public API:
 - `attribution(session, segments, continuation=, target=)`: which memory the answer depends on: each
   segment hidden from each DSA layer (KDA writes suppressed, answer experts banned), beside same-size controls.
 - `check_span(session, span, continuation=task)`: did the answer use this span? It hidden beside random
-  same-size controls, with the verdict in one sentence (`workbench.causal_check`).
+  same-size controls, with the verdict in one sentence (`workbench.causal`).
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
@@ -46,7 +46,7 @@ _EXPORTS = {
     "recorded_session": "workbench.sessions", "show": "workbench.inline",
     "intervene": "workbench.interventions", "effects": "workbench.causal_effects", "Effects": "workbench.causal_effects",
     "load_intervention_spec": "workbench.interventions",
-    "attribution": "workbench.attribution", "check_span": "workbench.causal_check",
+    "attribution": "workbench.attribution", "check_span": "workbench.causal.check",
     "ConversationTrace": "workbench.conversation_trace",
 }
 

@@ -9,7 +9,7 @@
    --no-show), then run the session under `workbench.record(...)`: prefill progress, the memory
    maps and the generated answer appear live.
 4. Print the answer, whether it is right, and which DSA layers read the needle for the answer
-   tokens beside their chance baselines; then the causal check (`apps.cli.demo_causal`): the answer
+   tokens beside their chance baselines; then the causal check (`workbench.causal.demo_check`): the answer
    rerun from the shared prefix with the needle (the picture) hidden from its top reading DSA layer,
    from every DSA layer, and a same-size random span hidden as the control; keep serving until Ctrl-C.
 
@@ -224,7 +224,7 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
     if image_answer is not None and image is not None:
         found["image"] = {**_judge(image_answer, picture.attributes[IMAGE_ATTRIBUTE], topk, image), "span": image}
     if causal:
-        from apps.cli.demo_causal import causal_check
+        from workbench.causal.demo_check import causal_check
 
         region = (documents[0][0], documents[-1][1])
         found["causal"] = [causal_check(bases["needle"], subject="needle", question=words.question, key=words.key,
@@ -235,7 +235,7 @@ def record_demo(model: str | Path, trace: Path, tokens: int, new_tokens: int, pr
                                                 key=IMAGE_ATTRIBUTE, style="key", expected=found["image"]["expected"],
                                                 span=image, region=region, readers=found["image"]["readers"]))
         found["causal_seconds"] = time.perf_counter() - started - elapsed
-        from apps.cli.demo_causal import effects_rows
+        from workbench.causal.demo_check import effects_rows
         from workbench.trace.effects_table import write_effects
 
         # `workbench questions` answers "which memory did the answer depend on?" from these rows
@@ -310,7 +310,7 @@ def report_lines(found: dict) -> list[str]:
     if "image" in found:
         lines += _answer_lines(found["image"], "image answer", "the picture shows", "the picture")
     if found.get("causal"):
-        from apps.cli.demo_causal import check_lines
+        from workbench.causal.demo_check import check_lines
 
         for check in found["causal"]:
             lines += check_lines(check)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from apps.cli import main
-from apps.cli.demo_causal import CausalCheck, CheckRow, check_lines, effects_rows, top_reader
+from workbench.causal.demo_check import CausalCheck, CheckRow, check_lines, effects_rows, top_reader
 from apps.cli.demo_cmd import PASSCODE, answer_queries, build_documents, report_lines, wording
 
 

@@ -185,9 +185,8 @@ def test_segment_forks_stay_within_their_memory_budget(monkeypatch, tmp_path) ->
     (the fork before the answer always is), and a KDA rerun past them says why."""
     from engine import load_model
     from engine.session import Session
-    from apps.dashboard import what_if
-
     from engine.tokenizer import Tokenizer
+    from workbench.causal import reruns as what_if
 
     model = load_model("preset:tiny")
     session = Session(model, Tokenizer.byte_level())
@@ -239,7 +238,7 @@ def test_a_rerun_shows_in_the_effects_view_without_a_reload(driven) -> None:
 def test_a_recorded_fact_is_offered_and_its_controls_avoid_the_evidence() -> None:
     from types import SimpleNamespace
 
-    from apps.dashboard.what_if import RerunBase, plan_rerun, span_label
+    from workbench.causal.reruns import RerunBase, plan_rerun, span_label
     from engine.session.segments import Segment
 
     seg = Segment(id=0, kind="document", name="notes.txt", start=0, end=900)

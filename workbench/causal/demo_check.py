@@ -1,4 +1,4 @@
-"""The demo's causal check: does the answer depend on what the reading DSA layers read?
+"""The demo's causal check (`workbench demo`): does the answer depend on what the reading DSA layers read?
 
 After an answer, the demo reruns its question from the shared prefix (a fork of the session taken
 just before the question, so the long context is prefilled once):
@@ -7,7 +7,7 @@ just before the question, so the long context is prefilled once):
 - the span hidden from every DSA layer;
 - beside each, the controls: `workbench.analysis.causal.DEFAULT_CONTROLS` random spans of the same
   length in the documents, never overlapping the span or each other, hidden from the same layers
-  (`workbench.check_span`). An effect is only an effect beside what hiding any span of that size
+  (`workbench.causal.check.check_span`). An effect is only an effect beside what hiding any span of that size
   does; each row ends with the verdict in plain words, or "no verdict" when too few controls fit.
 
 Each row is the branch's answer and the log-probability of the expected value under it, both
@@ -82,7 +82,8 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
     """Rerun `question` from `base` (a session holding the shared prefix: left as it is, the branches
     are forks) plainly and with `span` hidden; see the module doc. `region`: where the control spans
     may lie (the documents); `readers`: `layers_reading` rows of the answer, for the top reader."""
-    import workbench
+    from workbench.causal.check import check_span
+    from workbench.causal_effects import effects
 
     tokenizer = base.tokenizer
     prefix = answer_prefix(style, key)
@@ -106,9 +107,9 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
     spans: tuple[tuple[int, int], ...] = ()
     for label, layers in plan:
         chosen = "all" if layers == "all" else (int(layers),)
-        found = workbench.effects(base, DsaHide(span, chosen), continuation=continuation, target=target,
+        found = effects(base, DsaHide(span, chosen), continuation=continuation, target=target,
                                   max_new_tokens=len(target) + _EXTRA_TOKENS)
-        checked = workbench.check_span(base, span, continuation=continuation, target=target, what=f"the {subject}",
+        checked = check_span(base, span, continuation=continuation, target=target, what=f"the {subject}",
                                        layers=chosen, region=region, controls=controls)
         fork_at, spans = found.fork_at, checked.controls
         if not rows:  # the plain branch is the same for every intervention: shown once

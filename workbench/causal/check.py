@@ -14,7 +14,7 @@ span hidden from DSA reads needs no re-prefill. The verdict (`workbench.analysis
 ranks the effect among the controls and says in one sentence whether the answer depends on the span;
 where too few controls fit, it says so and gives none.
 
-The demo's causal check (`apps.cli.demo_causal`) and drive mode's "what if" panel use this function.
+The demo's causal check (`workbench.causal.demo_check`) uses this function.
 """
 
 from __future__ import annotations
