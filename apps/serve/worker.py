@@ -35,8 +35,8 @@ from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
 from engine.session.answer import Answer, generate_answer
 from engine.session.sampling import SamplingParams
-from engine.session import Session
 from engine.session.transcript import RenderedChat, append_rendered, render_messages
+from workbench.sessions import open_session
 
 Event = tuple
 
@@ -201,8 +201,8 @@ class EngineWorker:
     def _new_conversation(self, owner: str) -> Conversation:
         self._conversations += 1
         conv_id = f"conv-{self._conversations:04d}-{secrets.token_hex(3)}"
-        session = Session(self.model, self.tokenizer, prefill_chunk=self.options.prefill_chunk,
-                          model_name=self.options.model_name, progress=False)
+        session = open_session(self.model, self.tokenizer, prefill_chunk=self.options.prefill_chunk,
+                               model_name=self.options.model_name, progress=False)
         conv = Conversation(conv_id, session, owner=owner)
         if self.options.trace_root is not None:
             from workbench import ConversationTrace  # recording machinery loads only when recording
