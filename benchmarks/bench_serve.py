@@ -1,14 +1,21 @@
 """`workbench serve` against the engine in-process, side by side in one run (the real `openai` client on 127.0.0.1).
 
-1. Server overhead per streamed token: the same greedy decode (a short chat prompt, `--decode` tokens)
+1. Server overhead per streamed token: the same greedy decode (the find-fact question about a short
+   document, below, `--decode` tokens)
    through `Session.generate` in this process and streamed from the server; per token = the time
    from the first streamed token to the last over the tokens between them. Alternated over
    `--repeats` rounds, best of each kept, so a busy machine biases both alike.
-2. TTFT of turn 2 with and without prefix reuse: turn 1 is a user message holding a `--tokens`-token
-   document; turn 2 sends the whole conversation back with a short question. With reuse, the server
-   continues turn 1's state and prefills only what is new; without (a second server keeping no
-   state, `cache_bytes=0`), it prefills every token again. TTFT is measured on the client (request
-   sent -> first content chunk).
+2. TTFT of turn 2 with and without prefix reuse: turn 1 asks the find-fact template's question
+   (`workbench.task_templates.fact_task`: the trained system line, a `--tokens`-token document
+   holding the fact in the trained wording, the trained question), which builtin:demo answers with
+   text; turn 2 sends the whole conversation back, reply included, with the question again. With
+   reuse, the server continues turn 1's state and prefills only what is new; without (a second
+   server keeping no state, `cache_bytes=0`), it prefills every token again. TTFT is measured on
+   the client (request sent -> first content chunk).
+
+Every figure is a measurement or the run fails (exit 1, one line saying which): a reply with no
+text, a TTFT or per-token time that could not be measured, turn 2 reusing nothing. It never prints
+`nan`, and never stands in for a reply the model did not give.
 
     python benchmarks/bench_serve.py --tokens 32768 --decode 64     # builtin:demo
     python benchmarks/bench_serve.py --model preset:tiny --tokens 2048 --decode 32 --repeats 2   # a quick check
@@ -19,7 +26,9 @@ Nothing is recorded (the server's `--no-record`), so both sides run the same wor
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import sys
 import time
 
 import openai
@@ -32,21 +41,36 @@ from apps.serve.worker import ServeOptions
 from engine.session import Session
 from measure import filler_ids
 from workbench.sessions import load_with_tokenizer
+from workbench.task_templates import fact_task
 
-QUESTION = [{"role": "user", "content": "Summarise the document in one sentence."}]
+FACT_KEY, FACT_VALUE = "vault code", "4719"
+REPLY_TOKENS = 48  # room for the chat scaffold the reply opens with (about 20 tokens), and then its text
+SHORT_DOCUMENT = 64  # tokens of the document of the per-token comparison's prompt
 
 
-def in_process(model, tokenizer, decode: int, chunk: int) -> float:
+class BenchFailure(RuntimeError):
+    """A figure the run could not measure: the benchmark stops and says which."""
+
+
+def measured(value: float | None, what: str) -> float:
+    """`value` when it is a real measurement (finite, >= 0); BenchFailure naming `what` otherwise."""
+    if value is None or not math.isfinite(value) or value < 0:
+        raise BenchFailure(f"{what} was not measured (got {value}); nothing is reported")
+    return value
+
+
+def in_process(model, tokenizer, messages: list[dict], decode: int, chunk: int) -> float:
     """Seconds per decoded token of `Session.generate` after the same prompt the server gets."""
     session = Session(model, tokenizer, prefill_chunk=chunk, progress=False)
-    session.append_messages(QUESTION, add_generation_prompt=True)
+    session.append_messages(messages, add_generation_prompt=True)
     stamps = [time.perf_counter() for _ in session.generate(decode, temperature=0, add_generation_prompt=False,
                                                             stop_ids=())]
     return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
 
 
 def streamed(client: openai.OpenAI, model_id: str, messages: list[dict], max_tokens: int) -> dict:
-    """(TTFT, seconds per token after the first, tokens, reply text, cached tokens) of one streamed request."""
+    """(TTFT, seconds per token after the first, tokens, reply text, cached tokens) of one streamed request;
+    BenchFailure when the reply holds no text (there is then no first token to time)."""
     sent = time.perf_counter()
     stamps, text, usage = [], "", None
     for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
@@ -56,11 +80,25 @@ def streamed(client: openai.OpenAI, model_id: str, messages: list[dict], max_tok
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             usage = chunk.usage
-    tokens = usage.completion_tokens if usage else len(stamps)
-    per_token = (stamps[-1] - stamps[0]) / max(tokens - 1, 1) if len(stamps) > 1 else float("nan")
-    return {"ttft_s": stamps[0] - sent if stamps else float("nan"), "per_token_s": per_token, "tokens": tokens,
-            "text": text, "cached": usage.prompt_tokens_details.cached_tokens if usage else 0,
-            "prompt": usage.prompt_tokens if usage else 0}
+    if usage is None:
+        raise BenchFailure("the server sent no usage chunk (stream_options include_usage)")
+    if not stamps:
+        raise BenchFailure(f"the reply had no text in {max_tokens} tokens (ask something the model answers, or "
+                           "more tokens); no TTFT to report")
+    tokens = usage.completion_tokens
+    # between the first and the last text chunk (one a token; the chat scaffold's tokens send none)
+    per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {"ttft_s": stamps[0] - sent, "per_token_s": per_token, "tokens": tokens, "text": text,
+            "cached": usage.prompt_tokens_details.cached_tokens, "prompt": usage.prompt_tokens}
+
+
+def fact_conversation(tokenizer, tokens: int) -> list[dict]:
+    """Turn 1: the find-fact template around a `tokens`-token document (a question builtin:demo answers)."""
+    document = tokenizer.decode(filler_ids(tokens, tokenizer.encode))
+    task = fact_task([("document", document)], FACT_KEY, FACT_VALUE)
+    return ([{"role": "system", "content": task.system}]
+            + [{"role": "user", "content": text} for _, text in task.documents]
+            + [{"role": "user", "content": task.question}])
 
 
 def start_server(model, tokenizer, name: str, chunk: int, cache_bytes: int) -> tuple[Server, openai.OpenAI]:
@@ -71,7 +109,16 @@ def start_server(model, tokenizer, name: str, chunk: int, cache_bytes: int) -> t
     return server, openai.OpenAI(base_url=server.url, api_key="bench", max_retries=0, timeout=3600)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(argv)
+    except BenchFailure as exc:
+        print(f"bench_serve: FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:demo")
     ap.add_argument("--tokens", type=int, default=32768, help="document tokens in turn 1")
@@ -79,17 +126,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.decode < 2 or args.tokens < 1 or args.repeats < 1:
+        ap.error("--decode must be at least 2 (a time per token needs two tokens), --tokens and --repeats at least 1")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_with_tokenizer(args.model)
     warm, warm_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 64 << 30)
     cold, cold_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 0)
     try:
         local, served = [], []
+        short = fact_conversation(tokenizer, SHORT_DOCUMENT)
         for _ in range(args.repeats):
-            local.append(in_process(model, tokenizer, args.decode, args.prefill_chunk))
-            # a fresh question each round: the server prefills it cold, like the in-process session
-            served.append(streamed(cold_client, args.model, QUESTION, args.decode)["per_token_s"])
+            local.append(measured(in_process(model, tokenizer, short, args.decode, args.prefill_chunk) or None,
+                                  "the in-process time per token"))
+            # the server keeping no state prefills the question cold each round, like the in-process session
+            served.append(measured(streamed(cold_client, args.model, short, args.decode)["per_token_s"],
+                                   "the streamed time per token (the reply needs two text chunks)"))
         best_local, best_served = min(local), min(served)
         print(f"decode per token, best of {args.repeats} ({args.model}, {args.decode} tokens, greedy):")
         print(f"  Session.generate in process   {best_local * 1e3:8.2f} ms  (median {statistics.median(local) * 1e3:.2f})")
@@ -97,12 +149,15 @@ def main() -> None:
         print(f"  server overhead per token     {(best_served - best_local) * 1e3:8.2f} ms "
               f"({(best_served / best_local - 1) * 100:+.1f}%)")
 
-        document = tokenizer.decode(filler_ids(args.tokens, tokenizer.encode))
-        turn1 = [{"role": "user", "content": document}]
-        first = streamed(warm_client, args.model, turn1, 8)
-        turn2 = turn1 + [{"role": "assistant", "content": first["text"] or "ok"}] + QUESTION
-        reused = streamed(warm_client, args.model, turn2, 4)
-        again = streamed(cold_client, args.model, turn2, 4)
+        turn1 = fact_conversation(tokenizer, args.tokens)
+        first = streamed(warm_client, args.model, turn1, REPLY_TOKENS)
+        turn2 = turn1 + [{"role": "assistant", "content": first["text"]}] + turn1[-1:]
+        reused = streamed(warm_client, args.model, turn2, REPLY_TOKENS)
+        again = streamed(cold_client, args.model, turn2, REPLY_TOKENS)
+        if reused["cached"] <= 0:
+            raise BenchFailure("turn 2 reused no cached tokens from turn 1: the prefix cache did not apply")
+        for name, result in (("turn 1", first), ("turn 2 with reuse", reused), ("turn 2 without reuse", again)):
+            measured(result["ttft_s"], f"the TTFT of {name}")
         print(f"\nturn 2 of a conversation with a {args.tokens}-token document ({args.model}):")
         print(f"  turn 1 (cold)                 TTFT {first['ttft_s']:8.2f} s   prompt {first['prompt']} tokens")
         print(f"  turn 2, prefix reused         TTFT {reused['ttft_s']:8.2f} s   prompt {reused['prompt']} tokens, "
@@ -116,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
