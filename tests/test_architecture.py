@@ -248,3 +248,66 @@ def test_the_big_floors_are_split() -> None:
     assert floor_of("apps.dashboard.follower") < floor_of("apps.dashboard.components.base") \
         < floor_of("apps.dashboard.views") == floor_of("apps.dashboard.app")
     assert floor_of("engine.errors") < floor_of("engine.config") < floor_of("engine.ops.kda")
+
+
+# ---- the run core stays the only way in --------------------------------------------------------------
+FRONT_DOORS = ("apps",)
+# where each piece of the run core lives: nothing else may do it again
+ANSWER_LOOP = "engine.session.answer"          # the only `ResponseReader.after`
+MODEL_REF = "engine.model_ref"                  # the only reader of `preset:` / `builtin:` prefixes
+SESSION_OPENER = "workbench.sessions"           # the only front door to `Session(...)` / `Session.load(...)`
+FAMILY_NAMES = {"dsa", "kda", "moe"}
+
+
+def _calls(module: str) -> list[tuple[str, ast.Call]]:
+    """(dotted callee, call) of every call in `module` (`Session`, `ResponseReader.after`, `x.startswith`)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            out.append((".".join(reversed(parts)), node))
+    return out
+
+
+def test_only_the_answer_loop_reads_where_an_answer_ends() -> None:
+    readers = sorted({m for m in MODULES for callee, _ in _calls(m) if callee.endswith("ResponseReader.after")})
+    assert readers == [ANSWER_LOOP], readers
+
+
+def test_no_front_door_opens_a_session_itself() -> None:
+    doors = sorted({m for m in MODULES if m.split(".")[0] in FRONT_DOORS
+                    for callee, _ in _calls(m) if callee in ("Session", "Session.load")})
+    assert doors == [], f"{doors} open a Session themselves: use {SESSION_OPENER} (recorded_session / open_session)"
+
+
+def test_model_references_are_parsed_in_one_module() -> None:
+    prefixes = ("preset:", "builtin:")
+    parsers = sorted({m for m in MODULES for callee, call in _calls(m)
+                      if callee.rpartition(".")[2] in ("startswith", "removeprefix", "partition")
+                      and any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith(prefixes)
+                              for a in call.args)})
+    assert parsers == [], f"{parsers} parse model references: use {MODEL_REF}.parse_model_ref"
+
+
+def test_no_front_door_names_the_signal_families() -> None:
+    """A family registered at run time records through every door: none keeps its own list."""
+    found = []
+    for m in MODULES:
+        if m.split(".")[0] not in FRONT_DOORS:
+            continue
+        for node in ast.walk(ast.parse(MODULES[m].read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                words = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                if len(words) >= 2 and len(words) == len(node.elts) and set(words) <= FAMILY_NAMES:
+                    found.append(f"{m}: {words}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = {w.strip() for w in node.value.split(",")}
+                if len(names) >= 2 and names <= FAMILY_NAMES:
+                    found.append(f"{m}: {node.value!r}")
+    assert found == [], found
