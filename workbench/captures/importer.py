@@ -40,6 +40,7 @@ from workbench.recorders import rows as pending_rows
 from workbench.signals import dsa, moe
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
+from workbench.trace.bounds import MAX_SESSION_BYTES
 from workbench.trace.schema import IMAGES_DIR, MODALITIES, SESSION_FILE, TABLES, TOKENS_FILE
 from workbench.trace.target import LOCK_FILE
 
@@ -74,7 +75,7 @@ def _written_by_import(name: str) -> bool:
 
 def _is_imported_trace(path: Path) -> bool:
     try:
-        session = parse_json(read_limited(path / SESSION_FILE, "a trace's session.json", TraceError, 16 << 20),
+        session = parse_json(read_limited(path / SESSION_FILE, "a trace's session.json", TraceError, MAX_SESSION_BYTES),
                              str(path / SESSION_FILE), TraceError)
         return isinstance(session, dict) and "capture" in session
     except (OSError, ValueError, EngineError):

@@ -10,7 +10,9 @@ it reads (the DSA heat map by the largest `key_bin`, the expert matrix by the la
   session could have produced (from its model summary and policy; type limits where a trace omits
   them), and `out_of_bounds` checks a part's columns against them: such a part is skipped with a
   problem naming it (or refused when the reader is strict), before anything is sized by it;
-- `MAX_DENSE_CELLS` caps the running sums of one table whatever the bounds allow.
+- `MAX_DENSE_CELLS` caps the running sums of one table whatever the bounds allow;
+- `MAX_SESSION_BYTES` caps session.json; the writer holds what it writes to the same checks
+  (`check_session_size`, `check_session`), so it never writes a session.json a reader refuses.
 
 A live trace's `tokens` lags its newest parts by one flush, so positions are bounded by the model's
 `max_position_embeddings`, not by the token count.
@@ -32,12 +34,21 @@ MAX_POSITIONS = 2 ** 31 - 1  # positions are int32 in every table
 MAX_LAYERS = 32767  # layer is int16
 MAX_EXPERTS = 32767  # expert is int16
 MAX_DENSE_CELLS = 1 << 26  # int64 cells (512 MiB) the running sums of one table may hold at most
+# session.json: a few KB, plus 100-350 bytes per segment (MAX_SEGMENTS of them); the reader reads it
+# through this limit and the writer refuses to write more (`check_session_size`)
+MAX_SESSION_BYTES = 16 << 20
 
 
 def _int(value: object, where: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise TraceCorruptError(f"{where}: expected an integer in [{lo}, {hi}], got {value!r:.80}")
     return value
+
+
+def check_session_size(size: int, file: Path, limit: int = MAX_SESSION_BYTES) -> None:
+    """Refuse a session.json of `size` bytes over `limit` (`TraceCorruptError` naming the file)."""
+    if size > limit:
+        raise TraceCorruptError(f"{file}: larger than the {limit:,} bytes allowed ({size:,} bytes)")
 
 
 def check_session(session: dict, file: Path) -> None:

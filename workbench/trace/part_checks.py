@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.io.files import parse_json, read_limited
-from workbench.trace.bounds import check_session
+from workbench.trace.bounds import MAX_SESSION_BYTES, check_session
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
 from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS, TableSpec
 
@@ -37,7 +37,6 @@ from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, S
 MAX_PART_ROWS = 1 << 25
 MAX_PART_BYTES = 1 << 30  # decoded size of one part, estimated from its footer
 MAX_READ_BYTES = 3 << 30  # decoded size of the parts one `Trace.table` call reads together (all columns)
-MAX_SESSION_BYTES = 16 << 20  # session.json: a few KB, plus 100-350 bytes per segment (MAX_SEGMENTS of them)
 # decoded bytes of one value by Parquet physical type (strings and half floats: see `_decoded_bytes`)
 _VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
 

@@ -35,8 +35,9 @@ import pyarrow.parquet as pq
 
 from engine.session.segments import MAX_SEGMENTS
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
-from workbench.trace.errors import TraceError
-from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic, write_json_atomic,
+from workbench.trace.bounds import MAX_SESSION_BYTES, check_session
+from workbench.trace.errors import TraceCorruptError, TraceError
+from workbench.trace.files import (list_parts, part_name, remove_stale_temps, write_bytes_atomic,
                                    write_parquet_atomic)
 from workbench.trace.schema import (IMAGES_DIR, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
                                     SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, part_notes, table_spec)
@@ -44,6 +45,9 @@ from workbench.trace.target import check_contents, check_trace_target, clear_pre
 
 # fields the writer owns; a caller may read them but update_session refuses to set them
 _MANAGED = ("schema", "schema_version", "created", "updated", "status", "tokens", "parts")
+# bytes of session.json kept free when a caller's fields are written: the managed fields grow later
+# (part counts, tokens, status) and must still fit the reader's limit
+_MANAGED_HEADROOM = 4096
 
 
 def _now() -> str:
@@ -88,14 +92,33 @@ def _check_json(fields: Mapping[str, Any]) -> None:
         raise TraceError(f"session fields must be JSON-serialisable: {exc}") from None
 
 
-def _merge(base: dict, update: Mapping) -> dict:
-    """Recursive dict merge: nested dicts merge key by key, everything else (lists included) replaces."""
+def _merged(base: dict, update: Mapping) -> dict:
+    """`base` with `update` merged in, as a new dict (`base` is left as it was, so a merge the checks
+    refuse changes nothing): nested dicts merge key by key, everything else (lists included) replaces."""
+    out = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
+            out[key] = _merged(base[key], value)
         else:
-            base[key] = copy.deepcopy(value)
-    return base
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _encode_session(session: dict, file: Path, headroom: int = 0) -> bytes:
+    """session.json's bytes, if a reader would accept them: the reader's own checks (`check_session`,
+    `check_session_size` with `headroom` bytes kept for the fields the writer manages), else a
+    TraceError naming the field at fault; nothing is written then."""
+    data = (json.dumps(session, indent=1) + "\n").encode()
+    try:
+        if len(data) > MAX_SESSION_BYTES - headroom:
+            largest = max(session, key=lambda k: len(json.dumps(session[k])))
+            raise TraceCorruptError(f"{file}: would take {len(data):,} bytes, more than the "
+                                    f"{MAX_SESSION_BYTES - headroom:,} a reader accepts (field `{largest}` takes "
+                                    f"{len(json.dumps(session[largest])):,})")
+        check_session(session, file)
+    except TraceCorruptError as exc:
+        raise TraceError(f"{exc}; not written, a reader would refuse it") from None
+    return data
 
 
 class TraceWriter:
@@ -145,6 +168,15 @@ class TraceWriter:
         _check_json(session)
         body = copy.deepcopy(dict(session))
         check_segments(body.setdefault("segments", []))
+        body["policy"] = {**POLICY_DEFAULTS, **body.get("policy", {})}
+        for key in ("model", "engine", "timings"):
+            body.setdefault(key, {})
+        full = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "created": _now(), "updated": _now(),
+                "status": "recording", "tokens": 0, "parts": {}, **body,
+                # who writes (a copied trace's writer is replaced): a reader on this host tells a killed one
+                "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
+        # refused before anything is touched: an existing trace at `path` is cleared only for one that can be read
+        _encode_session(full, path / SESSION_FILE, _MANAGED_HEADROOM)
         check_trace_target(path, overwrite=overwrite)
         path.mkdir(parents=True, exist_ok=True)
         lock = take_lock(path)
@@ -155,13 +187,6 @@ class TraceWriter:
         except BaseException:
             os.close(lock)
             raise
-        body["policy"] = {**POLICY_DEFAULTS, **body.get("policy", {})}
-        for key in ("model", "engine", "timings"):
-            body.setdefault(key, {})
-        full = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "created": _now(), "updated": _now(),
-                "status": "recording", "tokens": 0, "parts": {}, **body,
-                # who writes (a copied trace's writer is replaced): a reader on this host tells a killed one
-                "writer": {"pid": os.getpid(), "host": socket.gethostname()}}
         writer = cls(path, full, max_buffer_rows=max_buffer_rows, max_buffer_bytes=max_buffer_bytes, fsync=fsync,
                      compression_level=compression_level)
         writer._lock_fd = lock
@@ -232,8 +257,10 @@ class TraceWriter:
             if "segments" in fields:
                 check_segments(fields["segments"])
             _check_json(fields)
-            _merge(self._session, fields)
-            self._write_session()
+            merged = _merged(self._session, fields)
+            _encode_session(merged, self.path / SESSION_FILE, _MANAGED_HEADROOM)  # refused: nothing changes
+            self._session = merged
+            self._write_session(checked=True)
 
     def add_segment(self, segment: Mapping[str, Any]) -> None:
         """Append one segment (a new turn, an uploaded image, the generated answer) to session.json."""
@@ -355,6 +382,10 @@ class TraceWriter:
             directory.rmdir()
         self._session["parts"].pop("tokens", None)
 
-    def _write_session(self) -> None:
+    def _write_session(self, checked: bool = False) -> None:
+        """Write session.json, held to the reader's checks (`checked`: `update_session` just did that;
+        `updated` is set again here, a timestamp of the same length)."""
         self._session["updated"] = _now()
-        write_json_atomic(self.path / SESSION_FILE, self._session, fsync=self._fsync)
+        file = self.path / SESSION_FILE
+        data = (json.dumps(self._session, indent=1) + "\n").encode() if checked else _encode_session(self._session, file)
+        write_bytes_atomic(file, data, fsync=self._fsync)
