@@ -144,3 +144,25 @@ def test_dsa_heatmap_is_labelled_never_finer_than_recorded_and_beside_chance(sho
     assert heat.sum(axis=0).shape == (stored,) and heat[0].layers is None
     coarse = trace.dsa_heatmap(bins=2)
     assert coarse.shape[1] == 2 and coarse.sum() == pytest.approx(float(np.asarray(heat).sum()))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"bins": 0}, "bins"), ({"bins": -1}, "bins"), ({"bins": 2.5}, "bins"), ({"bins": True}, "bins"),
+    ({"bins": 10 ** 12}, "bins"), ({"start": -5}, "start"), ({"start": 10, "end": 5}, "end"),
+    ({"end": 10 ** 15}, "end"), ({"start": 2 ** 40}, "start")])
+def test_dsa_heatmap_refuses_a_bad_request_in_one_line(short_trace: Path, kwargs: dict, named: str) -> None:
+    from workbench.trace.errors import TraceError
+
+    with pytest.raises(TraceError, match=f"dsa_heatmap: {named} must be") as caught:
+        workbench.open_trace(short_trace).dsa_heatmap(**kwargs)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_heatmap_over_the_largest_range_costs_no_more_than_the_recording(short_trace: Path) -> None:
+    """The chance row counts queries up to the last recorded one: an end of 2^31 allocates nothing that large."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    heat = workbench.open_trace(short_trace).dsa_heatmap(bins=64, end=2 ** 31 - 1)
+    assert heat.shape[1] == 64 and heat.chance is not None and heat.chance[1:].sum() == 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB

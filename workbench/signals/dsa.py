@@ -22,7 +22,7 @@ from workbench.analysis.dsa import queries_per_position, rebin_counts
 from workbench.analysis.dsa_heatmap import DSAHeatmap, columns as heatmap_columns
 from workbench.signals.family import RecordingContext, RunningSums, SignalFamily, register
 from workbench.trace.aggregates import DenseSums
-from workbench.trace.errors import TraceCorruptError
+from workbench.trace.errors import TraceCorruptError, TraceError
 from workbench.trace.schema import Column, TableSpec, signal_tags
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ def heatmap(trace: Any, layer: int | Sequence[int] | None = None, bins: int = 51
     """How often each context range was selected, per DSA layer: a labelled `DSAHeatmap` (`Trace.dsa_heatmap`
     documents the arguments). `spread` (the dashboard's screen columns): exactly `bins` equal columns,
     a stored bin's count spread over the finer ones, and no chance row (the view computes its own)."""
+    _check_heatmap_request(bins, start, end)
     if steps is None:
         sums = trace.folded_sums("dsa_key_counts").total(by="layer")
     else:
@@ -170,14 +171,36 @@ def heatmap(trace: Any, layer: int | Sequence[int] | None = None, bins: int = 51
     return DSAHeatmap(counts, tuple(rows), edges, width, None if spread else _chance(trace, edges, steps))
 
 
+MAX_HEATMAP_BINS = 1 << 20
+MAX_POSITION = 2 ** 31 - 1  # positions are int32 in traces
+
+
+def _check_heatmap_request(bins: Any, start: Any, end: Any) -> None:
+    """One line naming the argument, before anything is read or allocated."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    if not whole(bins) or not 1 <= bins <= MAX_HEATMAP_BINS:
+        raise TraceError(f"dsa_heatmap: bins must be a whole number from 1 to {MAX_HEATMAP_BINS:,}, got {bins!r:.40}")
+    if not whole(start) or not 0 <= start < MAX_POSITION:
+        raise TraceError(f"dsa_heatmap: start must be a token position from 0 to {MAX_POSITION - 1:,}, got {start!r:.40}")
+    if end is not None and (not whole(end) or not start < end <= MAX_POSITION):
+        raise TraceError(f"dsa_heatmap: end must be a token position after start ({start}) and at most "
+                         f"{MAX_POSITION:,}, got {end!r:.40}")
+
+
 def _chance(trace: Any, edges: np.ndarray, steps: tuple[int, int] | None) -> np.ndarray | None:
     """Per column, the selections uniformly random picks of the recorded top-k would make for the queries
-    the trace counted (of `steps` when given): the DSA map's chance row. None without a recorded top-k."""
+    the trace counted (of `steps` when given): the DSA map's chance row. None without a recorded top-k.
+    Queries are counted up to the last recorded one, never over a range the caller chose (end may be 2^31)."""
     topk = trace.settings.get("topk")
-    extent = int(np.ceil(edges[-1])) if len(edges) else 0
-    if not topk or extent <= 0:
+    if not topk or not len(edges):
         return None
     sink = trace.table("dsa_sink", steps=steps, columns=["layer", "rank", "position", "queries"])
+    positions = sink.column("position").to_numpy() if sink.num_rows else np.zeros(0, np.int64)
+    extent = min(int(np.ceil(edges[-1])), int(positions.max()) + 1 if len(positions) else 0)
+    if extent <= 0:
+        return np.zeros(len(edges) - 1)
     return expected_key_selections(queries_per_position(sink, extent), int(topk), edges)
 
 
