@@ -109,14 +109,11 @@ def _too_busy(pending: PendingBytes) -> RequestError:
 
 async def _read_body(request: Request, limit: int, pending: PendingBytes, held: list[int]) -> bytes:
     """The raw body, at most `limit` bytes; every byte read is held in `pending` (and counted in `held`)
-    until the caller gives it back, so bodies being read count against the budget too."""
+    until the caller gives it back, so bodies being read count against the budget too. Bytes are held as
+    they arrive, not as declared: a client that declares 64 MiB and sends nothing holds nothing."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise RequestError(f"the request body is larger than the {limit:,} bytes allowed", status=413)
-    if declared is not None:  # held up front: many slow uploads cannot each pass the check alone
-        if not pending.take(int(declared)):
-            raise _too_busy(pending)
-        held[0] += int(declared)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

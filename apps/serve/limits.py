@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 from PIL import Image
 
 from apps.serve.protocol import ChatRequest, RequestError
+from engine.errors import InputError
 from engine.vision import MAX_IMAGE_PIXELS, MAX_PATCHES, fit_to_limits
 
 MAX_JSON_VALUES = 250_000  # a 16,384-message conversation with a few fields each stays far below
@@ -35,6 +37,7 @@ MAX_IMAGES = 16
 MAX_IMAGE_AREA = 32_000_000  # source pixels of all pictures of one request (each is decoded in full)
 MAX_IMAGE_PATCHES = 2 * MAX_PATCHES  # vision patches of all pictures of one request (held until they run)
 FALLBACK_TOKEN_BYTES = 64  # when the tokenizer cannot say how long its longest token is
+_INNERMOST = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the four brackets
 
 
@@ -92,7 +95,7 @@ def check_json_shape(raw: bytes, limits: RequestLimits) -> None:
     for _ in range(limits.max_depth):  # each pass removes the innermost level
         if not brackets:
             return
-        inner = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        inner = _INNERMOST.sub(b"", brackets)  # one scan: a pair a removal exposes waits for the next pass
         if len(inner) == len(brackets):
             return  # unbalanced: not JSON, json.loads says where
         brackets = inner
@@ -106,9 +109,12 @@ def _too_many(values: int, limits: RequestLimits) -> RequestError:
                         "are allowed", status=413)
 
 
+BOMB = (-1, -1)  # `image_size` of a picture Pillow will not open for its size
+
+
 def image_size(source: bytes | Path) -> tuple[int, int] | None:
-    """(width, height) from an image's header, nothing decoded; None when it cannot be read (the engine's
-    own reader then names the problem) or it is no regular file."""
+    """(width, height) from an image's header, nothing decoded; `BOMB` when Pillow refuses it for its size;
+    None when it cannot be read (the engine's own reader then names the problem) or is no regular file."""
     try:
         if isinstance(source, Path) and not source.is_file():
             return None
@@ -118,7 +124,7 @@ def image_size(source: bytes | Path) -> tuple[int, int] | None:
             with Image.open(opener) as im:  # reads the header only
                 return im.size
     except Image.DecompressionBombError:
-        return (MAX_IMAGE_PIXELS + 1, 1)  # Pillow refused it for its size: as large as that
+        return BOMB
     except Exception:  # noqa: BLE001 - any unreadable header is the engine's to describe, after these checks
         return None
 
@@ -147,13 +153,19 @@ def check_request_cost(request: ChatRequest, limits: RequestLimits) -> None:
         size = image_size(source)
         if size is None:
             continue
+        if size == BOMB:
+            raise RequestError(f"{message.label} image {k}: more pixels than an image may hold (decompression-bomb "
+                               "guard; nothing was decoded)", param="messages")
         width, height = size
         if width * height > MAX_IMAGE_PIXELS:
             raise RequestError(f"{message.label} image {k}: {width}x{height} pixels, more than the "
                                f"{MAX_IMAGE_PIXELS:,} allowed (nothing was decoded)", param="messages")
         area += width * height
         if width > 0 and height > 0:
-            patches += image_patches(width, height, limits)
+            try:
+                patches += image_patches(width, height, limits)
+            except InputError:  # a size the tower cannot take: the engine's reader names it
+                pass
         if area > limits.max_image_area:
             raise RequestError(f"the images of this request hold more than {limits.max_image_area:,} pixels "
                                f"together (up to {message.label} image {k}); send fewer or smaller pictures",

@@ -89,8 +89,10 @@ LIMITS = RequestLimits(context_tokens=1000, max_values=100, max_depth=8)
     b'{"x": [' + b'"a\\"",' * 200 + b'"b"]}',                        # strings holding escaped quotes
     b"[" * 9 + b"]" * 9,                                               # nested deeper than allowed
     b'{"a":' * 9 + b"1" + b"}" * 9,
+    b"[{" * 4 + b"[]" + b"}]" * 4,                                     # alternating kinds: 9 levels
     b'"' * 1000,                                                       # not JSON, but as many quotes as strings
-], ids=["objects", "lists", "numbers", "strings", "escaped-quotes", "deep-lists", "deep-objects", "quotes"])
+], ids=["objects", "lists", "numbers", "strings", "escaped-quotes", "deep-lists", "deep-objects", "alternating",
+        "quotes"])
 def test_json_shape_refuses_too_many_values_or_levels(raw: bytes) -> None:
     with pytest.raises(RequestError) as info:
         check_json_shape(raw, LIMITS)
@@ -101,9 +103,10 @@ def test_json_shape_refuses_too_many_values_or_levels(raw: bytes) -> None:
     json.dumps({"messages": [{"role": "user", "content": "[[[[[[[[[[[[ {{{{{{{{{ ,,,,,,,,,,,, " * 50}]}).encode(),
     json.dumps({"m": ["a\\", "b\\\\\"", "c"], "n": [[[[[[[1]]]]]]]}).encode(),
     b"[" * 8 + b"]" * 8,                                               # exactly the depth allowed
+    b"[{" * 4 + b"}]" * 4,
     b"{not json [[[[[[[[[[",                                           # unbalanced: json.loads names it
     b"",
-], ids=["structure-in-text", "escapes", "depth-8", "unbalanced", "empty"])
+], ids=["structure-in-text", "escapes", "depth-8", "alternating-8", "unbalanced", "empty"])
 def test_json_shape_passes_text_and_leaves_bad_json_to_the_parser(raw: bytes) -> None:
     check_json_shape(raw, LIMITS)
 
