@@ -15,6 +15,9 @@ THUMBNAIL_TENSOR = "thumbnails."  # + segment id: a snapshot's PNG bytes of that
 # segments one session may hold (snapshots and traces refuse more): each is one append or generate
 # call, and every view of a session lists them, so a file claiming millions would stall each page load
 MAX_SEGMENTS = 1 << 14
+# characters of a segment's name (a file name, "question", a request id): session.json lists every
+# name, and it must stay within the trace reader's size limit (the trace writer refuses longer ones)
+MAX_SEGMENT_NAME = 4096
 
 
 @dataclass

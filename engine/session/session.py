@@ -46,7 +46,7 @@ from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.session.sampling import SamplingParams, make_generator, sample
-from engine.session.segments import Segment
+from engine.session.segments import MAX_SEGMENT_NAME, Segment
 from engine.session.interventions import activate as activate_interventions
 from engine.session.state import model_fingerprint, restore, session_state_dict
 from engine.session.snapshot import read_snapshot, write_snapshot
@@ -76,6 +76,13 @@ def _check_types(**values: tuple[Any, type]) -> None:
     for name, (value, kind) in values.items():
         if value is not None and not isinstance(value, kind):
             raise InputError(f"{name}= must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def _check_names(*names: str | None) -> None:
+    """InputError for a segment name longer than MAX_SEGMENT_NAME (before anything changes)."""
+    for name in names:
+        if name is not None and len(name) > MAX_SEGMENT_NAME:
+            raise InputError(f"a segment name of {len(name):,} characters; at most {MAX_SEGMENT_NAME:,} are kept")
 
 
 def _token_ids(ids: Any) -> list[int]:
@@ -177,6 +184,7 @@ class Session:
         if sum(x is not None for x in (text, ids, image)) != 1:
             raise InputError("append needs exactly one of text=, ids= or image=")
         _check_types(text=(text, str), role=(role, str), name=(name, str), kind=(kind, str))
+        _check_names(name)
         if image is not None:
             return self._append_image(image, role=role, name=name, kind=kind)
         if text is not None:
@@ -225,6 +233,7 @@ class Session:
         names = list(image_names) if image_names is not None else [None] * len(images)
         if len(names) != len(images):
             raise InputError(f"{len(images)} image(s) but {len(names)} image name(s)")
+        _check_names(name, *(n for n in names if isinstance(n, str)))
         head, tail = self.tokenizer.message_frame(role)  # checks the role before the tower runs
         # every image is checked (and the length limit) before any tower runs or anything is committed
         parts: list[tuple[str, Any]] = [("image", self._prepare_image(im, label)) for im, label in zip(images, names)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.session.segments import MAX_SEGMENTS
+from engine.session.segments import MAX_SEGMENT_NAME, MAX_SEGMENTS
 from workbench.trace import TraceError, TraceWriter, open_trace
 from workbench.trace import part_checks
 from workbench.trace.bounds import MAX_SESSION_BYTES
@@ -30,12 +30,18 @@ def test_a_segment_name_past_the_limit_is_refused_and_nothing_is_lost(tmp_path):
     w.flush()
     before = (tmp_path / "t" / "session.json").read_bytes()
     big = {"id": 1, "kind": "turn", "name": "x" * (17 << 20), "start": 4, "end": 6}
-    with pytest.raises(TraceError, match=r"would take 17,8.* bytes, more than the 16,7.* a reader accepts "
-                                         r"\(field `segments` takes") as info:
+    with pytest.raises(TraceError, match=r"segments\[1\].name has 17,825,792 characters; at most 4,096") as info:
         w.add_segment(big)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+    # names within their limit, but so many that session.json would pass the reader's size limit
+    many = [_SEGMENT] + [{"id": i, "kind": "turn", "name": "n" * MAX_SEGMENT_NAME, "start": 4, "end": 4}
+                         for i in range(1, 4200)]
+    with pytest.raises(TraceError, match=r"would take 17,.* bytes, more than the 16,7.* a reader accepts "
+                                         r"\(field `segments` takes") as info:
+        w.update_session(segments=many)
     assert "\n" not in str(info.value) and len(str(info.value)) < 400 and "not written" in str(info.value)
     assert (tmp_path / "t" / "session.json").read_bytes() == before
-    assert len(w.session["segments"]) == 1  # the refused segment is not kept for the next write either
+    assert len(w.session["segments"]) == 1  # the refused segments are not kept for the next write either
     w.add_segment({**big, "name": "answer"})
     w.close()
     t = open_trace(tmp_path / "t")
@@ -74,7 +80,7 @@ def test_a_refused_new_trace_leaves_the_old_one(tmp_path):
     w = _writer(tmp_path / "t")
     w.close()
     before = (tmp_path / "t" / "session.json").read_bytes()
-    with pytest.raises(TraceError, match="field `segments` takes"):
+    with pytest.raises(TraceError, match="name has 17,825,792 characters"):
         TraceWriter.create(tmp_path / "t", {"segments": [{**_SEGMENT, "name": "z" * (17 << 20)}]}, overwrite=True,
                            fsync=False)
     assert (tmp_path / "t" / "session.json").read_bytes() == before
@@ -95,7 +101,7 @@ def test_one_set_of_numbers_in_code_and_docs():
     row = next(line for line in text.splitlines() if "session.json` over" in line)
     assert f"over {MAX_SESSION_BYTES >> 20} MiB" in row and f"more than {MAX_SEGMENTS:,} segments" in row
     numbers = {m for m in re.findall(r"\d[\d,]*(?: MiB)?", row)}
-    assert numbers == {f"{MAX_SESSION_BYTES >> 20} MiB", f"{MAX_SEGMENTS:,}"}, numbers
+    assert numbers == {f"{MAX_SESSION_BYTES >> 20} MiB", f"{MAX_SEGMENTS:,}", f"{MAX_SEGMENT_NAME:,}"}, numbers
     for stale in ("64 MiB or with more than 65,536", "65,536 segments"):
         assert stale not in text
 
@@ -116,3 +122,25 @@ def test_the_capture_limits_in_docs_are_the_codes():
     assert f"header over {arrays.MAX_NPY_HEADER:,} bytes" in row
     assert f"more than {arrays.MAX_HEADER_BRACKETS} brackets" in row
     assert f"a dimension of over {arrays.MAX_SHAPE_DIGITS} digits" in row
+
+
+def test_the_engine_refuses_a_name_the_trace_would_refuse(tmp_path):
+    """The 17 MB name reaches neither the session nor its trace: refused at `append`, before anything changes
+    (it used to be taken by the session and then fail the recording's close)."""
+    import workbench
+    from engine import load_model
+    from engine.errors import InputError
+    from engine.session import Session
+    from engine.tokenizer import Tokenizer
+
+    session = Session(load_model("preset:tiny", seed=0), Tokenizer.byte_level(), prefill_chunk=64, progress=False)
+    with workbench.record(session, trace=tmp_path / "t"):
+        session.append("hello world", name="notes")
+        with pytest.raises(InputError, match="a segment name of 17,825,792 characters; at most 4,096"):
+            session.append("more", name="x" * (17 << 20))
+        with pytest.raises(InputError, match="segment name of 5,000 characters"):
+            session.append_message("user", "hi", name="y" * 5000)
+        session.append(" and more", name="ok")
+    t = open_trace(tmp_path / "t")
+    assert t.status == "complete" and list(t.segments()["name"]) == ["notes", "ok"]
+    assert len(session.segments) == 2

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.session.segments import MAX_SEGMENTS
+from engine.session.segments import MAX_SEGMENT_NAME, MAX_SEGMENTS
 from workbench.trace.columns import Batch, coalesce, prepare, to_table
 from workbench.trace.bounds import MAX_SESSION_BYTES, check_session
 from workbench.trace.errors import TraceCorruptError, TraceError
@@ -74,6 +74,9 @@ def check_segments(segments: Any) -> list[dict]:
             raise TraceError(f"{where}.modality must be one of {MODALITIES}, got {seg['modality']!r}")
         if not 0 <= int(seg["start"]) <= int(seg["end"]):
             raise TraceError(f"{where}: token range [{seg['start']}, {seg['end']}) is not valid")
+        name = seg.get("name", "")
+        if isinstance(name, str) and len(name) > MAX_SEGMENT_NAME:
+            raise TraceError(f"{where}.name has {len(name):,} characters; at most {MAX_SEGMENT_NAME:,} are kept")
         if seg["id"] in ids:
             raise TraceError(f"{where}: duplicate segment id {seg['id']!r}")
         ids.add(seg["id"])
