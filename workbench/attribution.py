@@ -30,10 +30,10 @@ import numpy as np
 
 from engine.errors import InputError
 from engine.probes import probe_points
-from workbench.analysis.causal import DEFAULT_CONTROLS, control_spans, verdict
+from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, control_spans, verdict
 from workbench.causal_effects import (Continuation, _continue, _forced_logprobs, _ids, target_logprobs,
                                       task_scoring)
-from workbench.interventions import _segment_span
+from workbench.interventions import _segment_span, check_attribution_args
 
 
 @dataclass
@@ -112,6 +112,8 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
 
     config = session.config
     continuation, target = task_scoring(continuation, target)
+    check_attribution_args(session, segments, continuation=continuation, target=target, controls=controls, seed=seed,
+                           experts=experts, evidence=evidence, flags={"dsa": dsa, "moe": moe})
     target_ids = _ids(session, target)
     assert target_ids is not None
     if kda not in (None, "layers", "heads"):
@@ -210,9 +212,9 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
     for key, entry in results.items():
         c = np.array(entry.pop("controls"), dtype=float)
         what = entry["segment"] if entry["segment"] else f"experts {entry['experts']} of layer {entry['layer']}"
-        where = "" if entry["layer"] == "all" or not entry["segment"] else f" from layer {entry['layer']}"
-        found = verdict(entry["effect"], c, f"{what}{where}", note=notes.get(key, ""),
-                        unit="span" if entry["segment"] else "set of experts")
+        where = "" if entry["layer"] == "all" or not entry["segment"] else f"from layer {entry['layer']}"
+        found = verdict(entry["effect"], c, what, where=where, note=notes.get(key, ""),
+                        unit="span" if entry["segment"] else "set of experts", action=ACTION_WORDS[entry["op"]])
         rows.append({**entry, "layer": str(entry["layer"]), "control_mean": float(c.mean()) if len(c) else np.nan,
                      "control_min": float(c.min()) if len(c) else np.nan,
                      "control_max": float(c.max()) if len(c) else np.nan, "controls": len(c), "plain": float(plain),

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from engine.errors import InputError
-from workbench.analysis.causal import verdict_of_summary
+from workbench.analysis.causal import ACTION_WORDS, verdict_of_summary
 from workbench.analysis.chance import chance_of_hit, format_read
 from workbench.analysis.dsa import dense_mass_summary, layers_reading
 from workbench.analysis.dsa_structure import faithfulness, sink_over_time
@@ -223,12 +223,13 @@ def memory_dependence(trace: Trace) -> Answer:
     for name, rows in ranked.groupby("check_name", sort=False):
         r = rows.iloc[0]
         if isinstance(r["segment"], str):
-            what = r["segment"] + ("" if str(r["layer"]) == "all" else f" from layer {r['layer']}")
+            what, where = r["segment"], ("" if str(r["layer"]) == "all" else f"from layer {r['layer']}")
         else:
-            what = f"experts {r['experts']} of layer {r['layer']}"
+            what, where = f"experts {r['experts']} of layer {r['layer']}", ""
         how = r["op"] + (f", heads {r['heads']}" if isinstance(r["heads"], str) else "")
-        found = verdict_of_summary(r["effect"], r["control_min"], r["control_max"], r["controls"], what,
-                                   unit="span" if isinstance(r["segment"], str) else "set of experts")
+        found = verdict_of_summary(r["effect"], r["control_min"], r["control_max"], r["controls"], what, where=where,
+                                   unit="span" if isinstance(r["segment"], str) else "set of experts",
+                                   action=ACTION_WORDS.get(str(r["op"]), "switching off"))
         odds = f" (rank {found.rank} of {int(r['controls']) + 1}, p = {found.p_value:.2f})" if found.p_value else ""
         parts.append(f"{name} ({r['target']!r}, log p {r['plain']:.2f}, {how}): {found.sentence}{odds}")
     return Answer(ranked.reset_index(drop=True), "Q7 memory the answer depended on: " + "; ".join(parts))

@@ -37,6 +37,9 @@ MIN_CONTROLS = 8
 # reader should act on: a tenth of a nat is a 10% change of the answer's probability
 MIN_EFFECT_NATS = 0.1
 DEPENDS = "depends"
+# what each op does to a memory, as a verdict sentence says it
+ACTION_WORDS = {"dsa.hide": "hiding", "dsa.pin": "pinning", "kda.suppress_writes": "suppressing the KDA writes over",
+                "moe.ban": "banning"}
 CHANCE = "not distinguishable from chance"
 NO_VERDICT = "no verdict"
 
@@ -155,11 +158,16 @@ class Verdict:
         return self.label != NO_VERDICT
 
 
-def _change(effect: float, what: str) -> str:
+def _signed(value: float, digits: int) -> str:
+    """`value` with a sign, a rounded -0 shown as +0."""
+    return f"{round(value, digits) + 0.0:+.{digits}f}"
+
+
+def _change(effect: float, what: str, action: str) -> str:
     if not math.isfinite(effect):
-        return f"hiding {what} gave no finite change of the answer's log-probability"
+        return f"{action} {what} gave no finite change of the answer's log-probability"
     verb = "lowered" if effect < 0 else "raised"
-    return f"hiding {what} {verb} the answer's log-probability by {abs(effect):.{_digits(effect)}f} nats"
+    return f"{action} {what} {verb} the answer's log-probability by {abs(effect):.{_digits(effect)}f} nats"
 
 
 def _digits(value: float) -> int:
@@ -167,22 +175,26 @@ def _digits(value: float) -> int:
 
 
 def _control_words(n: int, low: float, high: float, unit: str) -> str:
-    return f"{n} random {unit}{'s' if n != 1 else ''} of the same size changed it by {low:+.{_digits(max(abs(low), abs(high)))}f} to {high:+.{_digits(max(abs(low), abs(high)))}f}"
+    digits = _digits(max(abs(low), abs(high)))
+    return (f"{n} random {unit}{'s' if n != 1 else ''} of the same size changed it by {_signed(low, digits)} to "
+            f"{_signed(high, digits)}")
 
 
-def verdict(effect: float, controls: Sequence[float], what: str, *, note: str = "",
-            min_controls: int = MIN_CONTROLS, unit: str = "span") -> Verdict:
+def verdict(effect: float, controls: Sequence[float], what: str, *, where: str = "", note: str = "",
+            min_controls: int = MIN_CONTROLS, unit: str = "span", action: str = "hiding") -> Verdict:
     """The verdict on `effect` (nats) beside `controls` (nats): see the module doc.
 
     Args:
         what: what was switched off, in words ("the fact", "report.txt", "experts [3, 5] of layer 2").
+        where: from where, said after `what` in the first half only ("from DSA layer 5").
         note: why fewer controls than wanted were drawn (`ControlDraw.note`), said in a no-verdict sentence.
         min_controls: the fewest controls a verdict is given on.
         unit: what a control is ("span", "set of experts"), for the sentence.
+        action: what was done to it ("hiding", "banning", "suppressing the KDA writes over").
     """
     c = tuple(float(v) for v in controls if math.isfinite(float(v)))
     effect = float(effect)
-    head = _change(effect, what)
+    head = _change(effect, f"{what} {where}" if where else what, action)
     if not c:
         reason = note or "no control was run"
         return Verdict(effect, c, None, None, NO_VERDICT, f"{head}; no verdict: {reason}")
@@ -199,13 +211,14 @@ def verdict(effect: float, controls: Sequence[float], what: str, *, note: str = 
 
 
 def verdict_of_summary(effect: float, control_min: float, control_max: float, controls: int, what: str, *,
-                       min_controls: int = MIN_CONTROLS, unit: str = "span") -> Verdict:
+                       where: str = "", min_controls: int = MIN_CONTROLS, unit: str = "span",
+                       action: str = "hiding") -> Verdict:
     """The verdict from a stored summary of the controls (the effects table keeps their count, min and
     max): decided exactly as `verdict` decides, since a drop below every control needs only the minimum.
     The rank is known only when the effect lies below every control (1) or above every one (n + 1)."""
     n = int(controls) if controls == controls else 0  # NaN: no controls
     effect = float(effect)
-    head = _change(effect, what)
+    head = _change(effect, f"{what} {where}" if where else what, action)
     if n < 1 or not (math.isfinite(control_min) and math.isfinite(control_max)):
         return Verdict(effect, (), None, None, NO_VERDICT, f"{head}; no verdict: no control fitted")
     beside = _control_words(n, control_min, control_max, unit)
@@ -221,5 +234,5 @@ def verdict_of_summary(effect: float, control_min: float, control_max: float, co
                    f"{head}; {beside}: not distinguishable from a random {unit} of the same size")
 
 
-__all__ = ["DEFAULT_CONTROLS", "MIN_CONTROLS", "MIN_EFFECT_NATS", "DEPENDS", "CHANCE", "NO_VERDICT", "ControlDraw",
+__all__ = ["ACTION_WORDS", "DEFAULT_CONTROLS", "MIN_CONTROLS", "MIN_EFFECT_NATS", "DEPENDS", "CHANCE", "NO_VERDICT", "ControlDraw",
            "control_spans", "free_gaps", "Verdict", "verdict", "verdict_of_summary"]

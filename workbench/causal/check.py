@@ -105,8 +105,8 @@ def check_span(session: Any, span: Sequence[int], *, continuation: Continuation 
     effect = score(span) - plain
     control_effects = tuple(score(c) - plain for c in draw.spans)
     label = what or f"[{span[0]}, {span[1]})"
-    where = "" if chosen == "all" else f" from DSA layer{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"
-    found = verdict(effect, control_effects, f"{label}{where}", note=draw.note)
+    where = "" if chosen == "all" else f"from DSA layer{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"
+    found = verdict(effect, control_effects, label, where=where, note=draw.note)
     return SpanCheck(span, label, chosen, end, plain, effect, draw.spans, control_effects, draw.note, found)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
+from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, Verdict, control_spans, verdict
 
 HIDE_DSA = "hide it from DSA layers"
 SUPPRESS_KDA = "suppress KDA heads' writes over it"
@@ -198,7 +198,7 @@ def plan_rerun(base: RerunBase, config: Any, action: str, segment: str, layer: s
         draw = control_spans(span[1] - span[0], (0, end), avoid, CONTROLS, CONTROL_SEED)
     where = "every layer" if layer == "all" else f"layer {layer}"
     verb = "hidden from DSA" if op == "dsa.hide" else "KDA writes suppressed in"
-    what = name + ("" if layer == "all" else f" in layer {layer}")
+    what = name
     return Rerun(f"{name} {verb} {where}", op, spec_for(span), [spec_for(c) for c in draw.spans], name, span, layer,
                  "all" if op == "kda.suppress_writes" else None, None, span[1] - span[0], draw.note, what)
 
@@ -287,8 +287,10 @@ def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
     found = effects(rerun.spec, record_to=traces)
     plain_total = float(found.plain.target_logprobs.sum())
     controls = tuple(control(spec) for spec in rerun.controls)
-    judged = verdict(found.target_logprob_change, controls, rerun.what or rerun.description, note=rerun.note,
-                     unit="span" if rerun.span is not None else "set of experts")
+    where = "" if rerun.op == "moe.ban" or rerun.layer == "all" else f"in layer {rerun.layer}"
+    judged = verdict(found.target_logprob_change, controls, rerun.what or rerun.description, where=where,
+                     note=rerun.note, unit="span" if rerun.span is not None else "set of experts",
+                     action=ACTION_WORDS[rerun.op])
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
     context = list(base.end.tokens) + opening
     return RerunResult(rerun, answer_text(tokenizer, context, found.plain.answer),

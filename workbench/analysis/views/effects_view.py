@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.analysis.causal import DEPENDS, verdict_of_summary
+from workbench.analysis.causal import ACTION_WORDS, DEPENDS, verdict_of_summary
 from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.trace import TraceError
 from workbench.trace.effects_table import EFFECTS_FILE, read_effects
@@ -91,10 +91,13 @@ def effect_cell(record: dict) -> EffectCell:
     controls = as_float(record.get("controls"))
     count = int(controls) if math.isfinite(controls) else 0
     what = row_label(record).split(" · ", 1)[-1]
-    if str(record.get("layer")) not in ("all", "None"):
-        what += f" from layer {record.get('layer')}"
-    found = verdict_of_summary(effect, low, high, count, what,
-                               unit="set of experts" if record.get("op") == "moe.ban" else "span")
+    moe = record.get("op") == "moe.ban"
+    where = "" if moe or str(record.get("layer")) in ("all", "None") else f"from layer {record.get('layer')}"
+    if moe:
+        what += f" of layer {record.get('layer')}"
+    found = verdict_of_summary(effect, low, high, count, what, where=where,
+                               unit="set of experts" if moe else "span",
+                               action=ACTION_WORDS.get(str(record.get("op")), "switching off"))
     return EffectCell(effect, as_float(record.get("control_mean")), low, high, count, as_float(record.get("plain")),
                       found.label != DEPENDS, found.label, found.sentence)
 
