@@ -116,3 +116,40 @@ def test_garbage_where_a_page_header_should_be_is_one_line(tmp_path, body):
 
 def test_zeros_compress_to_a_few_kilobytes():
     assert len(zeros_zstd(_BOMB)) < 64 << 10
+
+
+def test_an_effects_table_with_a_lying_page_is_one_line(tmp_path):
+    from workbench.trace.effects_table import EFFECTS_FILE, effects_schema, read_effects
+    path = _trace(tmp_path)
+    schema = effects_schema()
+    rng = np.random.default_rng(2)
+    row = {f.name: pa.array([None], f.type) for f in schema}
+    row["target"] = pa.array(["".join(chr(c) for c in rng.integers(33, 127, 50_000))])
+    file = path / EFFECTS_FILE
+    pq.write_table(pa.table({f.name: row[f.name] for f in schema}, schema=schema), file, compression="zstd",
+                   use_dictionary=False)
+    forge_page(file, "target", _BOMB)
+    with bounded(seconds=10, rss_mib=100):
+        with pytest.raises(Exception, match="not a readable Parquet effects table .*its pages decompress to") as info:
+            read_effects(path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("compression", ["none", "snappy", "gzip", "lz4", "zstd", "brotli"])
+@pytest.mark.parametrize("version", ["1.0", "2.0"])
+def test_honest_files_of_every_shape_pass(tmp_path, compression, version):
+    """No false alarm: compressions, data page versions, dictionaries, nested and null lists, many pages and
+    row groups, page statistics and checksums."""
+    rng = np.random.default_rng(3)
+    n = 50_000
+    lists = pa.array([None if i % 7 == 0 else list(range(i % 5)) for i in range(n)], pa.list_(pa.int32()))
+    nested = pa.array([[[i], []] if i % 3 else None for i in range(n)], pa.list_(pa.list_(pa.int64())))
+    table = pa.table({"a": rng.integers(0, 1 << 40, n), "s": pa.array([f"w{i % 97}" for i in range(n)]),
+                      "f": rng.random(n).astype(np.float16), "l": lists, "n": nested,
+                      "b": pa.array([i % 2 == 0 for i in range(n)]), "d": pa.array(rng.random(n))})
+    file = tmp_path / "h.parquet"
+    pq.write_table(table, file, compression=compression, data_page_version=version, row_group_size=20_000,
+                   data_page_size=8192, write_page_checksum=True, write_page_index=True,
+                   use_dictionary=["s", "a"], column_encoding={"d": "BYTE_STREAM_SPLIT"})
+    check_pages(file)
+    assert pq.read_table(file).equals(table)

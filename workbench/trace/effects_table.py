@@ -27,10 +27,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workbench.trace.errors import TraceError
+from workbench.trace.parquet_pages import PageBoundsError, check_pages
 
 EFFECTS_FILE = "effects.parquet"
 # a sweep is S segments x L layers rows plus a few expert rows: far below this; anything larger is not one
 MAX_EFFECTS_BYTES = 64 << 20
+# what its pages may decompress to, by the footer (`parquet_pages` holds the pages to the footer)
+MAX_EFFECTS_DECODED = 256 << 20
 
 # (name, Arrow type, description)
 _COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
@@ -129,9 +132,16 @@ def read_effects(trace: Any) -> pd.DataFrame | None:
     if size > MAX_EFFECTS_BYTES:
         raise TraceError(f"{path}: {size} bytes is too large for an effects table (at most {MAX_EFFECTS_BYTES})")
     try:
+        meta = pq.read_metadata(path)
+        decoded = sum(max(meta.row_group(g).column(c).total_uncompressed_size, 0)
+                      for g in range(meta.num_row_groups) for c in range(meta.num_columns))
+        if decoded > MAX_EFFECTS_DECODED:
+            raise TraceError(f"{path}: its footer claims {decoded:,} decompressed bytes, more than the "
+                             f"{MAX_EFFECTS_DECODED:,} an effects table may hold")
+        check_pages(path, meta)
         table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise TraceError(f"{path}: not a readable Parquet effects table ({exc})") from None
+    except (OSError, pa.ArrowException, PageBoundsError) as exc:
+        raise TraceError(f"{path}: not a readable Parquet effects table ({' '.join(str(exc).split())})") from None
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: not an effects table (missing columns {missing})")

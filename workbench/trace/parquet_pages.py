@@ -29,7 +29,7 @@ from typing import Iterable
 import pyarrow.parquet as pq
 
 MAX_PAGE_HEADER_BYTES = 16 << 20  # pyarrow's own limit on one page header
-MAX_PAGES = 1 << 20  # page headers walked in one file (an honest part has a few per column chunk)
+MAX_PAGES = 1 << 16  # page headers walked in one file (an honest part: one per MiB of each column chunk)
 _MAX_DEPTH = 16  # nesting of Thrift structs and lists (a page header nests three deep)
 # PageHeader field ids and page types (parquet.thrift)
 _TYPE, _UNCOMPRESSED, _COMPRESSED = 1, 2, 3
