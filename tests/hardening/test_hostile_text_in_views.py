@@ -11,6 +11,7 @@ payloads are shown as their literal text.
 
 from __future__ import annotations
 
+import html
 import json
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ PAYLOADS = [
     "'><iframe srcdoc=\"<script>parent.__pwned=5</script>\"></iframe>",
     "{{7*7}} ${window.__pwned=6} @name",
 ]
+# Markdown that an alert (a Markdown pane) would turn into an image fetched from another site, a link, a list
+MARKDOWN = "../![x](http://evil.example/p.png) [y](http://evil.example/) \n# h\n- li"
 # a directory name may not hold '/': the first payload, as a file name
 HOSTILE_DIR = "<img src=x onerror=window.__pwned=7>"
 
@@ -160,8 +163,27 @@ def test_hostile_names_and_tokens_stay_text_in_every_view_and_tooltip(tmp_path: 
             time.sleep(1.5)
             _assert_nothing_ran(browser)
             assert browser.counters.errors == [], browser.counters.errors
+            # a URL parameter naming no trace is quoted in an error (a Markdown alert): Markdown in it stays
+            # text too, so the page fetches no image from another site and shows no link
+            browser.open(url(config, trace=MARKDOWN), wait_for=".k3-alert")
+            browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
+            time.sleep(1.0)
+            assert browser.counters.external == [], browser.counters.external
+            assert "![x](http://evil.example/p.png)" in browser.page.evaluate(PAGE_TEXT)
+            assert browser.page.evaluate(INJECTED) == []
     finally:
         server.stop()
+
+
+def test_markdown_in_an_alert_stays_text() -> None:
+    import panel as pn
+
+    from apps.dashboard.components.panes import alert_text
+
+    # the HTML the browser receives (Panel sends it escaped once more)
+    shown = html.unescape(pn.pane.Alert(alert_text(f"error: trace {MARKDOWN!r} is outside the root")).get_root().text)
+    assert "<img" not in shown and "<a " not in shown and "<h1" not in shown and "<li" not in shown, shown
+    assert "![x](http://evil.example/p.png)" in shown.replace("\\", "")
 
 
 def test_hostile_upload_name_text_and_prompt_stay_text_in_drive_mode(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ when the cell was drawn, so an offline page failed to load 9 of them per frame.
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 import panel as pn
@@ -69,6 +70,11 @@ def html_table(css_class: str, headers: list[str], rows: list[list[str]]) -> str
     return f"<table class='{css_class}' style='font-size:12px;width:100%'><tr>{head}</tr>{body}</table>"
 
 
+# Markdown's punctuation: escaped with a backslash, a trace name like `![x](http://elsewhere/p.png)` in an
+# error stays text instead of becoming an image fetched from another site (or a link, a heading, a list)
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~=:])")
+
+
 def alert_text(text: str) -> str:
-    """Text for an Alert (a Markdown pane): escaped, so markup in it stays text."""
-    return html.escape(text)
+    """Text for an Alert (a Markdown pane): HTML- and Markdown-escaped, so markup in it stays text."""
+    return html.escape(_MARKDOWN_PUNCTUATION.sub(r"\\\1", text))
