@@ -143,3 +143,18 @@ def test_on_builtin_demo_the_answer_depends_on_the_fact_and_a_bare_string_target
         bare = workbench.effects(session, {"op": "dsa.hide", "segment": "notes.txt", "layers": "all"},
                                  continuation=task.question, target="7142", max_new_tokens=4)
     assert bare.warnings and "warning: the model's answer starts with scaffolding" in bare.summary()
+
+
+def test_workbench_run_find_fact_then_questions_finds_the_fact_without_needle(tmp_path, capsys) -> None:
+    from apps.cli import main
+
+    doc = tmp_path / "notes.txt"
+    doc.write_text(DOCUMENT)
+    trace = tmp_path / "t"
+    assert main(["run", "--model", "builtin:demo", "--task", "find-fact", "--prompt-file", str(doc), "--key",
+                 "garage door", "--value", "7142", "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    fact = json.loads((trace / "session.json").read_text())["task"]["spans"]["the fact"]
+    assert main(["questions", str(trace), "--only", "needle"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"Q1 needle [{fact[0]}, {fact[1]}): layer ") and "chance" in line
