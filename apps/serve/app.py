@@ -141,6 +141,18 @@ def _decode(raw: bytes, config: AppConfig, limits: RequestLimits) -> tuple[ChatR
     return req, body
 
 
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Any:
+    """The worker's way to hand an event to a handler; a no-op once the loop is gone (a forced stop: the
+    second Ctrl-C cancels the handlers and closes the loop while the engine finishes its step)."""
+    def emit(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    return emit
+
+
 def _owner(api_key: str | None, user: str | None) -> str:
     """Who a conversation belongs to: the API key it was sent with and OpenAI's `user` field, hashed."""
     if not api_key and user is None:
@@ -196,7 +208,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
             events: asyncio.Queue = asyncio.Queue()
             request_id = f"chatcmpl-{secrets.token_hex(12)}"
             # the decoded body travels only where other ranks need it (it is as large as the request)
-            job = Job(req, request_id, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            job = Job(req, request_id, _emitter(loop, events),
                       body=body if worker.channel is not None else None, owner=_owner(_bearer(request), req.user),
                       on_finish=give_back)  # the worker's thread: PendingBytes takes a lock
             del body

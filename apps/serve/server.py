@@ -9,7 +9,9 @@
 A stop signal (SIGINT, SIGTERM) ends the serving cleanly: the listener closes, the engine stops the
 running request after its current prefill chunk or token (its client gets a 503, or its stream an
 error event and its end), queued requests get a 503, every conversation's trace is closed, and
-`run` returns, so the command exits 0. A second Ctrl-C stops waiting for open connections. uvicorn's
+`run` returns, so the command exits 0. A second signal changes nothing (uvicorn's would cancel the
+handlers mid-response: a 500 or a cut stream): the engine stops within one step and the wait for
+open connections is bounded (`timeout_graceful_shutdown`). uvicorn's
 own handling would re-raise the signal once it has stopped (a SIGTERM then kills the process before
 the traces are closed), so the signals are caught here instead.
 """
@@ -89,8 +91,8 @@ class Server:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, told when a stop begins (`on_exit`, from the signal handler) and never re-raising
-    the signal it stopped for."""
+    """uvicorn's server, told when a stop begins (`on_exit`, from the signal handler), never forced by a
+    second signal and never re-raising the signal it stopped for."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
@@ -98,7 +100,7 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_exit()
-        super().handle_exit(sig, frame)
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -57,12 +57,15 @@ def _statuses(trace_root: Path) -> list[str]:
             if (d / "session.json").exists()]
 
 
-@pytest.mark.parametrize("sig, stream", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["sigint", "sigterm"])
-def test_a_stop_signal_mid_prefill_ends_the_request_closes_the_traces_and_exits_0(tmp_path: Path, sig: int,
+@pytest.mark.parametrize("signals, stream", [
+    ((signal.SIGINT,), False), ((signal.SIGTERM,), True), ((signal.SIGINT, signal.SIGINT), False),
+], ids=["sigint", "sigterm", "sigint-twice"])
+def test_a_stop_signal_mid_prefill_ends_the_request_closes_the_traces_and_exits_0(tmp_path: Path, signals: tuple,
                                                                                   stream: bool) -> None:
     trace_root = tmp_path / "traces"
     proc, url = _start(trace_root)
     answer: dict = {}
+    queued: dict = {}
     try:
         # a finished conversation first (its trace stays open for reuse), then a long prefill
         done = httpx.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
@@ -75,15 +78,25 @@ def test_a_stop_signal_mid_prefill_ends_the_request_closes_the_traces_and_exits_
             with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=120) as r:
                 answer["status"], answer["text"] = r.status_code, r.read().decode()
 
+        def wait_behind() -> None:
+            r = httpx.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "next"}]},
+                           timeout=120)
+            queued["status"], queued["text"] = r.status_code, r.text
+
         client = threading.Thread(target=ask)
         client.start()
         deadline = time.monotonic() + 60
         while len(_statuses(trace_root)) < 2:  # the long request's conversation has begun recording
             assert time.monotonic() < deadline and client.is_alive(), answer
             time.sleep(0.05)
+        behind = threading.Thread(target=wait_behind)
+        behind.start()
         time.sleep(0.5)
-        proc.send_signal(sig)
+        for sig in signals:  # a second signal changes nothing: the stop is as clean
+            proc.send_signal(sig)
+            time.sleep(0.1)
         client.join(60)
+        behind.join(60)
         code = proc.wait(90)
     finally:
         if proc.poll() is None:
@@ -92,6 +105,7 @@ def test_a_stop_signal_mid_prefill_ends_the_request_closes_the_traces_and_exits_
     assert code == 0, stderr[-2000:]
     assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
     assert _statuses(trace_root) == ["complete", "complete"]
+    assert queued["status"] == 503 and "stopped before it ran" in queued["text"], queued
     if stream:  # the stream ends with an error event naming the shutdown
         assert answer["status"] == 200 and "shutting down" in answer["text"].splitlines()[-2], answer["text"][-500:]
     else:
