@@ -20,6 +20,8 @@ import pyarrow as pa
 
 _MAGIC = b"ARROW1"
 _RECORD_BATCH = 3  # MessageHeader union: Schema 1, DictionaryBatch 2, RecordBatch 3
+MAX_FIELDS = 64  # fields of a summary's schema, nested ones included (a summary has a few columns)
+VALUES_PER_ROW_LIMIT = 8  # values of all columns together, per value one column may hold
 
 
 class BoundsError(ValueError):
@@ -70,8 +72,9 @@ def _i32(buf: bytes, at: int) -> int:
     return struct.unpack_from("<i", buf, at)[0]
 
 
-def _check_batch(metadata: bytes, max_rows: int) -> None:
-    """Refuse a record batch message whose header is compressed or claims more than `max_rows` per column."""
+def _check_batch(metadata: bytes, max_rows: int) -> int:
+    """Refuse a record batch message whose header is compressed or claims more than `max_rows` per column;
+    returns the values its columns claim together (every field node's length: a list's items too)."""
     message = _Table(metadata, _u32(metadata, 0))
     kind = message.scalar(1, "B")
     if kind != _RECORD_BATCH:
@@ -85,9 +88,18 @@ def _check_batch(metadata: bytes, max_rows: int) -> None:
     start, count = batch.vector(1)  # FieldNode structs: (length int64, null_count int64)
     if count > len(metadata) // 16:
         raise BoundsError("a record batch header is malformed")
-    longest = max([rows] + [struct.unpack_from("<q", metadata, start + 16 * i)[0] for i in range(count)])
+    lengths = [struct.unpack_from("<q", metadata, start + 16 * i)[0] for i in range(count)]
+    longest = max([rows] + lengths)
     if rows < 0 or longest > max_rows:
         raise BoundsError(f"a record batch claims {longest:,} rows, more than the {max_rows:,} allowed")
+    if min(lengths, default=0) < 0:
+        raise BoundsError("a record batch header is malformed")
+    return sum(lengths) + rows
+
+
+def _nested_fields(kind: pa.DataType) -> int:
+    """Fields nested inside a type (a list's item, a struct's members, ...), counted to any depth."""
+    return sum(1 + _nested_fields(kind.field(i).type) for i in range(kind.num_fields))
 
 
 def _next(reader: pa.ipc.MessageReader) -> pa.ipc.Message | None:
@@ -99,7 +111,12 @@ def _next(reader: pa.ipc.MessageReader) -> pa.ipc.Message | None:
 
 def read_bounded(path: str | Path, max_rows: int) -> pa.Table:
     """The table in the Arrow IPC file at `path`, if no record batch column holds more than `max_rows`
-    values, no body is compressed, and the batches decode whole (BoundsError otherwise)."""
+    values, all columns together no more than `VALUES_PER_ROW_LIMIT` times that, the schema no more than
+    `MAX_FIELDS` fields, no body is compressed, and the batches decode whole (BoundsError otherwise).
+
+    Why the total: a column of the null type (or run-end encoded) has no buffers, so the file size
+    does not bound it; 2,000 such columns of a million rows each take 200 KB and cost 16 GB to
+    convert to NumPy."""
     with pa.memory_map(str(path)) as source:
         data = source.read_buffer()
     if data.size < 16 or data[:6].to_pybytes() != _MAGIC:
@@ -112,9 +129,15 @@ def read_bounded(path: str | Path, max_rows: int) -> pa.Table:
         if schema_message is None or schema_message.type != "schema":
             raise BoundsError("does not start with a schema")
         schema = pa.ipc.read_schema(schema_message)
-        batches, rows = [], 0
+        fields = len(schema.names) + sum(_nested_fields(f.type) for f in schema)
+        if fields > MAX_FIELDS:
+            raise BoundsError(f"its schema holds {fields:,} fields, more than the {MAX_FIELDS:,} a summary may")
+        batches, rows, values = [], 0, 0
         while (message := _next(reader)) is not None:
-            _check_batch(message.metadata.to_pybytes(), max_rows - rows)
+            values += _check_batch(message.metadata.to_pybytes(), max_rows - rows)
+            if values > VALUES_PER_ROW_LIMIT * max_rows:
+                raise BoundsError(f"its columns claim {values:,} values together, more than the "
+                                  f"{VALUES_PER_ROW_LIMIT * max_rows:,} allowed")
             batch = pa.ipc.read_record_batch(message, schema)
             batch.validate()  # buffers as long as the lengths claim (no full scan of the values)
             rows += batch.num_rows

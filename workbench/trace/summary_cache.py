@@ -52,6 +52,7 @@ MAX_BYTES = 256 << 20  # an Arrow summary file larger than this is not read
 MAX_JSON_BYTES = 16 << 20  # a JSON summary: decoded into Python objects, several times its size
 MAX_ROWS = 1 << 26  # values in one column of an Arrow summary (a list column's items too)
 MAX_SUM_GROUPS = 1 << 20  # groups of a running-sums summary (each becomes a Python dict entry)
+MAX_SUM_GROUP_COLUMNS = 8  # columns a running sum is grouped by (layer, segment, modality, ...)
 VERSION = 3  # bump when a summary's layout, the key or what a view computes from it changes
 TRACE_DIR = "summaries"  # inside a trace directory
 _TAIL = 64 << 10  # bytes of a part's end hashed into the key (its footer); a smaller part is hashed whole
@@ -204,6 +205,9 @@ def restore_sums(trace: Trace, table: str) -> bool:
     if stored is None or "counts" not in stored.column_names or stored.num_rows > MAX_SUM_GROUPS:
         return False
     groups = [c for c in stored.column_names if c != "counts"]
+    # group columns are a few integer columns: anything else is refused before it is converted
+    if len(groups) > MAX_SUM_GROUP_COLUMNS or not all(pa.types.is_integer(stored.schema.field(g).type) for g in groups):
+        return False
     counts = stored["counts"].combine_chunks()
     if not (pa.types.is_list(counts.type) or pa.types.is_large_list(counts.type)) \
             or not pa.types.is_int64(counts.type.value_type) or counts.null_count:
