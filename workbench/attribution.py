@@ -33,7 +33,8 @@ from engine.probes import probe_points
 from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, control_spans, verdict
 from workbench.causal_effects import (Continuation, _continue, _forced_logprobs, _ids, target_logprobs,
                                       task_scoring)
-from workbench.interventions import _segment_span, check_attribution_args
+from workbench.interventions import _segment_span
+from workbench.task_templates import recorded_spans
 
 
 @dataclass
@@ -89,8 +90,9 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
 
     Args:
         session: holds the context (appended; prefilled or not, but not past a segment when `kda` is set).
-        segments: names of the segments to switch off (documents, an image, a turn), or (label, start, end)
-            spans of positions (a needle inside its document).
+        segments: names of the segments to switch off (documents, an image, a turn) or of spans a task
+            template recorded ("the fact", "restatement 1"), or (label, start, end) spans of positions
+            (a needle inside its document).
         continuation, target, role: as `workbench.effects`.
         dsa, moe: sweep DSA layers / MoE experts. kda: None, "layers" (each KDA layer's heads together)
             or "heads" (each head alone): these rows re-run the context from the segment.
@@ -112,8 +114,6 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
 
     config = session.config
     continuation, target = task_scoring(continuation, target)
-    check_attribution_args(session, segments, continuation=continuation, target=target, controls=controls, seed=seed,
-                           experts=experts, evidence=evidence, flags={"dsa": dsa, "moe": moe})
     target_ids = _ids(session, target)
     assert target_ids is not None
     if kda not in (None, "layers", "heads"):
@@ -122,7 +122,9 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
         raise InputError(f"controls must be an integer >= 1, got {controls!r}")
     spans = {}
     for item in segments:
-        if isinstance(item, str):
+        if isinstance(item, str) and item in recorded_spans(session):   # "the fact" a task template recorded
+            spans[item] = recorded_spans(session)[item]
+        elif isinstance(item, str):
             spans[item] = _segment_span(session, item, f"segment {item!r}")
         else:  # (label, start, end): a span inside a segment (a needle inside its document)
             label, start, stop = item

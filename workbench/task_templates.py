@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -419,6 +420,10 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
     session.append(task.system, role="system", name="system")
     segments = [session.append(text, name=name) for name, text in task.documents]
     spans = task_spans(session.tokenizer, task, [(int(seg.start), session.tokens[seg.start:seg.end]) for seg in segments])
+    try:
+        _RECORDED[session] = {**_RECORDED.get(session, {}), **spans}
+    except TypeError:
+        pass
     _publish_task(session, task, spans)
     if task.task == "picture":
         session.append_message("user", task.question, images=list(images), image_names=image_names, name="question")
@@ -428,6 +433,17 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
 
 
 FACT = "the fact"
+# the spans each session's task recorded (held weakly: a finished session takes its entry with it)
+_RECORDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
+
+
+def recorded_spans(session: Any) -> dict[str, tuple[int, int]]:
+    """The spans `append_task` recorded on `session` ("the fact", "restatement 1"), by label; {} when none.
+    `workbench.check_span` and `workbench.attribution` take these labels as names of what to hide."""
+    try:
+        return dict(_RECORDED.get(session, {}))
+    except TypeError:  # an object that cannot be weakly referenced recorded nothing
+        return {}
 
 
 def task_spans(tokenizer: Any, task: TaskPrompt, documents: Sequence[tuple[int, Sequence[int]]]
@@ -500,4 +516,4 @@ def answer_style(model: str | Path) -> str:
 __all__ = ["TASKS", "PICTURE_ATTRIBUTES", "PICTURE_QUESTIONS", "PICTURE_SYSTEMS", "ModelCard", "card_of",
            "card_files", "FoundFact", "find_facts", "key_of", "TaskPrompt", "fact_task", "fact_sentence",
            "fact_question", "picture_task", "TaskAnswer", "ask", "append_task", "answer_task", "answer_style",
-           "FACT", "task_spans"]
+           "FACT", "task_spans", "recorded_spans"]

@@ -115,6 +115,12 @@ def test_a_task_records_where_the_fact_is_and_questions_find_it(model, tmp_path)
     trace = workbench.open_trace(tmp_path / "t")
     line = needle_readers(trace).line
     assert line.startswith(f"Q1 needle [{spans['the fact'][0]}, {spans['the fact'][1]})")
+    # "the fact" names what to hide; its restatement is then evidence no control touches
+    check = workbench.check_span(s, "the fact", continuation=ids_of(4, 3), target=ids_of(2, 4), controls=8)
+    assert check.span == spans["the fact"] and check.what == "the fact" and len(check.controls) == 8
+    assert not any(overlaps(c, spans["restatement 1"]) for c in check.controls)
+    frame = workbench.attribution(s, ["the fact"], continuation=ids_of(4, 3), target=ids_of(2, 4), moe=False)
+    assert set(frame["segment"]) == {"the fact"}
     bare = tmp_path / "bare"
     with workbench.record(Session(model, Tokenizer.byte_level()), trace=bare) as _:
         pass

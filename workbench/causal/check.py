@@ -28,7 +28,8 @@ from engine.errors import InputError
 from engine.interventions import DsaHide
 from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
 from workbench.causal_effects import Continuation, _ids, target_logprobs, task_scoring
-from workbench.task_templates import TaskPrompt
+from workbench.interventions import _segment_span
+from workbench.task_templates import TaskPrompt, recorded_spans
 
 Span = tuple[int, int]
 
@@ -69,7 +70,7 @@ def _span(value: Any, limit: int, what: str) -> Span:
     return int(pair[0]), int(pair[1])
 
 
-def check_span(session: Any, span: Sequence[int], *, continuation: Continuation | TaskPrompt | str | Sequence[int],
+def check_span(session: Any, span: Sequence[int] | str, *, continuation: Continuation | TaskPrompt | str | Sequence[int],
                target: str | Sequence[int] | None = None, what: str | None = None, layers: Any = "all",
                evidence: Sequence[Sequence[int]] = (), region: Sequence[int] | None = None,
                controls: int = DEFAULT_CONTROLS, seed: int = 0, role: str = "user") -> SpanCheck:
@@ -77,7 +78,9 @@ def check_span(session: Any, span: Sequence[int], *, continuation: Continuation 
 
     Args:
         session: holds the shared context (appended; prefilled here, left as it is: the branches are forks).
-        span: (start, end) token positions to hide, end exclusive.
+        span: (start, end) token positions to hide, end exclusive, or the name of a span a task template
+            recorded ("the fact": then the other recorded spans, its restatements, are evidence too) or of
+            a segment.
         continuation, target, role: as `workbench.effects` (a `TaskPrompt` scores its expected value where
             the model answers).
         what: the span in words for the verdict (default "[start, end)").
@@ -90,6 +93,15 @@ def check_span(session: Any, span: Sequence[int], *, continuation: Continuation 
     if target_ids is None:
         raise InputError("check_span needs a target answer to score (target=, or a task with an expected value)")
     end = len(session.tokens)
+    if isinstance(span, str):
+        named = recorded_spans(session)
+        if span in named:
+            what = what or span
+            evidence = [*evidence, *(v for k, v in named.items() if k != span)]
+            span = named[span]
+        else:
+            what = what or span
+            span = _segment_span(session, span, f"the span to hide ({span!r})")
     span = _span(span, end, "the span to hide")
     avoid = [span] + [_span(e, end, "an evidence span") for e in evidence]
     region = (0, end) if region is None else _span(region, end, "the controls' region")
