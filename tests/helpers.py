@@ -4,6 +4,9 @@
   (both norms are over the same number of elements).
 - `assert_close(actual, expected, what, ratio)`: shapes equal, no NaN where the expected value has
   none, relative RMS error <= ratio; the message names what was compared and by how much it missed.
+- `topk_boundary_gap(scores, k)`: how close any row's k-th and (k+1)-th scores come (relative); a test that
+  compares top-k selections made by two different computations asserts it exceeds `NEAR_TIE` first, so a
+  legitimate near-tie flip fails as "change the seed" instead of as a wrong selection.
 - `nan_poisoned_empty()`: while active, `torch.empty`, `torch.empty_like` and `Tensor.new_empty`
   return floating tensors filled with NaN, so an output element a kernel or op forgot to write
   fails `assert_close` loudly instead of passing on whatever memory held (the `nan_poison` fixture
@@ -45,6 +48,26 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, ratio:
     assert not bool(actual[finite].isinf().any()), f"{what}: infinite element(s) where the reference is finite"
     err = relative_error(actual[finite], expected[finite])
     assert err <= ratio, f"{what}: relative error {err:.3e} > {ratio:.0e}"
+
+
+# relative to a row's largest score: two fp32 computations of the same scores (another blocking or summation
+# order, a kernel against its reference) agree to ~1e-6 of it, so only a gap below this can change a top-k
+NEAR_TIE = 1e-5
+
+
+def topk_boundary_gap(scores: torch.Tensor, k: int) -> float:
+    """Smallest nonzero gap between the k-th and (k+1)-th score of any row (last dim), relative to that row's
+    largest finite |score|; inf when no row has more than k finite scores. Exact ties (gap 0) are left out:
+    both computations see them as ties and break them by the same rule (the earliest position)."""
+    rows = scores.detach().double().flatten(0, -2)
+    rows = rows[rows.isfinite().sum(-1) > k]
+    if not rows.shape[0]:
+        return float("inf")
+    top = rows.topk(k + 1, dim=-1).values
+    scale = rows.masked_fill(~rows.isfinite(), 0).abs().amax(-1).clamp_min(1e-30)
+    gaps = (top[:, k - 1] - top[:, k]) / scale
+    gaps = gaps[gaps > 0]  # an exact tie, or +inf - +inf (two pinned keys), is no near tie
+    return float(gaps.min()) if gaps.numel() else float("inf")
 
 
 def _poisoned(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
