@@ -230,7 +230,7 @@ def memory_dependence(trace: Trace) -> Answer:
         found = verdict_of_summary(r["effect"], r["control_min"], r["control_max"], r["controls"], what, where=where,
                                    unit="span" if isinstance(r["segment"], str) else "set of experts",
                                    action=ACTION_WORDS.get(str(r["op"]), "switching off"))
-        odds = f" (rank {found.rank} of {int(r['controls']) + 1}, p = {found.p_value:.2f})" if found.p_value else ""
+        odds = f" ({found.odds})" if found.odds else ""
         parts.append(f"{name} ({r['target']!r}, log p {r['plain']:.2f}, {how}): {found.sentence}{odds}")
     return Answer(ranked.reset_index(drop=True), "Q7 memory the answer depended on: " + "; ".join(parts))
 

@@ -50,7 +50,8 @@ def result_text(result: RerunResult) -> str:
              f"last answer's log p: {sum(result.plain):.3f} -> {sum(result.intervened):.3f} nats ({result.change:+.3f}); "
              + controls]
     if result.verdict is not None:
-        lines.append(f"verdict: {result.verdict.sentence}")
+        odds = f" ({result.verdict.odds})" if result.verdict.odds else ""
+        lines.append(f"verdict: {result.verdict.sentence}{odds}")
     return "\n".join(lines)
 
 

@@ -107,7 +107,7 @@ def test_causal_check_lines_show_each_branch_beside_the_plain_rerun_and_the_cont
     rows = [CheckRow("nothing hidden", None, "", "key: 4-7-1-9", "4-7-1-9", -0.05),
             CheckRow("hidden from every DSA layer", (400, 450), "all", "key: 99", "99", -14.9, controls,
                      "hiding the needle lowered the answer's log-probability by 14.8 nats; 8 random spans of the same "
-                     "size changed it by -0.07 to +0.00: the answer depends on the needle")]
+                     "size changed it by -0.07 to +0.00: the answer depends on the needle", "rank 1 of 9, p = 0.11")]
     spans = tuple((100 + 60 * i, 150 + 60 * i) for i in range(8))
     check = CausalCheck("needle", PASSCODE, (400, 450), 2000, rows, spans)
     lines = check_lines(check)
@@ -115,7 +115,7 @@ def test_causal_check_lines_show_each_branch_beside_the_plain_rerun_and_the_cont
     assert "8 random 50-token spans" in lines[1]
     assert lines[2].endswith("right, log p -0.05")
     assert "wrong, log p -14.90 (-14.85)" in lines[3]
-    assert lines[4].strip().endswith("the answer depends on the needle")
+    assert lines[4].strip().endswith("the answer depends on the needle (rank 1 of 9, p = 0.11)")
     (row,) = effects_rows(check)
     assert row["controls"] == 8 and row["control_min"] == pytest.approx(-0.07)
     assert row["effect"] == pytest.approx(-14.85)

@@ -55,6 +55,7 @@ def test_the_verdict_in_plain_words_with_rank_and_p_value() -> None:
     controls = [-0.1, 0.2, 0.0, 0.05, 0.1, -0.05, 0.02, 0.0]
     found = verdict(-12.34, controls, "the fact")
     assert found.label == DEPENDS and found.rank == 1 and found.p_value == pytest.approx(1 / 9)
+    assert found.odds == "rank 1 of 9, p = 0.11" and verdict_of_summary(-12.34, -0.1, 0.2, 8, "x").odds == found.odds
     assert found.sentence == ("hiding the fact lowered the answer's log-probability by 12.3 nats; 8 random spans of "
                               "the same size changed it by -0.10 to +0.20: the answer depends on the fact")
     # inside the controls' range, or below them by a hair: chance

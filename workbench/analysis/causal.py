@@ -157,6 +157,14 @@ class Verdict:
     def decided(self) -> bool:
         return self.label != NO_VERDICT
 
+    @property
+    def odds(self) -> str:
+        """The effect's rank among the controls and its p-value in words ("" when neither is known)."""
+        if self.rank is None or self.p_value is None:
+            return ""
+        n = len(self.controls) if self.controls else round(self.rank / self.p_value) - 1
+        return f"rank {self.rank} of {n + 1}, p = {self.p_value:.2f}"
+
 
 def _signed(value: float, digits: int) -> str:
     """`value` with a sign, a rounded -0 shown as +0."""

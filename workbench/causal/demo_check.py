@@ -39,6 +39,7 @@ class CheckRow:
     logprob: float          # log-probability of the expected value's tokens (nats, summed)
     controls: tuple[float, ...] = ()   # each control's change of log p (nats)
     verdict: str = ""       # the verdict sentence (`workbench.analysis.causal.verdict`)
+    odds: str = ""          # the effect's rank among the controls and its p-value ("rank 1 of 9, p = 0.11")
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,10 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
     plan.append(("hidden from every DSA layer", "all"))
 
     def row(label: str, hidden: tuple[int, int] | None, layers: str, branch: Any, controls: tuple[float, ...] = (),
-            verdict: str = "") -> CheckRow:
+            verdict: str = "", odds: str = "") -> CheckRow:
         response = prefix + branch.text.split("<|close|>", 1)[0]
         return CheckRow(label, hidden, layers, response, response_value(response, style),
-                        float(branch.target_logprobs.sum()), controls, verdict)
+                        float(branch.target_logprobs.sum()), controls, verdict, odds)
 
     rows: list[CheckRow] = []
     fork_at = len(base.tokens)
@@ -114,7 +115,8 @@ def causal_check(base: Any, *, subject: str, question: str, key: str, style: str
         fork_at, spans = found.fork_at, checked.controls
         if not rows:  # the plain branch is the same for every intervention: shown once
             rows.append(row("nothing hidden", None, "", found.plain))
-        rows.append(row(label, span, layers, found.intervened, checked.control_effects, checked.verdict.sentence))
+        rows.append(row(label, span, layers, found.intervened, checked.control_effects, checked.verdict.sentence,
+                        checked.verdict.odds))
     return CausalCheck(subject, expected, span, fork_at, rows, spans)
 
 
@@ -135,7 +137,7 @@ def check_lines(check: CausalCheck) -> list[str]:
         change = "" if r.hidden is None else f" ({r.logprob - plain:+.2f})"
         lines.append(f"  {r.label:<{width}}  {r.answer!r} - {verdict}, log p {r.logprob:.2f}{change}")
         if r.verdict:
-            lines.append(f"    {r.verdict}")
+            lines.append(f"    {r.verdict}" + (f" ({r.odds})" if r.odds else ""))
     return lines
 
 
