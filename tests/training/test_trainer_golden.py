@@ -20,8 +20,24 @@ from training import demo_model, extend, lengthen
 from training import state as state_io
 from training.model_setup import trainable_model, trained_demo_config
 
-RECORDED_ON = ("2.13.0+cpu", "AVX512")
-SAME_MACHINE = (torch.__version__, torch.backends.cpu.get_cpu_capability()) == RECORDED_ON
+def _kernel_fingerprint() -> str:
+    """Digest of a few fp32 / bf16 products and a patch convolution of odd shapes: which BLAS / oneDNN
+    kernels this process rounds with. The same torch build and ATen capability still take other MKL or
+    oneDNN kernels on another processor (or under MKL_CBWR / ONEDNN_MAX_CPU_ISA), and those round
+    differently, so the build and capability alone do not make the golden's computation the same."""
+    g = torch.Generator().manual_seed(0)
+    digest = hashlib.sha256()
+    for m, k, n in ((37, 300, 53), (256, 64, 160), (5, 1024, 7)):
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        digest.update((a @ b).numpy().tobytes())
+        digest.update((a.bfloat16() @ b.bfloat16()).float().numpy().tobytes())
+    image, kernel = torch.randn(2, 3, 28, 28, generator=g), torch.randn(8, 3, 14, 14, generator=g)
+    digest.update(torch.nn.functional.conv2d(image, kernel, stride=14).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+RECORDED_ON = ("2.13.0+cpu", "AVX512", "aea2942d02b77b50")  # torch, ATen capability, `_kernel_fingerprint()`
+SAME_MACHINE = (torch.__version__, torch.backends.cpu.get_cpu_capability(), _kernel_fingerprint()) == RECORDED_ON
 
 
 def _digests(state_dir) -> dict[str, str]:
