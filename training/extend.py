@@ -1,18 +1,18 @@
 """Second training run of the demo model: the vision tower and longer documents, continuing a
-finished text run: `python -m training.extend --base /work/train-state/demo3 --state S --out D`.
+finished text run: `python -m training.extend --config training/configs/extend.toml --base TEXT_STATE --state S
+--out D`.
 
 Why a run of its own instead of more stages in `training.demo_model`: the tower must not train
 from the first step (it collapses to one embedding for every picture while the language model
-cannot read it yet; measured in training/README.md), and the text model must already retrieve at
+cannot read it yet), and the text model must already retrieve at
 2K before longer documents pay off. So this run starts from the base run's last state (text model
 weights; the tower and projector from the seeded random init, the tower rescaled as
 `training.model_setup` does) and trains two stages, every step one text batch and one image batch:
 
 1. `frozen`: the tower and the projector are frozen: their random features (informative: a linear
-   probe reads colour/shape/position at 92-100%; across pictures they vary by 27% of their RMS)
-   are what the language model must learn to read. A projector trained from the first step
-   collapsed instead (measured: its outputs varied by 4.6% across pictures after 150 steps, and the
-   model read nothing: 10/48 right, as the swapped-image control), as the tower does. The
+   probe reads the pictures' attributes from them) are what the language model must learn to read.
+   A projector trained from the first step collapsed instead, as the tower does (the figures:
+   training/README.md, "Why the design: figures behind the training modules"). The
    pictures are read with DSA forced dense (every key in view) while the indexer learns the dense
    distribution on them, as in DeepSeek V3.2's warm-up; text rows at 2,048 tokens keep the
    retrieval the base run learned;
@@ -31,20 +31,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from training import state as state_io
-from training.demo_model import (_git_commit, export_and_reload, held_out_needle, weighted_loss,
-                                 write_eval_files)
+from training import run_config, trainer
+from training.finish import export_and_reload, held_out_needle, write_eval_files
+from training.trainer import StepResult, weighted_loss
 from training.model_card import eval_table, image_line, images_text
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
@@ -76,23 +73,14 @@ def schedule(scale: float) -> list[Stage]:
 
 
 def stage_at(stages: list[Stage], step: int) -> Stage:
-    acc = 0
-    for s in stages:
-        if step < acc + s.steps:
-            return s
-        acc += s.steps
-    return stages[-1]
+    return stages[trainer.stage_index((s.steps for s in stages), step)]
 
 
 def text_length_at(stage: Stage, step: int) -> int:
     return stage.text_length * 2 if stage.phase == "tower" and step % 4 == 3 else stage.text_length
 
 
-def lr_scale(step: int, total: int, warmup: int = 30, floor: float = 0.2) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+LR_WARMUP, LR_FLOOR = 30, 0.2   # the rates' warm-up steps and their floor (a share of each peak) at the end
 
 
 def load_base(base_dir: Path, model: torch.nn.Module) -> dict:
@@ -120,7 +108,7 @@ COLUMNS = ["step", "phase", "text_length", "text_loss", "answer_loss", "image_lo
            "indexer_kl", "lr_scale", "tokens_per_s"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
     p.add_argument("--state", type=Path, required=True, help="this run's resumable state directory")
@@ -139,76 +127,62 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-eval", type=int, default=96, help="held-out image questions in the final evaluation")
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--no-final", action="store_true")
-    args = p.parse_args(argv)
+    return p
 
-    torch.set_num_threads(args.threads)
-    args.state.mkdir(parents=True, exist_ok=True)
-    stages = schedule(args.scale)
-    total = sum(s.steps for s in stages)
-    tok = Tokenizer.byte_level()
-    probe, seed, topk = state_io.base_settings(args.base)
-    config = trained_demo_config(topk, vision=True)
-    model = trainable_model(config, seed)
-    distill = IndexerDistill(model)
-    balance = ExpertBalance(model)
 
-    params = dict(model.named_parameters())
-    groups = {"indexer": [n for n in params if ".indexer." in n],
-              "tower": [n for n in params if n.startswith("vision.vision_tower.")],
-              "projector": [n for n in params if n.startswith("vision.mm_projector.")]}
-    frozen = {n for n in params if n.endswith("e_score_correction_bias")}
-    grouped = set().union(*groups.values())
-    groups["text"] = [n for n in params if n not in grouped and n not in frozen]
-    for n in frozen:
-        params[n].requires_grad_(False)
-    peak = {"text": args.lr, "projector": args.projector_lr, "tower": args.projector_lr * args.tower_lr_scale,
-            "indexer": args.indexer_lr}
-    optimizers = {}
-    for g, names in groups.items():
-        decay = [params[n] for n in names if params[n].dim() >= 2 and "embed" not in n]
-        rest = [params[n] for n in names if not (params[n].dim() >= 2 and "embed" not in n)]
-        optimizers[g] = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01 if g != "indexer" else 0.0},
-                                           {"params": rest, "weight_decay": 0.0}], lr=peak[g], betas=(0.9, 0.95))
+class ExtendJob:
+    """The extension: every step one text row (`training.tasks.batch(seed, TEXT_STREAM + step)`, read
+    sparse) and one batch of picture questions (dense while the tower is frozen, then sparse), each
+    parameter group (text, projector, tower, indexer) with its own AdamW."""
 
-    step = 0
-    metrics: dict = {"evals": []}
-    run_info = {"command": "python -m training.extend " + " ".join(sys.argv[1:] if argv is None else argv),
-                "scale": args.scale, "lr": peak, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
-    resumed = state_io.latest(args.state)
-    if resumed is not None:
-        info = state_io.load(resumed, model, optimizers)
-        if info.get("scale") != args.scale:
-            raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; pass the same or another --state")
-        step = int(info["step"])
-        metrics = info.get("metrics", metrics)
-        run_info["base"] = info.get("base", {})
-        print(f"resumed from {resumed} at step {step}/{total}", flush=True)
-    else:
-        run_info["base"] = load_base(args.base, model)
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
-    run_info.update(seed=seed, topk=topk)
+    name = "extend"
+    columns = COLUMNS
 
-    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS)
-    bar = tqdm(total=total, initial=step, desc="extend", unit="step", file=sys.stderr, ascii=not sys.stderr.isatty(),
-               mininterval=0.5 if sys.stderr.isatty() else 30)
-    gen = torch.Generator()
-    model.runtime.dsa_force_dense = False
-    ema = None
-    while step < total:
-        stage = stage_at(stages, step)
-        t0 = time.perf_counter()
-        scale = lr_scale(step, total)
-        for g, opt in optimizers.items():
+    def __init__(self, args: argparse.Namespace, seed: int, topk: int) -> None:
+        self.args, self.seed = args, seed
+        self.stages = SPEC.stages(args)
+        self.total = sum(s.steps for s in self.stages)
+        self.tok = Tokenizer.byte_level()
+        self.config = SPEC.model_config(args, topk)
+        self.model = trainable_model(self.config, seed)
+        self.distill = IndexerDistill(self.model)
+        self.balance = ExpertBalance(self.model)
+        self.params = dict(self.model.named_parameters())
+        params = self.params
+        self.groups = {"indexer": [n for n in params if ".indexer." in n],
+                       "tower": [n for n in params if n.startswith("vision.vision_tower.")],
+                       "projector": [n for n in params if n.startswith("vision.mm_projector.")]}
+        frozen = {n for n in params if n.endswith("e_score_correction_bias")}
+        grouped = set().union(*self.groups.values())
+        self.groups["text"] = [n for n in params if n not in grouped and n not in frozen]
+        for n in frozen:
+            params[n].requires_grad_(False)
+        self.peak = {"text": args.lr, "projector": args.projector_lr,
+                     "tower": args.projector_lr * args.tower_lr_scale, "indexer": args.indexer_lr}
+        self.optimizers = {
+            g: torch.optim.AdamW(trainer.decay_groups(((n, params[n]) for n in names), 0.01 if g != "indexer" else 0.0),
+                                 lr=self.peak[g], betas=trainer.BETAS)
+            for g, names in self.groups.items()}
+        self.gen = torch.Generator()
+
+    def start_data(self) -> None:
+        self.model.runtime.dsa_force_dense = False
+
+    def train_step(self, step: int) -> StepResult:
+        model, distill, gen, params = self.model, self.distill, self.gen, self.params
+        stage = stage_at(self.stages, step)
+        scale = trainer.warmup_cosine(step, self.total, LR_WARMUP, LR_FLOOR)
+        for g, opt in self.optimizers.items():
             for pg in opt.param_groups:
-                pg["lr"] = peak[g] * (scale if g != "indexer" else 1.0)
+                pg["lr"] = self.peak[g] * (scale if g != "indexer" else 1.0)
         tower_on = stage.phase == "tower"
-        for n in groups["tower"] + groups["projector"]:
+        for n in self.groups["tower"] + self.groups["projector"]:
             params[n].requires_grad_(tower_on)
 
         # text: the model on the LM loss, the indexer on KL over its selected keys
         length = text_length_at(stage, step)
-        ids, weights = batch(tok, seed, TEXT_STREAM + step, 1, length)
-        gen.manual_seed(seed * 1_000_003 + TEXT_STREAM + step)
+        ids, weights = SPEC.data(self, step, stage)
+        gen.manual_seed(self.seed * 1_000_003 + TEXT_STREAM + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
         text_loss, text_answer = weighted_loss(model(ids), ids, weights)
@@ -219,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         # images: while the tower is frozen the rows are read densely (the language model learns to
         # read the picture with every key in view, the indexer learns the dense distribution, as in
         # DeepSeek V3.2's warm-up); then sparse, the indexer on KL over its selected keys
-        ids, weights, images, mask = image_batch(tok, seed, step, stage.image_batch, stage.image_length,
-                                                 vision=config.vision, key_weight=W_KEY_LATE)
+        ids, weights, images, mask = image_batch(self.tok, self.seed, step, stage.image_batch, stage.image_length,
+                                                 vision=self.config.vision, key_weight=W_KEY_LATE)
         model.runtime.dsa_force_dense = not tower_on
         distill.sparse = tower_on
         distill.rows = query_rows(weights, 64, gen)
@@ -233,47 +207,73 @@ def main(argv: list[str] | None = None) -> int:
         distill.active = False
         n_tokens += ids.numel()
 
-        for g, opt in optimizers.items():
+        for g, opt in self.optimizers.items():
             if g in ("tower", "projector") and not tower_on:
                 continue
-            torch.nn.utils.clip_grad_norm_([params[n] for n in groups[g]], 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        balance.update()
+            trainer.clipped_step((params[n] for n in self.groups[g]), opt)
+        self.balance.update()
         distill.coverage = []
         text_loss, image_loss = float(text_loss.detach()), float(image_loss.detach())
-        tps = n_tokens / (time.perf_counter() - t0)
-        ema = tps if ema is None else 0.9 * ema + 0.1 * tps
         kl_value = float(kl.detach()) if kl is not None else float("nan")
-        writer.writerow([step, stage.phase, length, f"{text_loss:.5f}", f"{text_answer:.5f}",
-                         f"{image_loss:.5f}", f"{image_answer:.5f}", f"{kl_value:.5f}", f"{scale:.4f}",
-                         f"{tps:.1f}"])
-        step += 1
-        bar.set_postfix_str(f"{stage.phase} L={length} text {text_loss:.3f} image {image_loss:.3f} "
-                            f"ans {image_answer:.3f} {ema:.0f} tok/s", refresh=False)
-        bar.update(1)
-        if step % 10 == 0 or step == total:
-            log.flush()
-            print(f"step {step}/{total} {stage.phase} L={length} text {text_loss:.3f} answer {text_answer:.3f} "
-                  f"image {image_loss:.3f} image-answer {image_answer:.3f} kl {kl_value:.3f} {ema:.0f} tok/s",
-                  flush=True)
-        if step % args.save_every == 0 or step == total or step == args.stop_after:
-            state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})
-        if step == args.stop_after:
-            print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
-            return 0
-        if step % args.eval_every == 0 or step == total:
-            images_eval = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
-            control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
-            rows = needle_accuracy(model, tok, lengths=(2048,), samples=2, modes=("sparse",))
-            metrics["evals"].append({"step": step, "image": images_eval, "image_swapped": control, "needle": rows})
-            print(f"eval step {step}: images {image_line(images_eval, control)}; needle {summary(rows)}", flush=True)
-    bar.close()
-    log.close()
-    distill.remove()
+        row = [step, stage.phase, length, f"{text_loss:.5f}", f"{text_answer:.5f}", f"{image_loss:.5f}",
+               f"{image_answer:.5f}", f"{kl_value:.5f}", f"{scale:.4f}"]
+
+        def describe(ema: float, done: int) -> tuple[str, str]:
+            head = f"{stage.phase} L={length} text {text_loss:.3f} "
+            return (head + f"image {image_loss:.3f} ans {image_answer:.3f} {ema:.0f} tok/s",
+                    head + f"answer {text_answer:.3f} image {image_loss:.3f} image-answer {image_answer:.3f} "
+                    f"kl {kl_value:.3f} {ema:.0f} tok/s")
+        return StepResult(row, n_tokens, describe)
+
+    def quick_eval(self, step: int, metrics: dict) -> None:
+        model, tok, vision = self.model, self.tok, self.config.vision
+        images_eval = image_accuracy(model, tok, 48, seed=1, vision=vision)
+        control = image_accuracy(model, tok, 48, seed=1, vision=vision, swap_images=True)
+        rows = needle_accuracy(model, tok, lengths=(2048,), samples=2, modes=("sparse",))
+        metrics["evals"].append({"step": step, "image": images_eval, "image_swapped": control, "needle": rows})
+        print(f"eval step {step}: images {image_line(images_eval, control)}; needle {summary(rows)}", flush=True)
+
+
+def text_batch(job: ExtendJob, step: int, stage: Stage) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s one text row, `training.tasks.batch(seed, TEXT_STREAM + step)`, at the stage's length."""
+    return batch(job.tok, job.seed, TEXT_STREAM + step, 1, text_length_at(stage, step))
+
+
+SPEC = trainer.TrainSpec("extend", build_parser, model_config=lambda args, topk: trained_demo_config(topk, vision=True),
+                         stages=lambda args: schedule(args.scale), data=text_batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = SPEC.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.state.mkdir(parents=True, exist_ok=True)
+    _, seed, topk = state_io.base_settings(args.base)
+    job = ExtendJob(args, seed, topk)
+
+    def same_scale(info: dict) -> None:
+        if info.get("scale") != args.scale:
+            raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; pass the same or another --state")
+
+    step, metrics = 0, {"evals": []}
+    run_info = {"command": trainer.command_line("training.extend", argv), "scale": args.scale, "lr": job.peak,
+                "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **run_config.recorded(args)}
+    resumed = trainer.resume(args.state, job.model, job.optimizers, {}, {}, job.total, check=same_scale)
+    if resumed is not None:
+        step, metrics, info = resumed
+        run_info["base"] = info.get("base", {})
+    else:
+        run_info["base"] = load_base(args.base, job.model)
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
+    run_info.update(seed=seed, topk=topk)
+    job.start_data()
+    limits = trainer.Limits(job.total, args.save_every, args.eval_every, args.stop_after)
+    outcome = trainer.run(job, job.model, job.optimizers, args.state, run_info, metrics, step, limits)
+    if outcome.reason == "stop-after":
+        return 0
+    job.distill.remove()
     if args.no_final:
         return 0
-    return finalize(model, config, tok, args, run_info, metrics)
+    return finalize(job.model, job.config, job.tok, args, run_info, metrics)
 
 
 def finalize(model, config, tok: Tokenizer, args, run_info: dict, metrics: dict) -> int:

@@ -93,8 +93,9 @@ SMOKE_PLAN: tuple[StageShare, ...] = (
 GPU_CELLS = ("in-world:2048x24,held-out:2048x24,in-world:8192x24,held-out:8192x24,"
              "in-world:32768x24,held-out:32768x24,in-world:131072x24")
 SMOKE_CELLS = "in-world:512x1,held-out:512x1"
-DATA_OPTIONS = ["--varied-share", "0.7", "--gaps", "--drill-share", "0.5", "--first-weight", "3", "--image-every", "2"]
-IMAGE_EVERY = 2
+# the training run's data options (the shipped demo's): a run configuration of `training.demo_model`
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "gpu_demo.toml"
+IMAGE_EVERY = 2   # as DEMO_CONFIG's image_every: the measurement adds an image batch's time every IMAGE_EVERY steps
 IMAGE_BATCH = {False: 8, True: 2}   # image questions per image step: the GPU run's, the smoke run's
 # the tower and projector keep their seeded init for this share of the steps (the shipped demo's run: 600 of 1460)
 TOWER_SHARE = 0.4
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = out / "checkpoint"
     train_args = ["--out", str(checkpoint), "--state", str(state), "--size", args.size, "--seed", str(args.seed),
                   "--device", device.type, "--precision", args.precision, "--lr", str(args.lr),
-                  "--stages", plan["stage_spec"], *DATA_OPTIONS, "--tower-from", str(plan["tower_from"]),
+                  "--stages", plan["stage_spec"], "--config", str(DEMO_CONFIG), "--tower-from", str(plan["tower_from"]),
                   "--image-batch", str(IMAGE_BATCH[args.smoke]), "--image-eval", "4" if args.smoke else "96",
                   "--save-every", str(args.save_every or max(25, math.ceil(total_steps / 8))), "--eval-every", "1000000000", "--eval-samples-during", "1",
                   "--time-limit", f"{train_left:.0f}",

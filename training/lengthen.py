@@ -1,9 +1,10 @@
 """Continue a finished text run on longer documents and varied wording:
-`python -m training.lengthen --base /work/train-state/demo3 --state S` (checkpoint in S/final).
+`python -m training.lengthen --base BASE_STATE --state S` (checkpoint in S/final); builtin:demo's
+continuations: `--config training/configs/builtin_demo_{2,3,4}_*.toml`.
 
-Why a run of its own: the base run (`training.demo_model`) retrieves in its own wording (2K: 96%
-of training-world needle prompts, 8K: 11 of 12) but not in the held-out wording (2K: 12-38%, 8K:
-0%), and the culprit is the needle sentence (`training.wording` has the measurements). So this run
+Why a run of its own: the base run (`training.demo_model`) retrieves in its own wording but far less
+in the held-out wording, and the culprit is the needle sentence (training/README.md, "Why the
+design: figures behind the training modules"). So this run
 starts from the base run's last state (read only; fresh optimizer moments), gives most documents a
 freshly drawn phrasing of their facts (`training.wording.varied_world`), raises the share of
 recall drills, and stretches the documents 2K -> 4K -> 8K tokens, at a rate well below the base
@@ -32,21 +33,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from engine.tokenizer import Tokenizer
 from engine.weights.load import parse_model_path
 from training import state as state_io
-from training.demo_model import (_git_commit, tokens_left, export_and_reload, held_out_needle, image_loss_step,
-                                 weighted_loss, write_eval_files)
+from training import run_config, trainer
+from training.demo_model import image_loss_step
+from training.finish import export_and_reload, held_out_needle, write_eval_files
+from training.trainer import StepResult, tokens_left, weighted_loss
 from training.copy_targets import CopySupervision
 from training.distill import ExpertBalance, IndexerDistill, query_rows
 from training.evaluate import needle_accuracy, summary
@@ -100,19 +98,10 @@ def schedule(scale: float, stages: str = DEFAULT_STAGES) -> list[Stage]:
 
 
 def stage_at(stages: list[Stage], step: int) -> Stage:
-    acc = 0
-    for s in stages:
-        if step < acc + s.steps:
-            return s
-        acc += s.steps
-    return stages[-1]
+    return stages[trainer.stage_index((s.steps for s in stages), step)]
 
 
-def lr_scale(step: int, total: int, warmup: int = 20, floor: float = 0.25) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+LR_WARMUP, LR_FLOOR = 20, 0.25   # the rate's warm-up steps and its floor (a share of --lr) at the end
 
 
 def is_checkpoint(base: Path) -> bool:
@@ -176,7 +165,7 @@ COLUMNS = ["step", "length", "loss", "answer_loss", "indexer_kl", "topk_mass", "
 COPY_COLUMNS = ["copy_loss", "copy_mass"]   # runs with --copy-weight
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, required=True,
                    help="the finished base run's state directory, or a written checkpoint (builtin:demo, a "
@@ -229,110 +218,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=str, default="8,4,2")
     p.add_argument("--stop-after", type=int, default=None, help="save and exit after this step (tests resuming)")
     p.add_argument("--no-final", action="store_true")
-    args = p.parse_args(argv)
-    out = args.out or args.state / "final"
+    return p
 
-    torch.set_num_threads(args.threads)
-    args.state.mkdir(parents=True, exist_ok=True)
-    stages = schedule(args.scale, args.stages)
-    total = sum(s.steps for s in stages)
-    tok = Tokenizer.byte_level()
-    seed, topk = base_settings(args.base)
-    args.seed = seed  # image batches are drawn from (seed, step) as in training.demo_model
-    images_on = args.image_every > 0
-    config = trained_demo_config(topk, vision=images_on)
-    model = trainable_model(config, seed)
-    distill = IndexerDistill(model)
-    copier = CopySupervision(model, heads=args.copy_heads, first_only=args.copy_first_only) if args.copy_weight else None
-    balance = ExpertBalance(model)
 
-    params = dict(model.named_parameters())
-    bias = {n for n in params if n.endswith("e_score_correction_bias")}
-    index_names = [n for n in params if ".indexer." in n]
-    vision_names = [n for n in params if n.startswith("vision.")]
-    main_names = [n for n in params if n not in bias and n not in index_names and n not in vision_names]
-    for n in bias:
-        params[n].requires_grad_(False)
-    decay = [params[n] for n in main_names if params[n].dim() >= 2 and "embed" not in n]
-    rest = [params[n] for n in main_names if not (params[n].dim() >= 2 and "embed" not in n)]
-    opt_main = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                                 lr=args.lr, betas=(0.9, 0.95))
-    opt_index = torch.optim.AdamW([params[n] for n in index_names], lr=args.indexer_lr, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    optimizers = {"main": opt_main, "indexer": opt_index}
-    if vision_names:   # group 0: the projector at the main rate; group 1: the tower at tower_lr_scale of it
-        tower = [n for n in vision_names if n.startswith("vision.vision_tower.")]
-        optimizers["vision"] = torch.optim.AdamW(
-            [{"params": [params[n] for n in vision_names if n not in tower]}, {"params": [params[n] for n in tower]}],
-            lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    settings = {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr,
-                "varied_share": args.varied_share, "drill_share": args.drill_share}
-    # recorded (and checked on resume) only when set, so states of runs before these options still resume
-    # ("stage_spec": run_info's "stages" holds the parsed stages)
-    settings.update({"stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
-                     "first_weight": args.first_weight, "answer_style": args.answer_style,
-                     "close_weight": args.close_weight, "copy_weight": args.copy_weight,
-                     "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only,
-                     "image_every": args.image_every, "image_batch": args.image_batch,
-                     "image_length": args.image_length, "tower_lr_scale": args.tower_lr_scale,
-                     "natural_share": args.natural_share, "chat_share": args.chat_share})
+def settings_of(args: argparse.Namespace) -> dict:
+    """The settings a resumed run must share with the state it resumes ("stage_spec": run_info's "stages"
+    holds the parsed stages)."""
+    return {"scale": args.scale, "lr": args.lr, "indexer_lr": args.indexer_lr, "varied_share": args.varied_share,
+            "drill_share": args.drill_share, "stage_spec": args.stages, "stream": args.stream, "gaps": args.gaps,
+            "first_weight": args.first_weight, "answer_style": args.answer_style, "close_weight": args.close_weight,
+            "copy_weight": args.copy_weight, "copy_heads": args.copy_heads, "copy_first_only": args.copy_first_only,
+            "image_every": args.image_every, "image_batch": args.image_batch, "image_length": args.image_length,
+            "tower_lr_scale": args.tower_lr_scale, "natural_share": args.natural_share, "chat_share": args.chat_share}
 
-    step = 0
-    metrics: dict = {"evals": []}
-    run_info = {"command": "python -m training.lengthen " + " ".join(sys.argv[1:] if argv is None else argv),
-                **settings, "stages": [asdict(s) for s in stages], "commit": _git_commit()}
-    resumed = state_io.latest(args.state)
-    if resumed is not None:
-        info = state_io.load(resumed, model, optimizers)
-        # a state saved before an option existed ran with its default
-        changed = {k: (info.get(k, OPTION_DEFAULTS.get(k)), v) for k, v in settings.items()
-                   if info.get(k, OPTION_DEFAULTS.get(k)) != v}
-        if changed:
-            raise SystemExit(f"{args.state} holds a run with other settings {changed} (saved, given); "
-                             "pass the same ones or another --state")
-        step = int(info["step"])
-        metrics = info.get("metrics", metrics)
-        run_info["base"] = info["base"]
-        print(f"resumed from {resumed} at step {step}/{total}", flush=True)
-    elif images_on and not base_has_tower(args.base):
-        text = trainable_model(trained_demo_config(topk), seed)
-        run_info["base"] = load_base(args.base, text)
-        missing, unexpected = model.load_state_dict(text.state_dict(), strict=False)
-        assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
-        del text
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']}), "
-              "the vision tower at its seeded init", flush=True)
-    else:
-        run_info["base"] = load_base(args.base, model)
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
-    run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
 
-    log, writer = state_io.open_loss_log(args.state / "loss.csv", step, COLUMNS + (COPY_COLUMNS if copier else [])
-                                         + (["image_loss"] if images_on else []))
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=step, desc="lengthen", unit="step", file=sys.stderr, ascii=not interactive,
-               mininterval=0.5 if interactive else 30, dynamic_ncols=interactive)
-    gen = torch.Generator()
-    worlds = (mixed_world(args.varied_share, args.natural_share, args.gaps, args.chat_share) if args.natural_share
-              else row_world(args.varied_share, args.gaps))
-    model.runtime.dsa_force_dense = False
-    during = [int(x) for x in args.eval_during.split(",") if x]
-    ema = None
-    last_image = float("nan")   # the log line shows the latest image batch's loss
-    while step < total:
-        stage = stage_at(stages, step)
-        t0 = time.perf_counter()
-        scale = lr_scale(step, total)
-        for g in opt_main.param_groups:
+class LengthenJob:
+    """The continuation: text batches `training.tasks.batch(seed, stream + step)` read sparse, the indexer
+    on its KL target, optional copy-attention targets, and picture questions every `image_every`th step."""
+
+    name = "lengthen"
+
+    def __init__(self, args: argparse.Namespace, seed: int, topk: int) -> None:
+        self.args, self.seed = args, seed
+        self.stages = SPEC.stages(args)
+        self.total = sum(s.steps for s in self.stages)
+        self.tok = Tokenizer.byte_level()
+        self.images_on = args.image_every > 0
+        self.config = SPEC.model_config(args, topk)
+        self.model = trainable_model(self.config, seed)
+        self.distill = IndexerDistill(self.model)
+        self.copier = (CopySupervision(self.model, heads=args.copy_heads, first_only=args.copy_first_only)
+                       if args.copy_weight else None)
+        self.balance = ExpertBalance(self.model)
+        self.params = trainer.LanguageModelParams.of(self.model)
+        self.optimizers = self.params.optimizers(args.lr, args.indexer_lr)
+        self.columns = COLUMNS + (COPY_COLUMNS if self.copier else []) + (["image_loss"] if self.images_on else [])
+        self.gen = torch.Generator()
+        self.worlds = None
+        self.during = [int(x) for x in args.eval_during.split(",") if x]
+        self.last_image = float("nan")   # the log line shows the latest image batch's loss
+
+    def start_data(self) -> None:
+        args = self.args
+        self.worlds = (mixed_world(args.varied_share, args.natural_share, args.gaps, args.chat_share)
+                       if args.natural_share else row_world(args.varied_share, args.gaps))
+        self.model.runtime.dsa_force_dense = False
+
+    def train_step(self, step: int) -> StepResult:
+        args, model, distill, copier, gen, opt = self.args, self.model, self.distill, self.copier, self.gen, self.optimizers
+        stage = stage_at(self.stages, step)
+        scale = trainer.warmup_cosine(step, self.total, LR_WARMUP, LR_FLOOR)
+        for g in opt["main"].param_groups:
             g["lr"] = args.lr * scale
-        if vision_names:
-            opt_vision = optimizers["vision"]
-            opt_vision.param_groups[0]["lr"] = args.lr * scale
-            opt_vision.param_groups[1]["lr"] = args.lr * scale * args.tower_lr_scale
-        ids, weights, pairs = batch(tok, seed, args.stream + step, stage.batch, stage.length,
-                                    drill_share=args.drill_share, world=worlds, first_weight=args.first_weight,
-                                    style=args.answer_style, close_weight=args.close_weight, copies=True)
-        gen.manual_seed(seed * 1_000_003 + args.stream + step)
+        if self.params.vision:
+            opt["vision"].param_groups[0]["lr"] = args.lr * scale
+            opt["vision"].param_groups[1]["lr"] = args.lr * scale * args.tower_lr_scale
+        ids, weights, pairs = SPEC.data(self, step, stage)
+        gen.manual_seed(self.seed * 1_000_003 + args.stream + step)
         distill.active, distill.sparse = True, True
         distill.rows = query_rows(weights, 64, gen)
         if copier is not None:
@@ -345,71 +287,110 @@ def main(argv: list[str] | None = None) -> int:
             total_loss = total_loss + args.copy_weight * copy_loss
         total_loss.backward()
         image_value, n_tokens = float("nan"), ids.numel()
-        if images_on and step % args.image_every == 0:
-            image_value, image_kl, n_image = image_loss_step(model, tok, distill, gen, args, args.stream + step,
+        if self.images_on and step % args.image_every == 0:
+            image_value, image_kl, n_image = image_loss_step(model, self.tok, distill, gen, args, args.stream + step,
                                                              "sparse")
             kl = kl if image_kl is None else (image_kl if kl is None else kl.detach() + image_kl)
-            last_image, n_tokens = image_value, n_tokens + n_image
+            self.last_image, n_tokens = image_value, n_tokens + n_image
         distill.active = False
         if copier is not None:
             copier.active = False
-        torch.nn.utils.clip_grad_norm_([params[n] for n in main_names], 1.0)
-        opt_main.step()
-        opt_main.zero_grad(set_to_none=True)
-        if vision_names:
-            torch.nn.utils.clip_grad_norm_([params[n] for n in vision_names], 1.0)
-            optimizers["vision"].step()
-            optimizers["vision"].zero_grad(set_to_none=True)
+        trainer.clipped_step(self.params.main.values(), opt["main"])
+        if self.params.vision:
+            trainer.clipped_step(self.params.vision.values(), opt["vision"])
         if kl is not None:
-            torch.nn.utils.clip_grad_norm_([params[n] for n in index_names], 1.0)
-            opt_index.step()
-        opt_index.zero_grad(set_to_none=True)
-        balance.update()
+            torch.nn.utils.clip_grad_norm_(list(self.params.indexer.values()), 1.0)
+            opt["indexer"].step()
+        opt["indexer"].zero_grad(set_to_none=True)
+        self.balance.update()
         coverage = sum(distill.coverage) / len(distill.coverage) if distill.coverage else float("nan")
         distill.coverage = []
         loss_value = float(loss.detach())
         kl_value = float(kl.detach()) if kl is not None else float("nan")
-        tps = n_tokens / (time.perf_counter() - t0)
-        ema = tps if ema is None else 0.9 * ema + 0.1 * tps
         copy_value = float(copy_loss.detach()) if copy_loss is not None else float("nan")
-        writer.writerow([step, stage.length, f"{loss_value:.5f}", f"{answer:.5f}", f"{kl_value:.5f}",
-                         f"{coverage:.4f}", f"{args.lr * scale:.6f}", f"{tps:.1f}"]
-                        + ([f"{copy_value:.5f}", f"{copy_mass:.4f}"] if copier else [])
-                        + ([f"{image_value:.5f}"] if images_on else []))
-        step += 1
-        bar.set_postfix_str(f"L={stage.length} loss {loss_value:.3f} ans {answer:.3f} kl {kl_value:.3f} "
-                            f"{ema:.0f} tok/s", refresh=False)
-        bar.update(1)
-        if step % 10 == 0 or step == total:
-            log.flush()
-            left = tokens_left(stages, step)
-            print(f"step {step}/{total} L={stage.length} loss {loss_value:.3f} answer {answer:.3f} kl {kl_value:.3f} "
-                  f"topk-mass {coverage:.2f} " + (f"copy {copy_value:.3f} mass {copy_mass:.2f} " if copier else "")
-                  + (f"image {last_image:.3f} " if images_on else "") + f"lr {args.lr * scale:.2e} {ema:.0f} tok/s "
-                  f"ETA {left / max(ema, 1) / 60:.0f} min", flush=True)
-        if during and (step % args.eval_every == 0 or step == total):   # before the save: it keeps the eval
-            rows = needle_accuracy(model, tok, lengths=during, samples=args.eval_samples_during, modes=("sparse",),
-                                   style=args.answer_style)
-            metrics["evals"].append({"step": step, "rows": rows})
-            print(f"eval step {step} (held-out needle, value (whole response), fp32): {summary(rows)}", flush=True)
-            if images_on:
-                pictures = image_accuracy(model, tok, 48, seed=1, vision=config.vision)
-                control = image_accuracy(model, tok, 48, seed=1, vision=config.vision, swap_images=True)
-                metrics["evals"][-1].update(image=pictures, image_swapped=control)
-                print(f"eval step {step}: held-out image questions {image_line(pictures, control)}", flush=True)
-        if step % args.save_every == 0 or step == total or step == args.stop_after:
-            state_io.save(args.state, step, model, optimizers, {**run_info, "metrics": metrics})
-        if step == args.stop_after:
-            print(f"stopping after step {step} as asked (--stop-after); run again to resume", flush=True)
-            return 0
-    bar.close()
-    log.close()
-    distill.remove()
-    if copier is not None:
-        copier.remove()
+        row = ([step, stage.length, f"{loss_value:.5f}", f"{answer:.5f}", f"{kl_value:.5f}", f"{coverage:.4f}",
+                f"{args.lr * scale:.6f}"] + ([f"{copy_value:.5f}", f"{copy_mass:.4f}"] if copier else [])
+               + ([f"{image_value:.5f}"] if self.images_on else []))
+
+        def describe(ema: float, done: int) -> tuple[str, str]:
+            head = f"L={stage.length} loss {loss_value:.3f} "
+            return (head + f"ans {answer:.3f} kl {kl_value:.3f} {ema:.0f} tok/s",
+                    head + f"answer {answer:.3f} kl {kl_value:.3f} topk-mass {coverage:.2f} "
+                    + (f"copy {copy_value:.3f} mass {copy_mass:.2f} " if copier else "")
+                    + (f"image {self.last_image:.3f} " if self.images_on else "") + f"lr {args.lr * scale:.2e} "
+                    f"{ema:.0f} tok/s ETA {tokens_left(self.stages, done) / max(ema, 1) / 60:.0f} min")
+        return StepResult(row, n_tokens, describe)
+
+    def quick_eval(self, step: int, metrics: dict) -> None:
+        if not self.during:
+            return
+        args, model, tok = self.args, self.model, self.tok
+        rows = needle_accuracy(model, tok, lengths=self.during, samples=args.eval_samples_during, modes=("sparse",),
+                               style=args.answer_style)
+        metrics["evals"].append({"step": step, "rows": rows})
+        print(f"eval step {step} (held-out needle, value (whole response), fp32): {summary(rows)}", flush=True)
+        if self.images_on:
+            pictures = image_accuracy(model, tok, 48, seed=1, vision=self.config.vision)
+            control = image_accuracy(model, tok, 48, seed=1, vision=self.config.vision, swap_images=True)
+            metrics["evals"][-1].update(image=pictures, image_swapped=control)
+            print(f"eval step {step}: held-out image questions {image_line(pictures, control)}", flush=True)
+
+    def remove_hooks(self) -> None:
+        self.distill.remove()
+        if self.copier is not None:
+            self.copier.remove()
+
+
+def text_batch(job: LengthenJob, step: int, stage: Stage) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Step `step`'s text rows, `training.tasks.batch(seed, stream + step)`, with the copy pairs they hold."""
+    args = job.args
+    return batch(job.tok, job.seed, args.stream + step, stage.batch, stage.length, drill_share=args.drill_share,
+                 world=job.worlds, first_weight=args.first_weight, style=args.answer_style,
+                 close_weight=args.close_weight, copies=True)
+
+
+SPEC = trainer.TrainSpec(
+    "lengthen", build_parser, model_config=lambda args, topk: trained_demo_config(topk, vision=args.image_every > 0),
+    stages=lambda args: schedule(args.scale, args.stages), data=text_batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = SPEC.parse_args(argv)
+    out = args.out or args.state / "final"
+    torch.set_num_threads(args.threads)
+    args.state.mkdir(parents=True, exist_ok=True)
+    seed, topk = base_settings(args.base)
+    args.seed = seed  # image batches are drawn from (seed, step) as in training.demo_model
+    job = LengthenJob(args, seed, topk)
+    settings = settings_of(args)
+    step, metrics = 0, {"evals": []}
+    run_info = {"command": trainer.command_line("training.lengthen", argv), **settings,
+                "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **run_config.recorded(args)}
+    resumed = trainer.resume(args.state, job.model, job.optimizers, settings, OPTION_DEFAULTS, job.total)
+    if resumed is not None:
+        step, metrics, info = resumed
+        run_info["base"] = info["base"]
+    elif job.images_on and not base_has_tower(args.base):
+        text = trainable_model(trained_demo_config(topk), seed)
+        run_info["base"] = load_base(args.base, text)
+        missing, unexpected = job.model.load_state_dict(text.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
+        del text
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']}), "
+              "the vision tower at its seeded init", flush=True)
+    else:
+        run_info["base"] = load_base(args.base, job.model)
+        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
+    run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
+    job.start_data()
+    limits = trainer.Limits(job.total, args.save_every, args.eval_every, args.stop_after, eval_before_save=True)
+    outcome = trainer.run(job, job.model, job.optimizers, args.state, run_info, metrics, step, limits)
+    if outcome.reason == "stop-after":
+        return 0
+    job.remove_hooks()
     if args.no_final:
         return 0
-    return finalize(model, tok, args, out, run_info, metrics)
+    return finalize(job.model, job.tok, args, out, run_info, metrics)
 
 
 def finalize(model, tok: Tokenizer, args, out: Path, run_info: dict, metrics: dict) -> int:
