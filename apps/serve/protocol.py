@@ -5,7 +5,8 @@
 OpenAI's API does: `{"error": {"message", "type", "param", "code"}}`. Fields the engine has no
 use for (`tools`, `response_format`, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer and that the engine cannot honour (`n` > 1,
-`logprobs`) are refused rather than silently dropped. `user` (OpenAI's end-user id) keeps that end
+`logprobs`, penalties, `logit_bias`, a `response_format` other than text) are refused rather than
+silently dropped. `user` (OpenAI's end-user id) keeps that end
 user's conversations apart from everyone else's. Every field is checked here, in the engine's own
 ranges (the sampling parameters are built by `SamplingParams` itself), so a request the engine would
 refuse never reaches a cached conversation or a trace.
@@ -110,6 +111,16 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
         raise RequestError("only n=1 is supported (one model, one sequence per request)", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise RequestError("logprobs are not supported by this server", param="logprobs")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if _number(body, penalty, 0.0, -2.0, 2.0) != 0:
+            raise RequestError(f"{penalty} is not supported by this server (only 0)", param=penalty)
+    bias = body.get("logit_bias")
+    if bias is not None and (not isinstance(bias, dict) or bias):
+        raise RequestError("logit_bias is not supported by this server (only an empty object)", param="logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError("response_format: only {\"type\": \"text\"} is supported by this server",
+                           param="response_format")
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise RequestError("stream must be true or false", param="stream")

@@ -82,6 +82,8 @@ def test_another_users_history_is_never_their_conversation(server, alice, mallor
 @pytest.mark.parametrize("field, value", [
     ("seed", -1), ("seed", 2 ** 64), ("seed", 1.5), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
     ("max_tokens", 0), ("user", 7), ("user", "u" * 300), ("stop", [""]), ("n", 3), ("stream", "yes"),
+    ("presence_penalty", 1.0), ("frequency_penalty", "x"), ("logit_bias", {"5": 100}),
+    ("response_format", {"type": "json_object"}),
 ])
 def test_a_refused_continuation_leaves_the_conversation_and_its_trace_alone(server, field, value) -> None:
     history, theirs = first_turn(server, "alice")
