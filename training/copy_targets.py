@@ -2,13 +2,13 @@
 
 Why: the shipped demo model finds the needle (its last DSA layer selects the value's tokens for
 every answer token) but gets the value's first digit wrong after link words it never saw, while
-the later digits, copied token after token, are right (training/README.md). The language-model loss
+the later digits, copied token after token, are right. The language-model loss
 reaches the attention that makes that first jump only through the one answer token it decides, and
 weakly. Here every token that is a copy of an earlier one (an answer's value after the restated key,
 a restated value in the document; `training.tasks.Sample.copies`) also gives its query row a direct
 target: the position of the token it copies, in the last DSA layer's dense attention (the one that
-copies: on the shipped model its heads put a mean 44% of their attention on the copied token, the
-first DSA layer 0.3%; `layers="all"` supervises every DSA layer).
+copies, far more than the first DSA layer: training/README.md, "Why the design"; `layers="all"`
+supervises every DSA layer).
 
 The loss per (query row, key position) pair and layer is -log(mean over heads of the head's
 attention probability on the key): a mixture over heads, so one head may specialise in copying

@@ -1,5 +1,5 @@
 """Export a training state (any saved step, read-only) as the shipped checkpoint:
-`python -m training.export_state --state /work/train-state/demo --out engine/builtin/demo`.
+`python -m training.export_state --state STATE --out engine/builtin/demo`.
 
 The same path as the end of `training.demo_model` (`finalize`): the weights of the step that
 `latest.json` names (or `--step-dir`) go into the trainable model, `training.model_setup.export`

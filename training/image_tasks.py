@@ -1,4 +1,4 @@
-"""Image questions for the demo model's training, generated on the fly (issue 9).
+"""Image questions for the demo model's training, generated on the fly.
 
 A sample is a conversation a `Session` could hold: an optional system turn, optional plain filler
 text (a document), the picture in a user message (`<|open|>message role="user"<|sep|><|media_begin|>

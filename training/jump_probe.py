@@ -1,15 +1,14 @@
 """Where the last DSA layer looks when the model must jump from the restated key to the value.
 
     python -m training.jump_probe --model builtin:demo --length 2048 --prompts 24
-    python -m training.jump_probe --state /work/train-state/copy --length 32768 --prompts 9
+    python -m training.jump_probe --state STATE --length 32768 --prompts 9
 
 Held-out needle prompts (`training.evaluate`'s cases, seed 7 unless told), teacher-forced: for each,
 whether the value's first token and the whole value are predicted right, and the last DSA layer's
 dense attention from the row that predicts the first value token: each head's probability on the
 value's first token, and the three keys the heads attend to most (as offsets from the value's start,
-with the token there). On the shipped model (2K, 12 prompts) the right answers had one or two heads
-at 0.3-0.95 on the first digit; the wrong ones put it on a digit elsewhere in the filler (the
-held-out filler is full of numbers), which is what `training.copy_targets` trains against.
+with the token there). What it showed on the shipped model (training/README.md, "Why the design")
+is what `training.copy_targets` trains against: wrong answers attend to a digit elsewhere in the filler.
 """
 
 from __future__ import annotations

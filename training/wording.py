@@ -1,14 +1,9 @@
 """Varied fact wording for training: a fresh needle / key-value phrasing for every document.
 
-Why: the base run (`training.demo_model`) saw six needle sentences. Measured on its shipped
-checkpoint at 2K tokens (value given the key, sparse, 18-24 prompts each): training wording 96%,
-training wording with the held-out filler 94%, with held-out key names 94%, with the held-out
-system prompt 100%, but with the held-out needle sentences 44% and with held-out needle sentences
-and questions 11%. After 120 steps on varied needle wording alone (`/work/train-state/len1/a`):
-new varied draws 96%, held-out needle sentences in training filler 58%, but the whole held-out
-world 4%, and 61% with only the filler swapped back to the training world's: a needle new to the
-model is found when it stands out from filler the model knows, not by its key. So `varied_world`
-draws new fact templates (lead-in, carrier noun, linking word, word order, punctuation, some
+Why: the base run (`training.demo_model`) saw six needle sentences, and held-out needle sentences,
+not held-out filler, keys or system prompts, were what it failed on; a needle new to the model was
+found when it stood out from filler the model knew, not by its key (the measurements: training/README.md,
+"Why the design: figures behind the training modules"). So `varied_world` draws new fact templates (lead-in, carrier noun, linking word, word order, punctuation, some
 made-up words, some shaped like filler sentences) and new filler per document, so the only
 constant left is the key next to its value.
 
