@@ -150,6 +150,9 @@ def test_on_builtin_demo_the_answer_depends_on_the_fact_and_a_bare_string_target
         bare = workbench.effects(session, {"op": "dsa.hide", "segment": "notes.txt", "layers": "all"},
                                  continuation=task.question, target="7142", max_new_tokens=4)
     assert bare.warnings and "warning: the model's answer starts with scaffolding" in bare.summary()
+    with pytest.warns(ScoringWarning, match="starts with scaffolding"):
+        string = workbench.check_span(session, "notes.txt", continuation=task.question, target="7142", controls=1)
+    assert string.warnings and string.verdict.label == NO_VERDICT
 
 
 def test_workbench_run_find_fact_then_questions_finds_the_fact_without_needle(tmp_path, capsys) -> None:

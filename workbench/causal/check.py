@@ -19,6 +19,7 @@ The demo's causal check (`workbench.causal.demo_check`) uses this function.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,7 +28,8 @@ import numpy as np
 from engine.errors import InputError
 from engine.interventions import DsaHide
 from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
-from workbench.causal_effects import Continuation, _ids, target_logprobs, task_scoring
+from workbench.causal_effects import (Continuation, ScoringWarning, _continue, _ids, _scaffold_warning,
+                                      target_logprobs, task_scoring)
 from workbench.interventions import _segment_span
 from workbench.task_templates import TaskPrompt, recorded_spans
 
@@ -47,6 +49,7 @@ class SpanCheck:
         controls: the control spans; control_effects: the change with each, nats.
         note: why fewer controls than asked fitted ("" when all did).
         verdict: the effect among its controls, with its sentence.
+        warnings: e.g. a text continuation after which the model writes chat tags, not the answer.
     """
 
     span: Span
@@ -59,6 +62,7 @@ class SpanCheck:
     control_effects: tuple[float, ...]
     note: str
     verdict: Verdict
+    warnings: tuple[str, ...] = ()  # why the scores may not mean what they seem (`ScoringWarning`)
 
 
 def _span(value: Any, limit: int, what: str) -> Span:
@@ -113,13 +117,28 @@ def check_span(session: Any, span: Sequence[int] | str, *, continuation: Continu
         spec = [] if hidden is None else [DsaHide(hidden, chosen)]
         return float(target_logprobs(session, spec, continuation, target_ids, role).sum())
 
+    notes = tuple(w for w in [_scaffold_note(session, continuation, target_ids, role)] if w)
+    for note in notes:
+        warnings.warn(note, ScoringWarning, stacklevel=2)
     plain = score(None)
     effect = score(span) - plain
     control_effects = tuple(score(c) - plain for c in draw.spans)
     label = what or f"[{span[0]}, {span[1]})"
     where = "" if chosen == "all" else f"from DSA layer{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"
     found = verdict(effect, control_effects, label, where=where, note=draw.note)
-    return SpanCheck(span, label, chosen, end, plain, effect, draw.spans, control_effects, draw.note, found)
+    return SpanCheck(span, label, chosen, end, plain, effect, draw.spans, control_effects, draw.note, found, notes)
+
+
+def _scaffold_note(session: Any, continuation: Any, target: list[int], role: str) -> str:
+    """After a text continuation, the model's first greedy token: a warning when it is a chat tag the
+    target does not start with (one continuation more, only for text continuations)."""
+    if not isinstance(continuation, str) or session.tokenizer is None:
+        return ""
+    branch = session.fork()
+    branch.progress = False
+    _continue(branch, continuation, role)
+    first = branch.prefill()
+    return "" if first is None else _scaffold_warning(session.tokenizer, [int(first.argmax())], target)
 
 
 __all__ = ["SpanCheck", "check_span"]
