@@ -229,7 +229,8 @@ def parse_interventions(spec: Any) -> tuple[Intervention, ...]:
     if len(spec) > MAX_INTERVENTIONS:
         raise InputError(f"an intervention spec holds {len(spec)} entries; at most {MAX_INTERVENTIONS} "
                          "(name several layers, heads or experts in one entry instead)")
-    items = tuple(item if isinstance(item, tuple(_CLASSES.values())) else parse_entry(item, i)
+    # dataclasses built by hand pass the same checks as their spec (a negative expert id would name the last)
+    items = tuple(parse_entry(to_json(item) if isinstance(item, tuple(_CLASSES.values())) else item, i)
                   for i, item in enumerate(spec))
     named = sum(len(v) for item in items for v in (getattr(item, k, ALL) for k in ("layers", "heads", "experts"))
                 if not isinstance(v, str))

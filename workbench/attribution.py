@@ -33,7 +33,7 @@ from engine.probes import probe_points
 from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, control_spans, verdict
 from workbench.causal_effects import (Continuation, _continue, _forced_logprobs, _ids, target_logprobs,
                                       task_scoring)
-from workbench.interventions import _segment_span
+from workbench.interventions import _segment_span, check_attribution_args
 from workbench.task_templates import recorded_spans
 
 
@@ -114,6 +114,8 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
 
     config = session.config
     continuation, target = task_scoring(continuation, target)
+    check_attribution_args(session, segments, continuation=continuation, target=target, controls=controls, seed=seed,
+                           experts=experts, evidence=evidence, flags={"dsa": dsa, "moe": moe})
     target_ids = _ids(session, target)
     assert target_ids is not None
     if kda not in (None, "layers", "heads"):

@@ -29,7 +29,7 @@ import torch
 
 from engine.errors import InputError
 from engine.interventions import DsaHide, DsaPin, Intervention, KdaErase, KdaScale
-from workbench.interventions import resolve, spec_json
+from workbench.interventions import check_effects_args, check_token_ids, resolve, spec_json
 from workbench.task_templates import TaskPrompt
 
 Continuation = Callable[[Any], None]
@@ -178,7 +178,7 @@ def _ids(session: Any, target: str | Sequence[int] | None) -> list[int] | None:
             raise InputError("a text target needs a tokenizer")
         ids = session.tokenizer.encode(target)
     else:
-        ids = [int(t) for t in target]
+        ids = check_token_ids(session, target, "target")
     if not ids:
         raise InputError("the target answer holds no tokens")
     return ids
@@ -241,6 +241,8 @@ def effects(session: Any, *interventions: Any,
     """
     items = resolve(session, *interventions)
     continuation, target = task_scoring(continuation, target)
+    check_effects_args(session, continuation=continuation, record_to=record_to, max_new_tokens=max_new_tokens,
+                       temperature=temperature, seed=seed)
     target_ids = _ids(session, target)
     fork_at = len(session.tokens)
     first = earliest_write(items)

@@ -12,11 +12,13 @@ positions) in its trace's session.json under "interventions".
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from engine.errors import InputError
+from engine.session.sampling import SamplingParams
 from engine.io.files import parse_json, read_limited
 from engine.interventions import Intervention, check_interventions, parse_interventions, to_json
 
@@ -116,3 +118,105 @@ def intervene(session: Any, *interventions: Any) -> Iterator[tuple[Intervention,
 def spec_json(items: Sequence[Intervention]) -> list[dict]:
     """The spec objects of engine interventions (what a trace or a report shows)."""
     return [to_json(item) for item in items]
+
+
+# ---- the arguments of the experiments built on interventions (`effects`, `attribution`) ----------------
+# Checked at their entry, before anything is prefilled or forked: each bad value is one InputError line
+# naming the argument (issue 42 item 10), never an IndexError from a tensor or a ValueError from numpy.
+MAX_SEED = (1 << 63) - 1
+MAX_CONTROLS = 1000  # each control is a scored continuation: more is hours, not precision
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_token_ids(session: Any, ids: Any, what: str) -> list[int]:
+    """`ids` as a list of the model's token ids (ints in [0, vocab)); InputError naming `what` otherwise."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array or a tensor of ids
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
+        raise InputError(f"{what} must be text or a list of token ids, got {type(ids).__name__}")
+    vocab = session.config.vocab_size
+    limit = session.config.max_position_embeddings
+    if len(ids) > limit:
+        raise InputError(f"{what} holds {len(ids)} tokens; the model's context limit is {limit}")
+    bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
+    if bad:
+        raise InputError(f"{what}: token ids must be integers in [0, {vocab}); got {_shown(bad[:5])}")
+    return [int(t) for t in ids]
+
+
+def check_seed(seed: Any, what: str = "seed") -> int:
+    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise InputError(f"{what} must be an integer in [0, 2**63), got {_shown(seed)}")
+    return int(seed)
+
+
+def check_continuation(session: Any, continuation: Any) -> None:
+    """A continuation is None, text, a `TaskPrompt`, a function of the branch, or token ids."""
+    if continuation is None or isinstance(continuation, str) or callable(continuation) \
+            or hasattr(continuation, "question"):  # a TaskPrompt (its own checks run when it is appended)
+        return
+    check_token_ids(session, continuation, "continuation")
+
+
+def check_effects_args(session: Any, *, continuation: Any, record_to: Any, max_new_tokens: Any, temperature: Any,
+                       seed: Any) -> None:
+    """`workbench.effects`' arguments beyond the interventions: the sampling ones by the sampler's own rules,
+    checked here before the context is prefilled rather than at the first sampled token."""
+    SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
+    check_continuation(session, continuation)
+    if record_to is not None and (isinstance(record_to, (str, bytes, Path)) or not isinstance(record_to, Sequence)
+                                  or len(record_to) != 2
+                                  or not all(isinstance(p, (str, Path)) and str(p) for p in record_to)):
+        raise InputError(f"record_to must be a pair of trace paths (plain, intervened), got {_shown(record_to)}")
+
+
+def check_span_items(session: Any, segments: Any) -> None:
+    """`attribution`'s segments: a list of segment names or (label, start, end) spans of positions."""
+    if isinstance(segments, (str, bytes, Mapping)) or not isinstance(segments, Sequence):
+        raise InputError(f"segments must be a list of segment names or (label, start, end) spans, got "
+                         f"{_shown(segments)}")
+    length = len(session.tokens)
+    for item in segments:
+        if isinstance(item, str):
+            continue
+        if (isinstance(item, (str, bytes, Mapping)) or not isinstance(item, Sequence) or len(item) != 3
+                or not isinstance(item[0], (str, int)) or isinstance(item[0], bool)
+                or not all(_is_int(v) for v in item[1:])):
+            raise InputError(f"segments: each is a segment name or a (label, start, end) span of integer positions, "
+                             f"got {_shown(item)}")
+        if not 0 <= item[1] < item[2] <= length:
+            raise InputError(f"span {item[0]!r}: [{item[1]}, {item[2]}) is not inside the context's {length} tokens")
+
+
+def check_attribution_args(session: Any, segments: Any, *, continuation: Any, target: Any, controls: Any,
+                           seed: Any, experts: Any, evidence: Any, flags: Mapping[str, Any]) -> None:
+    """`workbench.attribution`'s arguments (the checks its own body does not make)."""
+    check_span_items(session, segments)
+    check_continuation(session, continuation)
+    if target is None:
+        raise InputError("attribution needs a target: the answer (text or token ids) whose log-probability is measured")
+    if not _is_int(controls) or not 1 <= controls <= MAX_CONTROLS:
+        raise InputError(f"controls must be an integer in [1, {MAX_CONTROLS}], got {_shown(controls)}")
+    check_seed(seed)
+    config = session.config
+    most = config.num_experts - config.num_experts_per_token
+    if experts is not None and (not _is_int(experts) or not 1 <= experts <= most):
+        raise InputError(f"experts must be None or an integer in [1, {most}] (a token must keep "
+                         f"{config.num_experts_per_token} of the {config.num_experts} experts), got {_shown(experts)}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InputError(f"{name} must be True or False, got {_shown(value)}")
+    if isinstance(evidence, (str, bytes, Mapping)) or not isinstance(evidence, Sequence):
+        raise InputError(f"evidence must be a list of (start, end) spans, got {_shown(evidence)}")
+    for span in evidence:
+        if (isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2
+                or not all(_is_int(v) and 0 <= v <= MAX_SEED for v in span) or not span[0] < span[1]):
+            raise InputError(f"evidence: each span is (start, end) with 0 <= start < end, got {_shown(span)}")

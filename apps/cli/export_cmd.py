@@ -18,7 +18,7 @@ from pathlib import Path
 from workbench.trace.errors import TraceError
 from engine.io import atomic_dir
 from workbench.captures import ENGINES, export_responses, load_capture_model
-from workbench.trace import TraceError
+from workbench.trace import TraceError, open_trace
 from workbench.trace.export import FORMATS, export_trace, parse_layers
 from workbench.trace.schema import TABLES
 
@@ -67,6 +67,7 @@ def _export_responses(args: argparse.Namespace) -> int:
     atomic_dir.require_ours(out, args.overwrite, lambda p: {e.name for e in p.iterdir()} == {RESPONSES_FILE},
                             f"a {RESPONSES_FILE} export", TraceError)
     config, _ = load_capture_model(args.model)
+    check_trace_model(args.trace, config.summary(), args.model)
     records = export_responses(args.trace, config, args.format)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{RESPONSES_FILE}.tmp-{os.getpid()}"
@@ -78,3 +79,20 @@ def _export_responses(args: argparse.Namespace) -> int:
         tmp.unlink(missing_ok=True)
     print(f"exported {len(records)} {args.format} response(s) of {args.trace} to {out / RESPONSES_FILE}")
     return 0
+
+
+# what the exported arrays are sized by: a model that differs in any of them is not the trace's model
+SHAPE_FIELDS = ("layers", "layer_kinds", "num_experts", "experts_per_token", "dsa_topk", "vocab_size")
+
+
+def check_trace_model(trace: Path, summary: dict, model: str) -> None:
+    """TraceError naming the first field in which `--model` differs from the model the trace recorded (its
+    routes and selections would be laid out in arrays of the wrong shape, or silently cut to fit)."""
+    recorded = open_trace(trace).session.get("model")
+    if not isinstance(recorded, dict):
+        return  # an older trace without its model's summary: the exporter's own checks apply
+    for field in SHAPE_FIELDS:
+        if field in recorded and recorded[field] != summary.get(field):
+            raise TraceError(f"{trace}: recorded with a model whose {field} is {recorded[field]!r:.80}; --model "
+                             f"{model} has {summary.get(field)!r:.80} (give the model the trace was recorded with"
+                             f"{', ' + repr(recorded['checkpoint']) if isinstance(recorded.get('checkpoint'), str) else ''})")

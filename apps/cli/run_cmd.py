@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Sequence, TextIO
 
+import torch
+
 from apps.cli.model_cmds import DTYPES, add_parallel_args
 from apps.cli.run_task import add_task_args, free_form_notice, prepare_task, resolve_card_defaults, run_task
 from engine.session.answer import Answer
@@ -25,9 +27,11 @@ from engine.session.sampling import SamplingParams
 from engine.session import Session
 from engine.session.snapshot import check_target as check_snapshot_target
 from engine.session.transcript import read_transcript
-from workbench import load_intervention_spec
-from workbench.sessions import AnswerEvent, AnswerText, AnswerToken, RecordedSession, recorded_session
+from workbench import intervene, load_intervention_spec
+from workbench.sessions import (AnswerEvent, AnswerText, AnswerToken, RecordedSession, load_with_tokenizer,
+                                open_session, recorded_session)
 from workbench.signals import families_from_spec
+from workbench.task_templates import append_task
 from workbench.trace import check_trace_target
 
 
@@ -202,14 +206,38 @@ def _append_prompt(session: Session, args: argparse.Namespace, prompt: str | Non
             session.append(prompt, name="prompt")
 
 
+def _no_tower(prepared) -> None:
+    """A rehearsal's stand-in for the image tower: the image is checked and its tokens counted, not encoded."""
+    prepared.embeds = torch.zeros(0)
+
+
+def rehearse(args: argparse.Namespace, prompt: str | None, model, tokenizer) -> None:
+    """Lay the run's prompt out in a scratch session of the loaded model (no forward runs, no image goes
+    through the tower) and resolve the interventions against its segments: a prompt past the context
+    limit, a bad image, a bad template input or an intervention the model cannot run (a ban that leaves a
+    token too few experts) is refused here, before the trace directory exists (issue 42 items 8, 12)."""
+    scratch = open_session(model, tokenizer, model_name=str(args.model), prefill_chunk=args.prefill_chunk,
+                           progress=False, snapshot=args.load)
+    scratch._run_tower = _no_tower  # this session is never run: its images need no embeddings
+    if args.task_prompt is not None:
+        append_task(scratch, args.task_prompt, images=args.image or None,
+                    image_names=[path.name for path in args.image] or None)
+        return
+    _append_prompt(scratch, args, prompt)
+    with intervene(scratch, *args.interventions):
+        pass
+
+
 def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, ctx: ParallelContext) -> int:
     families = record_families(args.record) if args.trace is not None else None
     if ctx.is_leader:
         check_outputs(args)
+    model, tokenizer = load_with_tokenizer(args.model, dtype=DTYPES[args.dtype], seed=args.weights_seed, parallel=ctx,
+                                           device=ctx.device)
+    rehearse(args, prompt, model, tokenizer)
     with recorded_session(args.model, args.trace, snapshot=args.load, prefill_chunk=args.prefill_chunk,
                           progress=args.progress if ctx.is_leader else False, policy=args.policy, families=families,
-                          overwrite=overwrite_trace(args), dtype=DTYPES[args.dtype], seed=args.weights_seed,
-                          parallel=ctx, device=ctx.device) as run:
+                          overwrite=overwrite_trace(args), loader=lambda ref: (model, tokenizer)) as run:
         session = run.session
         session.model.runtime.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
         out = sys.stdout if ctx.is_leader else io.StringIO()

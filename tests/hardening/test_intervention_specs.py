@@ -175,3 +175,11 @@ def test_scaling_by_one_is_bit_identical(model, spec) -> None:
         late.set_interventions(edit)
         fed.append(late.feed(ids[30:]))
     assert torch.equal(fed[1], fed[0])
+
+
+def test_dataclasses_built_by_hand_pass_the_same_checks(model) -> None:
+    from engine.interventions import DsaHide, KdaScale, MoeBan
+
+    for item, words in ((MoeBan(experts=(-1,)), "ids >= 0"), (KdaScale(at=0, factor=float("nan")), "finite"),
+                        (DsaHide(positions=(5, 2)), "START < END"), (MoeBan(experts=tuple(range(8))), "leaving 0")):
+        refused(model, [item], *words.split("|"))
