@@ -298,7 +298,10 @@ class EngineWorker:
                 "finish_reason": finish, "ttft_s": ttft}
 
 def _shutting_down(generated: int | None = None) -> Event:
-    done = f" after {generated} generated token(s)" if generated is not None else " before it ran"
+    if generated is None:
+        done = " before it ran"
+    else:
+        done = f" after {generated} generated token(s)" if generated else " in the prefill of its prompt"
     return ("error", 503, f"the server is shutting down; this request was stopped{done}", None)
 
 
