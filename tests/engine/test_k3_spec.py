@@ -318,6 +318,8 @@ def test_router_weights_and_choice(grouped) -> None:
     with torch.no_grad():
         weights, ids = moe.gate(x)
     ref_weights, ref_ids = ref.route(x.double(), "model.layers.2.block_sparse_moe.")
+    # fp32 against fp64: the same experts unless two of them nearly tie
+    assert ref.min_gaps["router"] > NEAR_TIE, "inputs put two experts in a near tie; change the seed"
     order, ref_order = ids.sort(-1), ref_ids.sort(-1)
     assert torch.equal(order.values, ref_order.values)
     assert_close(weights.gather(-1, order.indices), ref_weights.gather(-1, ref_order.indices), "router weights")
