@@ -106,3 +106,13 @@ def test_an_honest_npy_header_still_reads():
     rows = np.arange(3 * 4 * 2, dtype=np.int32).reshape(3, 4, 2) % 16
     array = npy_array(encode_npy(rows), 100, (4,), 2, 15, "expert ids", "here")
     assert np.array_equal(array.read(0, 3), rows)
+
+
+def test_a_conversation_longer_than_the_models_context_is_refused_before_it_is_converted(tmp_path):
+    n = CONFIG.max_position_embeddings + 1
+    message = _refused(tmp_path, json.dumps({"prompt_token_ids": [1] * n, "choices": [{"token_ids": [1]}]}),
+                       f"record 1.prompt_token_ids: {n:,} token ids, more than the model's context of", named=False)
+    assert "65,536" in message or f"{CONFIG.max_position_embeddings:,}" in message
+    half = CONFIG.max_position_embeddings // 2 + 1
+    _refused(tmp_path, json.dumps({"input_ids": [1] * half, "output_ids": [1] * half, "meta_info": {}}),
+             f"{half:,} prompt and {half:,} output tokens, more than the model's context", engine="sglang", named=False)

@@ -123,10 +123,13 @@ def read_responses(path: str | Path) -> list[tuple[int, Any]]:
     return out
 
 
-def token_ids(value: Any, where: str, vocab_size: int) -> np.ndarray:
-    """A JSON list of token ids -> int64 array; every id must be in the model's vocabulary."""
+def token_ids(value: Any, where: str, vocab_size: int, max_tokens: int | None = None) -> np.ndarray:
+    """A JSON list of token ids -> int64 array; every id must be in the model's vocabulary, and the list
+    no longer than `max_tokens` (the model's context: checked before the list is converted)."""
     if not isinstance(value, list):
         raise InputError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    if max_tokens is not None and len(value) > max_tokens:
+        raise InputError(f"{where}: {len(value):,} token ids, more than the model's context of {max_tokens:,}")
     bad = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, int)), None)
     if bad is not None:
         raise InputError(f"{where}[{bad}]: token id {value[bad]!r:.80} is not an integer")
@@ -136,6 +139,11 @@ def token_ids(value: Any, where: str, vocab_size: int) -> np.ndarray:
         raise InputError(f"{where}[{out[0]}]: token id {value[out[0]]} is outside the vocabulary [0, {vocab_size:,}) "
                          f"of the model config")
     return ids
+
+
+def _ids(value: Any, where: str, config: ModelConfig) -> np.ndarray:
+    """`token_ids` within the model's vocabulary and context."""
+    return token_ids(value, where, config.vocab_size, config.max_position_embeddings)
 
 
 def _object(value: Any, where: str) -> dict:
@@ -165,18 +173,19 @@ def parse_sglang(number: int, raw: Any, config: ModelConfig) -> Record:
     meta = response.get("meta_info")
     if not isinstance(meta, dict):
         raise InputError(f"{where}: no meta_info object: not an SGLang /generate response")
-    output = token_ids(response.get("output_ids"), f"{where}.output_ids", config.vocab_size)
+    output = _ids(response.get("output_ids"), f"{where}.output_ids", config)
     for source, key in ((response, "input_ids"), (response, "prompt_token_ids"), (request, "input_ids")):
         if key in source:
-            prompt = token_ids(source[key], f"{where}.{key}", config.vocab_size)
+            prompt = _ids(source[key], f"{where}.{key}", config)
             break
     else:
         logprobs = meta.get("input_token_logprobs")
         if not isinstance(logprobs, list) or any(not isinstance(e, list) or len(e) < 2 for e in logprobs):
             raise InputError(f"{where}: no prompt token ids: save the request's input_ids beside the response "
                              f"(`input_ids`, or {{\"request\": ..., \"response\": ...}})")
-        prompt = token_ids([e[1] for e in logprobs], f"{where}.meta_info.input_token_logprobs", config.vocab_size)
+        prompt = _ids([e[1] for e in logprobs], f"{where}.meta_info.input_token_logprobs", config)
     rec = Record(number, meta.get("id") if isinstance(meta.get("id"), str) else None, prompt, output)
+    _check_length(rec, config, where)
     end = rec.total - 1
     if meta.get("routed_experts") is not None:
         start = _start(meta.get("routed_experts_start_len", request.get("routed_experts_start_len", 0)),
@@ -209,14 +218,15 @@ def parse_vllm(number: int, raw: Any, config: ModelConfig) -> Record:
                          (request, "request.prompt_token_ids")):
         key = name.rsplit(".", 1)[-1]
         if source.get(key) is not None:
-            prompt = token_ids(source[key], f"{where}.{name}", config.vocab_size)
+            prompt = _ids(source[key], f"{where}.{name}", config)
             break
     else:
         raise InputError(f"{where}: no prompt_token_ids: ask vLLM for them with \"return_token_ids\": true")
     if choice.get("token_ids") is None:
         raise InputError(f"{where}: no choices[0].token_ids: ask vLLM for them with \"return_token_ids\": true")
-    output = token_ids(choice["token_ids"], f"{where}.choices[0].token_ids", config.vocab_size)
+    output = _ids(choice["token_ids"], f"{where}.choices[0].token_ids", config)
     rec = Record(number, response.get("id") if isinstance(response.get("id"), str) else None, prompt, output)
+    _check_length(rec, config, where)
     arrays: list[tuple[Any, int, str]] = [(response.get("prompt_routed_experts"), len(prompt), "prompt_routed_experts"),
                                           (choice.get("routed_experts"), rec.total - 1, "choices[0].routed_experts")]
     for text, end, name in arrays:
@@ -225,6 +235,13 @@ def parse_vllm(number: int, raw: Any, config: ModelConfig) -> Record:
                               config.num_experts - 1, "expert ids", f"{where}.{name}")
             rec.routes.append((array, end))
     return rec
+
+
+def _check_length(rec: Record, config: ModelConfig, where: str) -> None:
+    """A response's prompt and output fit the model's context (a server cannot have run more)."""
+    if rec.total > config.max_position_embeddings:
+        raise InputError(f"{where}: {len(rec.prompt):,} prompt and {len(rec.output):,} output tokens, more than "
+                         f"the model's context of {config.max_position_embeddings:,} (wrong --model?)")
 
 
 def _need_dsa(config: ModelConfig, where: str) -> None:

@@ -390,5 +390,8 @@ class TraceWriter:
         `updated` is set again here, a timestamp of the same length)."""
         self._session["updated"] = _now()
         file = self.path / SESSION_FILE
-        data = (json.dumps(self._session, indent=1) + "\n").encode() if checked else _encode_session(self._session, file)
+        if checked:
+            data = (json.dumps(self._session, indent=1) + "\n").encode()
+        else:
+            data = _encode_session(self._session, file)
         write_bytes_atomic(file, data, fsync=self._fsync)
