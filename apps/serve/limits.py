@@ -9,7 +9,7 @@ it, and a 16 KB PNG may declare 2048x2048 pixels. So, in order, each step cheap 
 - `check_request_cost(request, limits)`: on the parsed request, before anything is tokenized or
   decoded: the characters of every message (no text of C characters is fewer than C / L tokens,
   L the longest token in bytes) and the images' number, pixel area and patches, read from their
-  headers; and both together against the model's context.
+  headers; and text, pictures and each message's chat frame together against the model's context.
 - `PendingBytes`: the bytes of every request being read, waiting or running, within a budget (each
   held request keeps its body's text and pictures until it is done).
 """
@@ -47,6 +47,7 @@ class RequestLimits:
 
     context_tokens: int
     token_bytes: int = 1  # bytes of the longest token: a token never covers more characters
+    frame_tokens: int = 0  # the fewest tokens the chat format wraps one message in
     max_values: int = MAX_JSON_VALUES
     max_depth: int = MAX_JSON_DEPTH
     max_images: int = MAX_IMAGES
@@ -66,12 +67,16 @@ class RequestLimits:
             token_bytes = max(len(b) for b in tokenizer.encoding.token_byte_values())
         except (AttributeError, TypeError, ValueError):
             token_bytes = FALLBACK_TOKEN_BYTES
+        try:
+            frame = min(sum(map(len, tokenizer.message_frame(role))) for role in ("system", "user", "assistant", "tool"))
+        except (AttributeError, TypeError, ValueError, InputError):
+            frame = 0
         vision = getattr(model, "vision", None)
         shape = {}
         if vision is not None:
             shape = {"patch": int(vision.config.patch_size), "merge": tuple(vision.config.merge_kernel)}
         return cls(context_tokens=int(model.config.max_position_embeddings), token_bytes=max(token_bytes, 1),
-                   **{**shape, **overrides})
+                   frame_tokens=frame, **{**shape, **overrides})
 
 
 def check_json_shape(raw: bytes, limits: RequestLimits) -> None:
@@ -175,7 +180,7 @@ def check_request_cost(request: ChatRequest, limits: RequestLimits) -> None:
                                f"patches together (up to {message.label} image {k}); send fewer or smaller "
                                "pictures", param="messages")
     merged = patches // (limits.merge[0] * limits.merge[1])
-    fewest = math.ceil(chars / limits.token_bytes) + merged
+    fewest = math.ceil(chars / limits.token_bytes) + merged + limits.frame_tokens * len(request.messages)
     if fewest > limits.context_tokens:
         raise RequestError(f"the conversation would hold at least {fewest:,} tokens; the model's limit is "
                            f"{limits.context_tokens:,}", param="messages")

@@ -132,6 +132,11 @@ def test_a_message_longer_than_the_context_is_refused_before_it_is_tokenized(ser
     # split over messages, and with a picture: the sum counts
     half = {"role": "user", "content": "b" * 33_000}
     one_line_error(post(server, {"messages": [half, half], "max_tokens": 1}), 400, "66,000 characters")
+    # thousands of one-letter messages: their chat frames alone pass the context
+    many = [{"role": "user", "content": "q"}] * 4000
+    calls.clear()
+    one_line_error(post(server, {"messages": many, "max_tokens": 1}), 400, "would hold at least")
+    assert len(calls) < 100, len(calls)  # refused before the messages were tokenized one by one
 
 
 def test_pictures_are_counted_and_measured_from_their_headers(server, monkeypatch) -> None:
