@@ -20,6 +20,7 @@ from torch import nn
 from engine.cache import KDAState, MLACache, ModelState
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.hooks import HookPoint, through
 from engine.layers.attn_res import ResNorm, attn_res
 from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.kda import KimiDeltaAttention
@@ -62,6 +63,18 @@ class DecoderLayer(nn.Module):
         else:
             # tensor parallel: this rank's slice of the width; down_proj is row-parallel
             self.mlp = GatedMLP(c.hidden_size, parallel.split(c.intermediate_size), activation(c))
+        # named hook points (engine.hooks; docs/hooks.md): identity modules, called only with a hook attached.
+        # resid_* see the prefix sum P of the current block (spec section 2), [B, T, hidden]
+        name = f"blocks.{layer_idx}"
+        self.hook_resid_pre = HookPoint(f"{name}.hook_resid_pre")
+        self.hook_attn_res_weights = HookPoint(f"{name}.attn_res.hook_weights")  # [B, T, blocks + 1]
+        self.hook_attn_res_out = HookPoint(f"{name}.attn_res.hook_out")  # the mixer's input, before its norm
+        self.hook_attn_out = HookPoint(f"{name}.attn.hook_out")  # the mixer's output (KDA or MLA)
+        self.hook_resid_mid = HookPoint(f"{name}.hook_resid_mid")
+        self.hook_mlp_res_weights = HookPoint(f"{name}.mlp_res.hook_weights")
+        self.hook_mlp_res_out = HookPoint(f"{name}.mlp_res.hook_out")
+        self.hook_mlp_out = HookPoint(f"{name}.mlp.hook_out")  # the FFN's output (dense MLP or MoE)
+        self.hook_resid_post = HookPoint(f"{name}.hook_resid_post")
 
     def mixer(self, x: torch.Tensor, state: KDAState | MLACache | None, start: int,
               key_start: torch.Tensor | None) -> torch.Tensor:
@@ -75,17 +88,26 @@ class DecoderLayer(nn.Module):
     def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], state=None, start: int = 0,
                 key_start: torch.Tensor | None = None) -> torch.Tensor:
         """One layer. Returns the new prefix sum; appends to `blocks` at block starts (K3)."""
+        prefix = through(self.hook_resid_pre, prefix, start)
         if self.block_size is None:
-            h = prefix + self.mixer(self.input_layernorm(prefix), state, start, key_start)
-            return h + self.ffn(self.post_attention_layernorm(h), start)
+            h = through(self.hook_resid_mid, prefix + through(
+                self.hook_attn_out, self.mixer(self.input_layernorm(prefix), state, start, key_start), start), start)
+            return through(self.hook_resid_post,
+                           h + through(self.hook_mlp_out, self.ffn(self.post_attention_layernorm(h), start), start),
+                           start)
         h = attn_res(prefix, blocks, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight,
-                     self.eps) if blocks else prefix
+                     self.eps, self.hook_attn_res_weights, start) if blocks else prefix
+        h = through(self.hook_attn_res_out, h, start)
         if self.layer_idx % self.block_size == 0:
             blocks.append(prefix)
             prefix = torch.zeros_like(prefix)
-        prefix = prefix + self.mixer(self.input_layernorm(h), state, start, key_start)
-        m = attn_res(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps)
-        return prefix + self.ffn(self.post_attention_layernorm(m), start)
+        mixed = through(self.hook_attn_out, self.mixer(self.input_layernorm(h), state, start, key_start), start)
+        prefix = through(self.hook_resid_mid, prefix + mixed, start)
+        m = attn_res(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps,
+                     self.hook_mlp_res_weights, start)
+        m = through(self.hook_mlp_res_out, m, start)
+        out = through(self.hook_mlp_out, self.ffn(self.post_attention_layernorm(m), start), start)
+        return through(self.hook_resid_post, prefix + out, start)
 
 
 class KimiModel(nn.Module):
@@ -104,6 +126,10 @@ class KimiModel(nn.Module):
         if self.attn_res:
             self.output_attn_res_norm = ResNorm(c.hidden_size)
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+        self.hook_embed = HookPoint("hook_embed")  # [B, T, hidden]
+        self.hook_attn_res_final_weights = HookPoint("attn_res_final.hook_weights")  # [B, T, blocks + 1]
+        self.hook_attn_res_final_out = HookPoint("attn_res_final.hook_out")  # the final norm's input
+        self.hook_normalized = HookPoint("ln_final.hook_normalized")  # what lm_head reads
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
                 layer_outputs: list[torch.Tensor] | None = None,
@@ -115,11 +141,22 @@ class KimiModel(nn.Module):
             start = 0 if state is None else state.length
         key_start = None if state is None else state.key_start
         prefix = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        prefix = through(self.hook_embed, prefix, start)
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             prefix = layer(prefix, blocks, None if state is None else state.layers[i], start, key_start)
             if layer_outputs is not None:
                 layer_outputs.append(prefix)
+        if self.attn_res:
+            prefix = attn_res(prefix, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                              self.eps, self.hook_attn_res_final_weights, start)
+            prefix = through(self.hook_attn_res_final_out, prefix, start)
+        return through(self.hook_normalized, self.norm(prefix), start)
+
+    def output_mix(self, prefix: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The head's input for a prefix sum `prefix` [..., hidden] and the blocks available at its depth
+        (each [..., hidden]): the output AttnRes mix (K3) and the final norm, as `forward` applies them
+        after the last layer (the AttnRes logit lens applies it at every depth)."""
         if self.attn_res:
             prefix = attn_res(prefix, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                               self.eps)

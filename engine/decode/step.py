@@ -37,6 +37,7 @@ import torch
 
 from engine.cache import KDAState, MLACache, ModelState
 from engine.errors import InputError
+from engine.hooks import any_attached, hook_points
 from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
 from engine.numerics import all_finite, nonfinite_error
@@ -149,6 +150,7 @@ class DecodeStep:
         self._listener_sets: dict[tuple[int, ...], tuple[ProbePoint, ...]] = {}  # ids -> the tuple passed
         self._fused = fused_groups(model)
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        self._hook_points = tuple(hook_points(model).values())  # a hooked step runs eagerly (engine.hooks)
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
         self._checked: set[tuple] = set()  # guard keys whose first step ran with every guard
         self.compile_seconds = 0.0
@@ -173,6 +175,8 @@ class DecodeStep:
             return "off"
         if any(p.sink is not None and p.request.optional & p.signal.eager for p in self._points):
             return "off"  # a listener asks for a field only the eager forward measures (`Field.eager`)
+        if any_attached(self._hook_points):
+            return "off"  # hooks are plain PyTorch hooks: they run in the eager forward, never in a graph
         return mode
 
     def reserve(self, state: ModelState, needed: int) -> None:

@@ -14,14 +14,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.hooks import HookPoint, through
+
 
 def attn_res(prefix: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor,
-             proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Mix `prefix` [..., D] with block residuals (each [..., D]); returns [..., D] in prefix's dtype."""
+             proj_weight: torch.Tensor, eps: float, weights_hook: HookPoint | None = None,
+             start: int | torch.Tensor = 0) -> torch.Tensor:
+    """Mix `prefix` [..., D] with block residuals (each [..., D]); returns [..., D] in prefix's dtype.
+    `weights_hook` sees (and may edit) the softmax weights as [..., n] (the blocks in order, then prefix)."""
     values = torch.stack([*blocks, prefix], dim=0).float()  # [n, ..., D]
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
     query = norm_weight.float() * proj_weight.float().reshape(-1)  # [D]
     probs = torch.softmax(keys @ query, dim=0)  # [n, ...]
+    if weights_hook is not None and weights_hook.attached:
+        probs = through(weights_hook, probs.movedim(0, -1), start).movedim(-1, 0)
     return (probs.unsqueeze(-1) * values).sum(0).to(prefix.dtype)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.cache import KDAState
 from engine.config import ModelConfig
+from engine.hooks import HookPoint, through
 from engine.interventions import KdaRule
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.layers.fused import FusedLinears
@@ -98,6 +99,8 @@ class KimiDeltaAttention(nn.Module):
         self.input_projections = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                                               self.g_proj if self.full_rank_gate else self.g_a_proj)
         self.probe_state = ProbePoint("kda.state", layer_idx)
+        # the recurrent state [B, heads, K, V] fp32 after the positions `hook_state.positions` names (engine.hooks)
+        self.hook_state = HookPoint(f"blocks.{layer_idx}.kda.hook_state")
 
     def decay(self, x: torch.Tensor, f_a: torch.Tensor | None = None) -> torch.Tensor:
         """Per-channel log-decay g [B, T, H, K] (fp32, <= 0); `f_a`: f_a_proj(x) when already computed."""
@@ -163,26 +166,41 @@ class KimiDeltaAttention(nn.Module):
         return kda_chunked(q, k, v, g, beta, initial, chunk_size=self.runtime.kda_chunk_size, observe=observe)
 
     def _edited_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     initial: torch.Tensor | None, start: int | torch.Tensor, rule: KdaRule,
+                     initial: torch.Tensor | None, start: int | torch.Tensor, rule: KdaRule | None,
                      observe) -> tuple[torch.Tensor, torch.Tensor]:
-        """The core with the state multiplied by the rule's factors right after each edited position: the
-        decode step (a device-tensor start, one token) multiplies at every step (by 1 off the edits); a
-        host-known start splits the tokens at the edits."""
+        """The core with the state multiplied by the rule's factors right after each edited position, and
+        shown to `hook_state` (which may replace it) after each position it asks for: the decode step (a
+        device-tensor start, one token) multiplies at every step (by 1 off the edits); a host-known start
+        splits the tokens at the edits and the shown positions."""
         T = q.shape[1]
+        hook = self.hook_state if self.hook_state.attached else None
+        edits = rule.edit_positions if rule is not None and rule.edit_at is not None else ()
         if isinstance(start, torch.Tensor):
             o, final = self._core(q, k, v, g, beta, initial, start, observe)
-            factor = rule.state_factor(start + T - 1, self.head_range)
-            return o, final * factor.view(1, -1, 1, 1)
-        cuts = [at + 1 - start for at in rule.edit_positions if start <= at < start + T]
+            if edits:
+                factor = rule.state_factor(start + T - 1, self.head_range)
+                final = final * factor.view(1, -1, 1, 1)
+            if hook is not None and (hook.positions is None or int(start) + T - 1 in hook.positions):
+                final = through(hook, final, start + T - 1)
+            return o, final
+        if hook is None:
+            shown: set[int] = set()
+        elif hook.positions is None:
+            shown = {start + T - 1}
+        else:
+            shown = {at for at in hook.positions if start <= at < start + T}
+        cuts = sorted({at + 1 - start for at in (*edits, *shown) if start <= at < start + T})
         outputs, state, lo = [], initial, 0
         for hi in cuts + ([T] if not cuts or cuts[-1] < T else []):
             seen = None if observe is None else (lambda t, S, at=lo: observe(t + at, S))
             o, state = self._core(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state, start,
                                   seen)
             outputs.append(o)
-            if hi - 1 + start in rule.edit_positions:
+            if hi - 1 + start in edits:
                 factor = rule.state_factor(torch.tensor(start + hi - 1, device=q.device), self.head_range)
                 state = state * factor.view(1, -1, 1, 1)
+            if hi - 1 + start in shown:
+                state = through(hook, state, start + hi - 1)
             lo = hi
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)), state
 
@@ -223,7 +241,7 @@ class KimiDeltaAttention(nn.Module):
             if keep is not None:  # no write for those tokens; their decay still runs
                 beta = beta * keep
         observe, emit = self._observer(g, beta, start) if self.probe_state.listening else (None, None)
-        if rule is not None and rule.edit_at is not None:
+        if (rule is not None and rule.edit_at is not None) or self.hook_state.attached:
             o, final = self._edited_core(q, k, v, g, beta, initial, start, rule, observe)
         else:
             o, final = self._core(q, k, v, g, beta, initial, start, observe)

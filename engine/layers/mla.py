@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.cache import MLACache
 from engine.config import ModelConfig
+from engine.hooks import HookPoint, through
 from engine.interventions import DsaRule
 from engine.layers.common import RMSNorm
 from engine.layers.fused import FusedLinears
@@ -85,6 +86,10 @@ class GatedMLA(nn.Module):
         if self.indexer is not None:
             self.probe_topk = ProbePoint("dsa.topk", layer_idx)
             self.probe_dense_mass = ProbePoint("dsa.dense_mass", layer_idx)
+            # the indexer's kept keys per query [B, T, top-k] (positions ascending, -1 empty) and their scores
+            # (fp32, -inf empty); an edit of the selection is what attention reads (engine.hooks)
+            self.hook_scores = HookPoint(f"blocks.{layer_idx}.dsa.hook_scores")
+            self.hook_selection = HookPoint(f"blocks.{layer_idx}.dsa.hook_selection")
 
     def _intervention(self) -> DsaRule | None:
         """This layer's rule among the session's interventions (only DSA layers have one)."""
@@ -184,6 +189,8 @@ class GatedMLA(nn.Module):
             assert cache.index_keys is not None and p.index_queries is not None and p.index_weights is not None
             idx, scores = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
                                               self.indexer.topk, key_start=key_start, intervention=rule)
+            scores = through(self.hook_scores, scores, start)
+            idx = through(self.hook_selection, idx, start)
             if self.probe_topk.collecting:
                 self.probe_topk.emit(indices=idx, scores=scores if self.probe_topk.request.wants("scores") else None)
             if self.probe_dense_mass.collecting:
@@ -229,6 +236,8 @@ class GatedMLA(nn.Module):
             assert keys_all is not None and p.index_queries is not None and p.index_weights is not None
             idx, scores = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk, key_start=key_start,
                                        impl=self.runtime.kernels, intervention=rule)
+            scores = through(self.hook_scores, scores, start)
+            idx = through(self.hook_selection, idx, start)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.listening:
@@ -236,7 +245,9 @@ class GatedMLA(nn.Module):
                                      scores=scores if self.probe_topk.request.wants("scores") else None)
             if self.probe_dense_mass.listening:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
-        sparse = idx is not None and not self.runtime.reads_dense(self.layer_idx) and start + T > self.indexer.topk
+        # an edited selection is read as given, even where every past key fits in the top-k
+        sparse = idx is not None and not self.runtime.reads_dense(self.layer_idx) and (
+            start + T > self.indexer.topk or self.hook_selection.attached)
 
         if sparse:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_kb.float())

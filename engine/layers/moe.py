@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.hooks import HookPoint, through
 from engine.interventions import MoeRule
 from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.fused import FusedLinears
@@ -43,13 +44,21 @@ class Router(nn.Module):
         self.groups, self.topk_group = config.num_expert_group, config.topk_group
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
+        self.hook_router_logits = HookPoint("")  # named by the layer: [B, T, experts] fp32, before the sigmoid
+        self.hook_experts = HookPoint("")  # [B, T, k] int64: an edit routes the token to the experts given
 
     def forward(self, x: torch.Tensor, return_scores: bool = False, *, intervention: MoeRule | None = None,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, rows: tuple[int, ...] | None = None,
+                start: int | torch.Tensor = 0):
         """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]]).
         `intervention` bans (-inf) or forces (+inf) experts' choice scores for the tokens at `positions`
-        [N] before the top-k; the weights stay the router's scores of the experts chosen."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
+        [N] before the top-k; the weights stay the router's scores of the experts chosen. `rows` ([B, T],
+        the tokens' layout) and `start` are what the hook points show."""
+        logits = x.float() @ self.weight.float().t()  # [N, E]
+        if self.hook_router_logits.attached:
+            logits = through(self.hook_router_logits, logits.view(*(rows or logits.shape[:1]), -1), start
+                             ).reshape(logits.shape)
+        scores = torch.sigmoid(logits)  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
         if intervention is not None:
             assert positions is not None
@@ -65,6 +74,8 @@ class Router(nn.Module):
             mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
             choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1).indices
+        if self.hook_experts.attached:
+            ids = through(self.hook_experts, ids.view(*(rows or ids.shape[:1]), -1), start).reshape(ids.shape)
         weights = scores.gather(-1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -160,6 +171,8 @@ class LatentMoE(nn.Module):
         self.layer_idx = layer_idx
         self.runtime = runtime
         self.gate = Router(c)
+        self.gate.hook_router_logits.name = f"blocks.{layer_idx}.moe.hook_router_logits"
+        self.gate.hook_experts.name = f"blocks.{layer_idx}.moe.hook_experts"
         self.probe_route = ProbePoint("moe.route", layer_idx)
         self.experts = RoutedExperts(c, runtime, expert_ids)
         act = activation(c)
@@ -186,7 +199,7 @@ class LatentMoE(nn.Module):
         point = self.probe_route
         plan = self.runtime.interventions
         rule = None if plan is None else plan.moe[self.layer_idx]
-        routing = {}
+        routing: dict = {"rows": tuple(shape[:-1]), "start": start}
         if rule is not None:  # every row of the batch sits at the same positions
             steps = start + torch.arange(shape[-2], device=x.device)
             routing = {"intervention": rule, "positions": steps.expand(*shape[:-2], -1).reshape(-1)}
