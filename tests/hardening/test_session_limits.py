@@ -144,3 +144,23 @@ def test_the_engine_refuses_a_name_the_trace_would_refuse(tmp_path):
     t = open_trace(tmp_path / "t")
     assert t.status == "complete" and list(t.segments()["name"]) == ["notes", "ok"]
     assert len(session.segments) == 2
+
+
+def test_thumbnails_the_reader_refuses_are_refused_when_written(tmp_path):
+    import io
+    from PIL import Image
+    from workbench.trace.thumbnail_files import MAX_THUMBNAIL_BYTES, MAX_THUMBNAIL_SIDE
+    w = _writer(tmp_path / "t")
+    wide = io.BytesIO()
+    Image.new("RGB", (MAX_THUMBNAIL_SIDE + 1, 1)).save(wide, "PNG")
+    with pytest.raises(TraceError, match=f"a {MAX_THUMBNAIL_SIDE + 1}x1 thumbnail; a reader accepts sides"):
+        w.write_image(1, wide.getvalue())
+    with pytest.raises(TraceError, match=f"more than the {MAX_THUMBNAIL_BYTES:,} a reader accepts"):
+        w.write_image(1, b"\x89PNG\r\n\x1a\n" + bytes(MAX_THUMBNAIL_BYTES))
+    with pytest.raises(TraceError, match="must be PNG bytes"):
+        w.write_image(1, b"GIF89a" + bytes(64))
+    ok = io.BytesIO()
+    Image.new("RGB", (64, 32)).save(ok, "PNG")
+    assert w.write_image(1, ok.getvalue()) == "images/1.png"
+    w.close()
+    assert not (tmp_path / "t" / "images" / "2.png").exists()

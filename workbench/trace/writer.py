@@ -41,6 +41,7 @@ from workbench.trace.files import (list_parts, part_name, remove_stale_temps, wr
                                    write_parquet_atomic)
 from workbench.trace.schema import (IMAGES_DIR, MODALITIES, POLICY_DEFAULTS, SCHEMA_NAME, SCHEMA_VERSION, SEGMENT_KINDS,
                                     SESSION_FILE, STATUSES, TABLES, TOKENS_FILE, parquet_options, part_notes, table_spec)
+from workbench.trace.thumbnail_files import MAX_THUMBNAIL_BYTES, MAX_THUMBNAIL_SIDE
 from workbench.trace.target import check_contents, check_trace_target, clear_previous_trace, take_lock
 
 # fields the writer owns; a caller may read them but update_session refuses to set them
@@ -277,6 +278,16 @@ class TraceWriter:
         self._check_open()
         if isinstance(segment_id, bool) or not isinstance(segment_id, int) or segment_id < 0:
             raise TraceError(f"image segment id must be a non-negative integer, got {segment_id!r}")
+        # the reader's limits (`thumbnail_files`): a thumbnail it would refuse is not written
+        if len(png) > MAX_THUMBNAIL_BYTES:
+            raise TraceError(f"image segment {segment_id}: a thumbnail of {len(png):,} bytes, more than the "
+                             f"{MAX_THUMBNAIL_BYTES:,} a reader accepts")
+        if png[:8] != b"\x89PNG\r\n\x1a\n" or len(png) < 24:
+            raise TraceError(f"image segment {segment_id}: a thumbnail must be PNG bytes")
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # IHDR
+        if not (1 <= width <= MAX_THUMBNAIL_SIDE and 1 <= height <= MAX_THUMBNAIL_SIDE):
+            raise TraceError(f"image segment {segment_id}: a {width}x{height} thumbnail; a reader accepts sides "
+                             f"1..{MAX_THUMBNAIL_SIDE}")
         rel = f"{IMAGES_DIR}/{segment_id}.png"
         (self.path / IMAGES_DIR).mkdir(exist_ok=True)
         write_bytes_atomic(self.path / rel, png, fsync=self._fsync)
