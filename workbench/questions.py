@@ -125,9 +125,17 @@ def sink_readers(trace: Trace, threshold: float = 0.5) -> Answer:
     session is reported as too short to tell (its rates are still printed beside chance).
     """
     sink_tokens = int(trace.settings.get("sink_tokens", 4))
-    timeline, alarms = sink_over_time(trace.df("dsa_sink"), threshold=threshold)  # top-k, sink: as recorded
+    sink = trace.df("dsa_sink")
+    timeline, alarms = sink_over_time(sink, threshold=threshold)  # top-k, sink: as recorded
     least = sink_alarm_context(_topk(trace))
-    alarms = alarms[alarms["position"] + 1 >= least].reset_index(drop=True)
+    kept = alarms[alarms["position"] + 1 >= least]
+    # a layer whose first dip came too early is judged again on its long-context steps alone (a noisy dip
+    # at 300 tokens must not hide a real stop at 20K)
+    again = sorted(set(alarms["layer"]) - set(kept["layer"]))
+    long_rows = sink[(sink["position"] + 1 >= least) & sink["layer"].isin(again)] if again else sink.iloc[:0]
+    later = sink_over_time(long_rows, threshold=threshold)[1] if len(long_rows) else kept.iloc[:0]
+    alarms = pd.concat([kept, later]).sort_values("layer").reset_index(drop=True) if len(later) else \
+        kept.reset_index(drop=True)
     last = timeline.sort_values("step").groupby("layer").tail(1)
     rates = ", ".join(f"{r.layer}: {format_read(r.rate, r.chance)}" for r in last.itertuples())
     longest = int(timeline["position"].max()) + 1 if len(timeline) else 0

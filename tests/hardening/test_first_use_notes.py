@@ -130,3 +130,29 @@ def test_every_notebook_environment_variable_is_documented() -> None:
         used |= set(re.findall(r"K3WB_NOTEBOOK_[A-Z_]+", path.read_text()))
     docs = (NOTEBOOKS.parent / "docs" / "notebooks.md").read_text()
     assert used and all(name in docs for name in used), sorted(name for name in used if name not in docs)
+
+
+def test_an_early_noisy_dip_does_not_hide_a_later_sink_stop() -> None:
+    """Only the first dip per layer is an alarm candidate: one at 100 tokens (too short to tell) must not
+    hide the same layer stopping at 2,000+."""
+    import pandas as pd
+
+    from workbench.questions import sink_readers
+
+    rows = []
+    for step, position in enumerate(range(50, 4000, 50)):
+        reading = not (position == 100 or position >= 2000)
+        rows.append({"layer": 2, "step": step, "rank": 0, "position": position, "queries": 10,
+                     "sink_hits": 10 if reading else 0})
+    sink = pd.DataFrame(rows)
+    sink.attrs["k3wb.recorded"] = {"topk": 16, "sink_tokens": 4}
+
+    class Recorded:
+        settings = {"topk": 16, "sink_tokens": 4}
+
+        def df(self, name: str) -> pd.DataFrame:
+            assert name == "dsa_sink"
+            return sink
+
+    line = sink_readers(Recorded()).line
+    assert "ALARM layers 2 stopped at positions 2000" in line, line
