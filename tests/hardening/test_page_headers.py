@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from tests.hardening.conftest import bounded
 from tests.hardening.parquet_forge import forge_page, zeros_zstd
@@ -153,3 +155,40 @@ def test_honest_files_of_every_shape_pass(tmp_path, compression, version):
                    use_dictionary=["s", "a"], column_encoding={"d": "BYTE_STREAM_SPLIT"})
     check_pages(file)
     assert pq.read_table(file).equals(table)
+
+
+@pytest.fixture(scope="module")
+def honest_part(tmp_path_factory):
+    spec = TABLES["dsa_topk"]
+    rows = 64
+    table = pa.table({"layer": pa.array([3] * rows, pa.int16()), "step": pa.array([0] * rows, pa.int32()),
+                      "rank": pa.array([0] * rows, pa.int16()), "position": pa.array(range(rows), pa.int32()),
+                      "selected": pa.array([list(range(i % 9)) for i in range(rows)], pa.list_(pa.int32())),
+                      "scores": pa.array([[0.5] * (i % 9) for i in range(rows)], pa.list_(pa.float32()))},
+                     schema=spec.arrow_schema)
+    file = tmp_path_factory.mktemp("pages") / "part.parquet"
+    pq.write_table(table, file, **parquet_options(spec))
+    return file.read_bytes()
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8))
+@example([(4, 0x15)])
+def test_mutated_page_headers_pass_or_are_refused_in_one_line(honest_part, tmp_path_factory, edits):
+    """Any byte of a part flipped: the page check passes or raises PageBoundsError (one line), within bounds;
+    a part it passes is what pyarrow reads or refuses itself."""
+    data = bytearray(honest_part)
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")  # keep the footer: pages only
+    for at, value in edits:
+        data[4 + at % max(footer - 4, 1)] = value
+    file = tmp_path_factory.mktemp("m") / "part.parquet"
+    file.write_bytes(bytes(data))
+    with bounded(seconds=5, rss_mib=100):
+        try:
+            check_pages(file)
+        except PageBoundsError as exc:
+            assert "\n" not in str(exc)
+            return
+        try:
+            pq.read_table(file)
+        except (pa.ArrowException, OSError):
+            pass
