@@ -302,17 +302,23 @@ def _check_routes(items: Sequence[Intervention], config: ModelConfig) -> None:
             events.setdefault(min(end, far), []).append((n, -1))
         banned = [0] * config.num_experts
         forced = [0] * config.num_experts
+        blocked = pinned = 0  # experts banned and not forced; experts forced (kept as the counts change)
         active: set[int] = set()
         for position in sorted(events):
             for n, step in events[position]:
                 item = routed[n][1]
                 counts = banned if isinstance(item, MoeBan) else forced
                 for e in item.experts:
+                    was_blocked, was_pinned = banned[e] > 0 and forced[e] == 0, forced[e] > 0
                     counts[e] += step
+                    blocked += (banned[e] > 0 and forced[e] == 0) - was_blocked
+                    pinned += (forced[e] > 0) - was_pinned
                 (active.add if step > 0 else active.discard)(n)
             if position >= far or not active:
                 continue
-            refused = _route_shortfall(banned, forced, config)
+            tight = blocked > config.num_experts - config.num_experts_per_token or pinned > config.num_experts_per_token
+            grouped = config.num_expert_group > 1 and config.topk_group < config.num_expert_group
+            refused = _route_shortfall(banned, forced, config) if tight or grouped else None
             if refused:
                 shown = sorted(active)
                 names = ", ".join(f"{routed[n][0]} ({routed[n][1].op})" for n in shown[:4]) + \
