@@ -164,3 +164,10 @@ def test_thumbnails_the_reader_refuses_are_refused_when_written(tmp_path):
     assert w.write_image(1, ok.getvalue()) == "images/1.png"
     w.close()
     assert not (tmp_path / "t" / "images" / "2.png").exists()
+
+
+def test_the_summary_limits_in_docs_are_the_codes():
+    from workbench.trace import arrow_limits
+    row = next(line for line in DOCS.read_text().splitlines() if line.startswith("| dashboard summary (Arrow)"))
+    assert f"more than {arrow_limits.MAX_FIELDS} fields" in row
+    assert f"more than {arrow_limits.VALUES_PER_ROW_LIMIT} times the row limit" in row
