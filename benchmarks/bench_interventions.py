@@ -1,7 +1,7 @@
 """Causal check of the trained demo model (issue 30): which memory does the passcode come from?
 
     python benchmarks/bench_interventions.py                       # builtin:demo, 8K tokens
-    python benchmarks/bench_interventions.py --tokens 32768 --controls 5 --kda heads --json rows.json
+    python benchmarks/bench_interventions.py --tokens 32768 --controls 8 --kda heads --json rows.json
 
 Builds the demo's context (`workbench demo`: documents with the passcode planted in the second, the
 trained model's own wording), asks the question, and runs `workbench.attribution` on the needle's
@@ -69,7 +69,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:demo")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--controls", type=int, default=5)
+    p.add_argument("--controls", type=int, default=8, help="disjoint same-size controls per row (8: a verdict)")
     p.add_argument("--kda", choices=("heads", "layers", "none"), default="heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the rows here")
@@ -112,7 +112,8 @@ def main() -> int:
     print(f"\nattribution: {len(frame)} rows x (1 + {args.controls} controls) = {rows} runs in {sweep_s:.1f} s; "
           f"a prefill of the context per run instead: ~{rows * context_s:.0f} s (runs x the prefill measured above)")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
-        print(frame.drop(columns=["plain"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print(frame.drop(columns=["plain", "verdict"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print("\n".join(f"{r.op} {r.segment or ''} layer {r.layer}: {r.verdict}" for r in frame.head(5).itertuples()))
     print(f"target log-probability without intervention: {frame['plain'].iloc[0]:.4f} nats "
           f"({len(target)} tokens)")
     if args.json:
