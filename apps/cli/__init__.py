@@ -10,22 +10,35 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from types import ModuleType
 from typing import Sequence
 
 from engine.errors import EngineError
-from apps.cli import (compare_cmd, dashboard_cmd, demo_cmd, export_cmd, import_cmd, model_cmds, plan_cmd,
-                      questions_cmd, run_cmd, serve_cmd, summarize_cmd)
 
-COMMAND_MODULES = [model_cmds, run_cmd, plan_cmd, demo_cmd, dashboard_cmd, summarize_cmd, export_cmd, compare_cmd,
-                   questions_cmd, import_cmd, serve_cmd]
+# each command's module (in the order `workbench --help` lists them): a command imports and registers only
+# its own module, so running one never loads the others (or what they import)
+COMMANDS: dict[str, str] = {
+    "checkpoint": "model_cmds", "inspect": "model_cmds", "logits": "model_cmds", "run": "run_cmd",
+    "plan": "plan_cmd", "demo": "demo_cmd", "dashboard": "dashboard_cmd", "summarize": "summarize_cmd",
+    "export": "export_cmd", "compare": "compare_cmd", "questions": "questions_cmd", "import": "import_cmd",
+    "serve": "serve_cmd",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_modules(command: str | None = None) -> list[ModuleType]:
+    """The modules that register `command` (every command's when None or unknown: the full listing)."""
+    names = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    return [importlib.import_module(f"apps.cli.{name}") for name in names]
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `workbench` parser: every command's (default), or only what `command` needs."""
     parser = argparse.ArgumentParser(prog="workbench", description="Kimi K3.1 inference engine and long-context "
                                      "memory inspector")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMAND_MODULES:
+    for module in command_modules(command):
         module.register(sub)
     return parser
 
@@ -42,8 +55,9 @@ def one_line(message: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words[0] if words else None)  # the top level takes no options before the command
+    args, unknown = parser.parse_known_args(words)
     if unknown:  # the subcommand's usage, which lists the flags it does take
         _subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
