@@ -181,7 +181,7 @@ class DemoJob:
         # the main schedule skips the warm-up steps: its cosine runs over dense + sparse steps
         self.dense_total = sum(s.steps for s in self.stages if s.phase != "warmup")
 
-    def start_data(self) -> None:
+    def start(self, resumed: dict | None, run_info: dict) -> None:
         # no draw at all when no row is reworded, so the first shipped run's batches are unchanged
         self.worlds = None if self.args.varied_share <= 0 else row_world(self.args.varied_share, self.args.gaps)
 
@@ -304,20 +304,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{state_dir} holds a run with seed {info.get('seed')}, scale {info.get('scale')}, "
                              f"topk {info.get('topk')}; pass the same settings or another --state")
 
-    step, metrics = 0, {"evals": []}
-    resumed = trainer.resume(state_dir, job.model, job.optimizers, options, OPTION_DEFAULTS, job.total,
-                             check=same_run)
-    if resumed is not None:
-        step, metrics, _ = resumed
     run_info = {"command": trainer.command_line("training.demo_model", argv), "seed": args.seed, "scale": args.scale,
                 "topk": args.topk, "lr": args.lr, "indexer_lr": args.indexer_lr,
                 "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **options,
                 **run_config.recorded(args)}
     if device.type != "cpu":
         run_info["hardware"] = device_io.describe(device, bf16)
-    job.start_data()
     limits = trainer.Limits(job.total, args.save_every, args.eval_every, args.stop_after, args.time_limit)
-    outcome = trainer.run(job, job.model, job.optimizers, state_dir, run_info, metrics, step, limits)
+    outcome, metrics = trainer.train(job, state_dir, run_info, limits, settings=options, defaults=OPTION_DEFAULTS,
+                                     check=same_run)
     if outcome.reason == "stop-after":
         return 0
     if outcome.reason == "time-limit":   # the record and the card list the steps actually trained

@@ -139,7 +139,7 @@ class ExtendJob:
     columns = COLUMNS
 
     def __init__(self, args: argparse.Namespace, seed: int, topk: int) -> None:
-        self.args, self.seed = args, seed
+        self.args, self.seed, self.topk = args, seed, topk
         self.stages = SPEC.stages(args)
         self.total = sum(s.steps for s in self.stages)
         self.tok = Tokenizer.byte_level()
@@ -165,7 +165,14 @@ class ExtendJob:
             for g, names in self.groups.items()}
         self.gen = torch.Generator()
 
-    def start_data(self) -> None:
+    def start(self, resumed: dict | None, run_info: dict) -> None:
+        if resumed is not None:
+            run_info["base"] = resumed.get("base", {})
+        else:
+            run_info["base"] = load_base(self.args.base, self.model)
+            print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})",
+                  flush=True)
+        run_info.update(seed=self.seed, topk=self.topk)
         self.model.runtime.dsa_force_dense = False
 
     def train_step(self, step: int) -> StepResult:
@@ -254,20 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         if info.get("scale") != args.scale:
             raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; pass the same or another --state")
 
-    step, metrics = 0, {"evals": []}
     run_info = {"command": trainer.command_line("training.extend", argv), "scale": args.scale, "lr": job.peak,
                 "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **run_config.recorded(args)}
-    resumed = trainer.resume(args.state, job.model, job.optimizers, {}, {}, job.total, check=same_scale)
-    if resumed is not None:
-        step, metrics, info = resumed
-        run_info["base"] = info.get("base", {})
-    else:
-        run_info["base"] = load_base(args.base, job.model)
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
-    run_info.update(seed=seed, topk=topk)
-    job.start_data()
     limits = trainer.Limits(job.total, args.save_every, args.eval_every, args.stop_after)
-    outcome = trainer.run(job, job.model, job.optimizers, args.state, run_info, metrics, step, limits)
+    outcome, metrics = trainer.train(job, args.state, run_info, limits, check=same_scale)
     if outcome.reason == "stop-after":
         return 0
     job.distill.remove()

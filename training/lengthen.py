@@ -239,7 +239,7 @@ class LengthenJob:
     name = "lengthen"
 
     def __init__(self, args: argparse.Namespace, seed: int, topk: int) -> None:
-        self.args, self.seed = args, seed
+        self.args, self.seed, self.topk = args, seed, topk
         self.stages = SPEC.stages(args)
         self.total = sum(s.steps for s in self.stages)
         self.tok = Tokenizer.byte_level()
@@ -258,8 +258,23 @@ class LengthenJob:
         self.during = [int(x) for x in args.eval_during.split(",") if x]
         self.last_image = float("nan")   # the log line shows the latest image batch's loss
 
-    def start_data(self) -> None:
+    def start(self, resumed: dict | None, run_info: dict) -> None:
         args = self.args
+        if resumed is not None:
+            run_info["base"] = resumed["base"]
+        elif self.images_on and not base_has_tower(args.base):
+            text = trainable_model(trained_demo_config(self.topk), self.seed)
+            run_info["base"] = load_base(args.base, text)
+            missing, unexpected = self.model.load_state_dict(text.state_dict(), strict=False)
+            assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
+            del text
+            print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']}), "
+                  "the vision tower at its seeded init", flush=True)
+        else:
+            run_info["base"] = load_base(args.base, self.model)
+            print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})",
+                  flush=True)
+        run_info.update(seed=self.seed, topk=self.topk, answer_style=args.answer_style)
         self.worlds = (mixed_world(args.varied_share, args.natural_share, args.gaps, args.chat_share)
                        if args.natural_share else row_world(args.varied_share, args.gaps))
         self.model.runtime.dsa_force_dense = False
@@ -363,28 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     args.seed = seed  # image batches are drawn from (seed, step) as in training.demo_model
     job = LengthenJob(args, seed, topk)
     settings = settings_of(args)
-    step, metrics = 0, {"evals": []}
     run_info = {"command": trainer.command_line("training.lengthen", argv), **settings,
                 "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **run_config.recorded(args)}
-    resumed = trainer.resume(args.state, job.model, job.optimizers, settings, OPTION_DEFAULTS, job.total)
-    if resumed is not None:
-        step, metrics, info = resumed
-        run_info["base"] = info["base"]
-    elif job.images_on and not base_has_tower(args.base):
-        text = trainable_model(trained_demo_config(topk), seed)
-        run_info["base"] = load_base(args.base, text)
-        missing, unexpected = job.model.load_state_dict(text.state_dict(), strict=False)
-        assert not unexpected and all(k.startswith("vision.") for k in missing), (missing[:3], unexpected[:3])
-        del text
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']}), "
-              "the vision tower at its seeded init", flush=True)
-    else:
-        run_info["base"] = load_base(args.base, job.model)
-        print(f"starting from {run_info['base']['base_dir']} (base step {run_info['base']['base_step']})", flush=True)
-    run_info.update(seed=seed, topk=topk, answer_style=args.answer_style)
-    job.start_data()
     limits = trainer.Limits(job.total, args.save_every, args.eval_every, args.stop_after, eval_before_save=True)
-    outcome = trainer.run(job, job.model, job.optimizers, args.state, run_info, metrics, step, limits)
+    outcome, metrics = trainer.train(job, args.state, run_info, limits, settings=settings, defaults=OPTION_DEFAULTS)
     if outcome.reason == "stop-after":
         return 0
     job.remove_hooks()

@@ -62,6 +62,13 @@ class StepResult:
 class Job(Protocol):
     name: str              # the progress bar's label
     columns: list[str]     # the loss log's header; must hold "tokens_per_s"
+    total: int             # steps in its schedule
+    model: torch.nn.Module
+    optimizers: dict[str, torch.optim.Optimizer]
+
+    def start(self, resumed: dict | None, run_info: dict) -> None:
+        """Before the first step of this process: a fresh run loads its base (`resumed` None), a resumed one
+        takes what its state.json records; either adds to `run_info` (saved with every state)."""
 
     def train_step(self, step: int) -> StepResult: ...
 
@@ -133,6 +140,18 @@ def run(job: Job, model: torch.nn.Module, optimizers: dict[str, torch.optim.Opti
     finally:
         bar.close()
         log.close()
+
+
+def train(job: Job, state_dir: Path, run_info: dict, limits: Limits, *, settings: Mapping | None = None,
+          defaults: Mapping | None = None, check: Callable[[dict], None] | None = None) -> tuple[Outcome, dict]:
+    """Resume `job` from `state_dir` (`resume`: its `settings` must match, `check` may refuse the state) or
+    start it afresh, then train (`run`): (where it stopped, the metrics of its quick evaluations)."""
+    step, metrics, info = 0, {"evals": []}, None
+    resumed = resume(state_dir, job.model, job.optimizers, settings or {}, defaults or {}, job.total, check=check)
+    if resumed is not None:
+        step, metrics, info = resumed
+    job.start(info, run_info)
+    return run(job, job.model, job.optimizers, state_dir, run_info, metrics, step, limits), metrics
 
 
 def resume(state_dir: Path, model: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer],
