@@ -54,7 +54,9 @@ def _coerce(path: Path, key: str, value, action: argparse.Action):
     kind = action.type or str
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    elif kind is Path and isinstance(value, str):
+    elif kind is Path:
+        if not isinstance(value, str):
+            raise bad("must be a path (a string)")
         value = Path(value)
     elif kind in (int, float, str) and not (isinstance(value, kind) and not isinstance(value, bool)):
         raise bad(f"must be {'a number' if kind is float else 'an integer' if kind is int else 'a string'}")
