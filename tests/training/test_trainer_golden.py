@@ -64,7 +64,10 @@ def _check(state_dir, rows: list[dict[str, str]], digests: dict[str, str]) -> No
             if k in ("step", "phase", "length", "text_length"):
                 assert new[k] == v
             elif not math.isnan(float(v)):
-                assert float(new[k]) == pytest.approx(float(v), rel=1e-3, abs=1e-3), (k, new, old)
+                # a step's rounding differences come back from Adam (m / sqrt(v) of tiny gradients) as lr-sized
+                # updates: other GEMM kernels (MKL_CBWR=COMPATIBLE, ATEN_CPU_CAPABILITY=default) moved extend's
+                # step-3 image losses by 2.4e-3 and 3.1e-3 relative, so 1e-2 leaves room and still catches a change
+                assert float(new[k]) == pytest.approx(float(v), rel=1e-2, abs=1e-3), (k, new, old)
 
 
 @pytest.fixture()
