@@ -11,8 +11,7 @@ are walked the way pyarrow walks them (same byte range, same stop rule), and the
 with the footer that passed the limits:
 
 - the values of its data pages add up to no more than the footer's `num_values`;
-- their uncompressed sizes (headers included) add up to no more than the footer's
-  `total_uncompressed_size` (counted against the part's limit by `part_checks._decoded_bytes`);
+- their uncompressed sizes add up to no more than the footer's `total_uncompressed_size` (counted against the part's limit by `part_checks._decoded_bytes`);
 - a dictionary page holds no more entries than its bytes can (a plain entry takes 4 bytes at least);
 - every page lies inside the column chunk and the file.
 
@@ -156,7 +155,6 @@ def _check_chunk(buf: mmap.mmap, chunk: pq.ColumnChunkMetaData, file_size: int, 
         budget[0] -= 1
         if budget[0] < 0:
             raise PageBoundsError(f"the file holds more than {MAX_PAGES:,} pages")
-        start = pos
         reader = _Compact(buf, pos, min(end, pos + MAX_PAGE_HEADER_BYTES))
         header = reader.struct()
         kind = header.get(_TYPE)
@@ -166,7 +164,8 @@ def _check_chunk(buf: mmap.mmap, chunk: pq.ColumnChunkMetaData, file_size: int, 
         pos = reader.pos + stored
         if pos > end:
             raise PageBoundsError(f"a page of {stored:,} stored bytes runs past the end of its column chunk")
-        unpacked += size + (reader.pos - start)  # the footer's sizes count the headers too
+        # the footer's size counts the headers too (most writers): the pages alone must fit it
+        unpacked += size
         if unpacked > claimed_bytes:
             raise PageBoundsError(f"its pages decompress to {unpacked:,} bytes or more, the footer says "
                                   f"{claimed_bytes:,}")
