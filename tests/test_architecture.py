@@ -26,7 +26,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # errors and user files opened with size limits: what every other module may use
     ("engine base", ("engine.errors", "engine.io", "engine.lazy")),
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.io.inputs", "engine.runtime",
-                       "engine.probes", "engine.cache", "engine.tokenizer", "engine.deployment",
+                       "engine.probes", "engine.hooks", "engine.cache", "engine.tokenizer", "engine.deployment",
                        "engine.builtin", "engine.model_ref", "engine.session.chat_response", "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
@@ -56,7 +56,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
                            "workbench.attribution", "workbench.causal",
-                           "workbench.__main__", "workbench.conversation_trace")),
+                           "workbench.__main__", "workbench.conversation_trace", "workbench.toolkit")),
     # the follower and the frame every view draws; below the components that watch it
     ("apps dashboard state", ("apps.dashboard.follower",)),
     ("apps dashboard components", ("apps.dashboard.components",)),

@@ -21,6 +21,9 @@ Public API:
   segment hidden from each DSA layer (KDA writes suppressed, answer experts banned), beside same-size controls.
 - `check_span(session, span, continuation=task)`: did the answer use this span? It hidden beside random
   same-size controls, with the verdict in one sentence (`workbench.causal`).
+- `run_with_cache(session, names, positions=, layers=)`, `logit_lens(session, positions=)`, `patch(session, clean,
+  corrupted, answer)`: named hook points cached within a memory bound, the AttnRes logit lens, activation
+  patching between a clean and a corrupted run (`workbench.toolkit`, docs/hooks.md).
 - `workbench.analysis`: pure functions over trace arrays (shared by notebooks, CLI and app).
 - `haystack(n_tokens, tokenizer, seed)`, `plant(needle, n_tokens, tokenizer, depth, seed)`: deterministic
   filler documents, optionally with a planted needle (`workbench.text`).
@@ -48,6 +51,7 @@ _EXPORTS = {
     "load_intervention_spec": "workbench.interventions",
     "attribution": "workbench.attribution", "check_span": "workbench.causal.check",
     "ConversationTrace": "workbench.conversation_trace",
+    "run_with_cache": "workbench.toolkit", "logit_lens": "workbench.toolkit", "patch": "workbench.toolkit",
 }
 
 __all__ = sorted(_EXPORTS)
