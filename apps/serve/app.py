@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +204,15 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                 raise _shutting_down()
             raw = await _read_body(request, config.max_body_bytes, pending, held)
             loop = asyncio.get_running_loop()
-            req, body = await loop.run_in_executor(parser, _decode, raw, config, request_limits())
+            try:
+                req, body = await loop.run_in_executor(parser, _decode, raw, config, request_limits())
+            except (RequestError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a reader's own failure: one line, the server goes on
+                print(f"workbench serve: reading a request failed: {type(exc).__name__}: {str(exc)[:200]}",
+                      file=sys.stderr)
+                raise RequestError(f"the server could not read this request ({type(exc).__name__})", status=500,
+                                   kind="server_error") from None
             del raw
             events: asyncio.Queue = asyncio.Queue()
             request_id = f"chatcmpl-{secrets.token_hex(12)}"

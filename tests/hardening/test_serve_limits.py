@@ -222,3 +222,17 @@ def test_bodies_held_together_stay_within_the_pending_budget(tiny) -> None:
         assert post(srv, big).status_code == 200  # given back once done
     finally:
         srv.stop()
+
+
+def test_a_failure_while_reading_a_request_is_one_line_and_the_server_goes_on(server, monkeypatch) -> None:
+    from apps.serve import app
+
+    def broken(request, limits) -> None:
+        raise TypeError("a reader bug")
+
+    monkeypatch.setattr(app, "check_request_cost", broken)
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = post(server, hi)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "the server could not read this request (TypeError)"
+    monkeypatch.undo()
+    assert post(server, hi).status_code == 200
