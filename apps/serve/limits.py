@@ -68,7 +68,8 @@ class RequestLimits:
         except (AttributeError, TypeError, ValueError):
             token_bytes = FALLBACK_TOKEN_BYTES
         try:
-            frame = min(sum(map(len, tokenizer.message_frame(role))) for role in ("system", "user", "assistant", "tool"))
+            frame = min(sum(map(len, tokenizer.message_frame(role)))
+                        for role in ("system", "user", "assistant", "tool"))
         except (AttributeError, TypeError, ValueError, InputError):
             frame = 0
         vision = getattr(model, "vision", None)

@@ -297,6 +297,7 @@ class EngineWorker:
         return {"content": answer.text, "reasoning": answer.thinking, "ids": answer.ids, "closing": closing,
                 "finish_reason": finish, "ttft_s": ttft}
 
+
 def _shutting_down(generated: int | None = None) -> Event:
     if generated is None:
         done = " before it ran"
