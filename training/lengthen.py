@@ -297,6 +297,8 @@ class LengthenJob:
         loss, answer = weighted_loss(model(ids), ids, weights)
         kl = distill.take()
         copy_loss, copy_mass = copier.take() if copier is not None else (None, float("nan"))
+        if copier is not None:   # picture rows hold no copy pairs: nothing of their forward may reach the next step
+            copier.active = False
         total_loss = loss + (kl if kl is not None else 0.0)
         if copy_loss is not None:
             total_loss = total_loss + args.copy_weight * copy_loss
@@ -308,8 +310,6 @@ class LengthenJob:
             kl = kl if image_kl is None else (image_kl if kl is None else kl.detach() + image_kl)
             self.last_image, n_tokens = image_value, n_tokens + n_image
         distill.active = False
-        if copier is not None:
-            copier.active = False
         trainer.clipped_step(self.params.main.values(), opt["main"])
         if self.params.vision:
             trainer.clipped_step(self.params.vision.values(), opt["vision"])

@@ -151,3 +151,18 @@ def test_best_head_loss_is_the_most_attending_heads() -> None:
     assert float(best) <= float(mix) + 1e-6 and 0 < best_mass <= 1
     with pytest.raises(ValueError, match="heads"):
         CopySupervision(model, heads="all")
+
+
+def test_lengthen_with_copy_targets_and_picture_questions_trains(tmp_path, monkeypatch) -> None:
+    """The picture batch is no copy batch: copy targets stop collecting before it, so no copy loss of
+    one step's picture forward reaches the next step's backward (it failed there: a graph of weights the
+    optimizer had since changed)."""
+    monkeypatch.setattr(lengthen, "schedule", lambda scale, stages="": [lengthen.Stage(2, 1, 256)])
+    base = tmp_path / "base"
+    from training import state as state_io
+    state_io.save(base, 3, trainable_model(trained_demo_config(64), 0), {}, {"seed": 0, "scale": 1.0, "topk": 64})
+    args = ["--base", str(base), "--state", str(tmp_path / "run"), "--eval-during", "", "--no-final",
+            "--copy-weight", "0.5", "--image-every", "2", "--image-batch", "2"]
+    assert lengthen.main(args) == 0
+    rows = list(csv.DictReader(open(tmp_path / "run" / "loss.csv")))
+    assert [r["image_loss"] != "nan" for r in rows] == [True, False] and all(float(r["copy_loss"]) > 0 for r in rows)
