@@ -4,7 +4,8 @@ running a question has to touch (the run core's goal: fewer).
     python benchmarks/run_trip.py [--tokens 2000] [--list]
 
 Runs `workbench run --model builtin:demo --task find-fact ... --trace TMP` in this process under a
-profiler hook that notes every Python function called, and prints how many distinct files of
+profiler hook that notes every Python function called (module bodies run by imports are not counted),
+and prints how many distinct files of
 `engine/`, `workbench/` and `apps/` were entered (`--list`: which). Run it on two trees side by side
 to compare them.
 """
@@ -20,6 +21,25 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "workbench", "apps")
 
 
+def import_everything() -> None:
+    """Import every product module first (those whose optional dependencies are missing are skipped)."""
+    import importlib
+    import warnings
+
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if parts[-1] == "__main__":
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - an optional extra (triton, a notebook's deps) not installed
+                    pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2000, help="about how many tokens of document to ask about")
@@ -28,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from apps.cli import main as workbench
 
+    import_everything()  # so that what is counted is the run itself, never which imports happen during it
     entered: set[str] = set()
     roots = tuple(str(ROOT / pkg) + "/" for pkg in PACKAGES)
 
     def note(frame, event, _arg):
-        if event == "call":
+        # a function called, not a module's body run by its import (imports differ with what is loaded before)
+        if event == "call" and frame.f_code.co_name != "<module>":
             name = frame.f_code.co_filename
             if name.startswith(roots):
                 entered.add(name)
