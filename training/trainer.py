@@ -146,6 +146,7 @@ def train(job: Job, state_dir: Path, run_info: dict, limits: Limits, *, settings
           defaults: Mapping | None = None, check: Callable[[dict], None] | None = None) -> tuple[Outcome, dict]:
     """Resume `job` from `state_dir` (`resume`: its `settings` must match, `check` may refuse the state) or
     start it afresh, then train (`run`): (where it stopped, the metrics of its quick evaluations)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
     step, metrics, info = 0, {"evals": []}, None
     resumed = resume(state_dir, job.model, job.optimizers, settings or {}, defaults or {}, job.total, check=check)
     if resumed is not None:
