@@ -3,6 +3,7 @@
 `forge_page(file, column, ...)` overwrites, in place, the first data page of a column chunk that has
 no dictionary page with a page header of our choosing and a zstd body of `unpacked` zero bytes; the
 footer (rows, values, sizes, offsets) is left as it was, so it still claims what the honest page held.
+`footer_bomb(file, chunks)` writes a file whose footer lists more column chunks than a footer may.
 """
 
 from __future__ import annotations
@@ -62,3 +63,27 @@ def forge_page(file: Path, column: str, unpacked: int, values: int = 1, page_typ
     data[chunk.data_page_offset:chunk.data_page_offset + len(page)] = page
     file.write_bytes(bytes(data))
     return chunk.total_compressed_size
+
+
+def _zigzag(value: int) -> bytes:
+    return _varint((value << 1) ^ (value >> 63))
+
+
+def _list(count: int, kind: int) -> bytes:
+    return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + _varint(count)
+
+
+def footer_bomb(file: Path, chunks: int, row_groups: int = 1) -> int:
+    """A Parquet file that is nothing but a footer: one INT32 column, `row_groups` row groups of `chunks`
+    minimal column chunks each (3 bytes apiece in the file); returns the file size."""
+    chunk = bytes([2 << 4 | 6]) + _zigzag(0) + b"\0"  # ColumnChunk {2: file_offset 0}
+    group = bytes([1 << 4 | 9]) + _list(chunks, 12) + chunk * chunks + \
+        bytes([1 << 4 | 6]) + _zigzag(0) + bytes([1 << 4 | 6]) + _zigzag(0) + b"\0"  # total_byte_size, num_rows
+    root = bytes([4 << 4 | 8]) + _varint(6) + b"schema" + bytes([1 << 4 | 5]) + _zigzag(1) + b"\0"
+    leaf = bytes([1 << 4 | 5]) + _zigzag(1) + bytes([2 << 4 | 5]) + _zigzag(0) + bytes([1 << 4 | 8]) + _varint(1) + \
+        b"a" + b"\0"
+    meta = bytes([1 << 4 | 5]) + _zigzag(1) + bytes([1 << 4 | 9]) + _list(2, 12) + root + leaf + \
+        bytes([1 << 4 | 6]) + _zigzag(0) + bytes([1 << 4 | 9]) + _list(row_groups, 12) + group * row_groups + b"\0"
+    data = b"PAR1" + meta + len(meta).to_bytes(4, "little") + b"PAR1"
+    file.write_bytes(data)
+    return len(data)

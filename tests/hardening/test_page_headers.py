@@ -12,10 +12,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.hardening.conftest import bounded
-from tests.hardening.parquet_forge import forge_page, zeros_zstd
+from tests.hardening.parquet_forge import footer_bomb, forge_page, zeros_zstd
 from workbench.trace import TraceCorruptError, TraceWriter, open_trace
 from workbench.trace.export import export_trace
-from workbench.trace.parquet_pages import PageBoundsError, check_pages
+from workbench.trace.parquet_pages import (MAX_FOOTER_BYTES, MAX_FOOTER_ITEMS, PageBoundsError, check_footer,
+                                           check_pages)
 from workbench.trace.schema import TABLES, TOKENS_FILE, parquet_options
 
 _BOMB = 256 << 20  # what the forged page decompresses to (zstd: a few KB in the file)
@@ -192,3 +193,48 @@ def test_mutated_page_headers_pass_or_are_refused_in_one_line(honest_part, tmp_p
             pq.read_table(file)
         except (pa.ArrowException, OSError):
             pass
+
+
+def test_a_footer_of_many_column_chunks_is_refused_before_pyarrow_decodes_it(tmp_path):
+    path = _trace(tmp_path)
+    bad = path / "dsa_key_counts" / "part-000001.parquet"
+    size = footer_bomb(bad, 100_000, row_groups=3)  # 0.9 MB; pyarrow's footer reader took ~210 MB for it
+    assert size < 1 << 20
+    with bounded(seconds=10, rss_mib=60):
+        t = open_trace(path)
+        assert t.dsa_heatmap(bins=4).sum() == 4
+    assert any(str(bad) in p and f"the footer lists more than {MAX_FOOTER_ITEMS:,} entries" in p for p in t.problems)
+    with pytest.raises(TraceCorruptError, match="the footer lists more than"):
+        export_trace(path, tmp_path / "out", fmt="csv")
+
+
+def test_a_footer_longer_than_the_limit_is_refused_unread(tmp_path):
+    file = tmp_path / "long.parquet"
+    footer_bomb(file, MAX_FOOTER_BYTES // 3)
+    with bounded(seconds=5, rss_mib=20):
+        with pytest.raises(PageBoundsError, match=f"more than the {MAX_FOOTER_BYTES:,} a part's footer may"):
+            check_footer(file)
+
+
+def test_honest_footers_pass(tmp_path):
+    path = _trace(tmp_path)
+    for file in path.rglob("*.parquet"):
+        check_footer(file)
+    footer_bomb(tmp_path / "ok.parquet", 1000, row_groups=2)
+    check_footer(tmp_path / "ok.parquet")  # within the limits: pyarrow judges the rest
+
+
+@pytest.mark.parametrize("chunks, row_groups", [(2, 1), (1, 3), (40, 2)])
+def test_a_row_group_with_more_chunks_than_columns_is_refused_not_a_crash(tmp_path, chunks, row_groups):
+    """pyarrow terminates the process ("Invalid Column Index", a C++ exception it does not catch) when such a
+    chunk is looked at: a 100-byte part used to kill a dashboard that opened the trace."""
+    path = _trace(tmp_path)
+    bad = path / "dsa_key_counts" / "part-000001.parquet"
+    footer_bomb(bad, chunks, row_groups)
+    t = open_trace(path)
+    assert t.dsa_heatmap(bins=4).sum() == 4
+    if chunks != 1:
+        assert any(str(bad) in p and f"lists {chunks} column chunks for the schema's 1 column(s)" in p
+                   for p in t.problems)
+    else:
+        assert any(str(bad) in p for p in t.problems)  # consistent, but its columns are not the table's

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workbench.trace.errors import TraceError
-from workbench.trace.parquet_pages import PageBoundsError, check_pages
+from workbench.trace.parquet_pages import PageBoundsError, check_pages, read_footer_checked
 
 EFFECTS_FILE = "effects.parquet"
 # a sweep is S segments x L layers rows plus a few expert rows: far below this; anything larger is not one
@@ -132,7 +132,7 @@ def read_effects(trace: Any) -> pd.DataFrame | None:
     if size > MAX_EFFECTS_BYTES:
         raise TraceError(f"{path}: {size} bytes is too large for an effects table (at most {MAX_EFFECTS_BYTES})")
     try:
-        meta = pq.read_metadata(path)
+        meta = read_footer_checked(path)
         decoded = sum(max(meta.row_group(g).column(c).total_uncompressed_size, 0)
                       for g in range(meta.num_row_groups) for c in range(meta.num_columns))
         if decoded > MAX_EFFECTS_DECODED:

@@ -1,5 +1,7 @@
 """What a Parquet file's pages will decode to, read from their headers before any page is decompressed.
 
+    check_footer(path) -> None                          the footer itself, before pyarrow decodes it
+    read_footer_checked(path) -> FileMetaData          that, then one column chunk per column in each row group
     check_pages(path, meta, columns=None) -> None      raises PageBoundsError naming the column and sizes
 
 A part's footer is checked against the limits first (`part_checks.read_footer`), but the footer only
@@ -15,6 +17,9 @@ with the footer that passed the limits:
 - a dictionary page holds no more entries than its bytes can (a plain entry takes 4 bytes at least);
 - every page lies inside the column chunk and the file.
 
+The footer is a Thrift struct too, and pyarrow decodes it whole into C++ structs (~700 bytes per
+column chunk), so `check_footer` bounds its length and its list entries first.
+
 Page headers are Thrift structs in the compact protocol; `_Compact` reads just enough of it (field
 ids and integers; strings and lists are skipped within the bytes that are there).
 """
@@ -28,6 +33,8 @@ from typing import Iterable
 import pyarrow.parquet as pq
 
 MAX_PAGE_HEADER_BYTES = 16 << 20  # pyarrow's own limit on one page header
+MAX_FOOTER_BYTES = 4 << 20  # a part's footer (an honest one: 5-15 KB; one per row group and column adds ~100 bytes)
+MAX_FOOTER_ITEMS = 1 << 17  # list entries of a footer (each ~700 bytes once pyarrow decodes it: ~90 MB at most)
 MAX_PAGES = 1 << 16  # page headers walked in one file (an honest part: one per MiB of each column chunk)
 _MAX_DEPTH = 16  # nesting of Thrift structs and lists (a page header nests three deep)
 # PageHeader field ids and page types (parquet.thrift)
@@ -46,8 +53,9 @@ class PageBoundsError(ValueError):
 class _Compact:
     """A reader of Thrift's compact protocol over `buf[pos:end]` that never reads past `end`."""
 
-    def __init__(self, buf: mmap.mmap, pos: int, end: int) -> None:
+    def __init__(self, buf: mmap.mmap, pos: int, end: int, items: int | None = None) -> None:
         self.buf, self.pos, self.end = buf, pos, end
+        self.items = items  # list, set and map entries still allowed (None: as many as the bytes hold)
 
     def _byte(self) -> int:
         if self.pos >= self.end:
@@ -111,6 +119,11 @@ class _Compact:
     def _items(self, count: int, kinds: tuple[int, ...], depth: int) -> None:
         if count > self.end - self.pos:  # every item takes a byte at least
             raise PageBoundsError("a page header claims more list items than it has bytes")
+        if self.items is not None:
+            self.items -= count
+            if self.items < 0:
+                raise PageBoundsError(f"the footer lists more than {MAX_FOOTER_ITEMS:,} entries (row groups, "
+                                      "column chunks, encodings, ...), more than a part's footer may")
         for _ in range(count):
             for kind in kinds:
                 if kind in (1, 2):  # a boolean in a list takes a byte
@@ -186,6 +199,48 @@ def _check_chunk(buf: mmap.mmap, chunk: pq.ColumnChunkMetaData, file_size: int, 
         raise PageBoundsError(f"its pages hold {values:,} values, the footer says {claimed_values:,}")
 
 
+def check_footer(path: str | Path) -> None:
+    """Refuse a Parquet file whose footer is longer than MAX_FOOTER_BYTES or lists more than
+    MAX_FOOTER_ITEMS entries (row groups, column chunks, encodings, ...), before pyarrow decodes it:
+    every entry becomes a C++ struct of ~700 bytes, so a 15 MB footer of minimal column chunks took
+    pyarrow's footer reader past 50 GB. PageBoundsError naming the sizes."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, 2)
+        if size < 12:
+            return  # pyarrow refuses it itself
+        handle.seek(size - 8)
+        tail = handle.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] != b"PAR1":
+            return  # not a plain footer (encrypted, or not Parquet): pyarrow refuses or reads it itself
+        if length > MAX_FOOTER_BYTES:
+            raise PageBoundsError(f"its footer takes {length:,} bytes, more than the {MAX_FOOTER_BYTES:,} a part's "
+                                  "footer may")
+        if length > size - 12:
+            return  # pyarrow refuses it: longer than the file
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            reader = _Compact(buf, size - 8 - length, size - 8, items=MAX_FOOTER_ITEMS)
+            try:
+                reader.struct()
+            except PageBoundsError as exc:
+                raise PageBoundsError(str(exc).replace("a page header", "the footer")) from None
+
+
+def read_footer_checked(path: str | Path) -> pq.FileMetaData:
+    """The footer of a Parquet file, bounded (`check_footer`) before pyarrow decodes it and consistent
+    after: every row group lists one column chunk per column of the schema. pyarrow terminates the
+    process (a C++ exception it does not catch) when a row group's chunk beyond the schema is asked for,
+    so no caller may look at a chunk before this check. PageBoundsError otherwise."""
+    check_footer(path)
+    meta = pq.read_metadata(path)
+    for rg in range(meta.num_row_groups):
+        listed = meta.row_group(rg).num_columns
+        if listed != meta.num_columns:
+            raise PageBoundsError(f"row group {rg} lists {listed:,} column chunks for the schema's "
+                                  f"{meta.num_columns:,} column(s)")
+    return meta
+
+
 def check_pages(path: str | Path, meta: pq.FileMetaData | None = None, columns: Iterable[str] | None = None) -> None:
     """Refuse a Parquet file whose page headers claim more values or bytes than its footer (which the
     caller has checked against its limits): PageBoundsError naming the column, before any page is
@@ -194,7 +249,7 @@ def check_pages(path: str | Path, meta: pq.FileMetaData | None = None, columns: 
     with open(path, "rb") as handle:
         size = handle.seek(0, 2)
         if meta is None:
-            meta = pq.read_metadata(handle)
+            meta = read_footer_checked(path)
         if size == 0:
             raise PageBoundsError("the file is empty")
         budget = [MAX_PAGES]

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from engine.io.files import parse_json, read_limited
 from workbench.trace.bounds import MAX_SESSION_BYTES, check_session
 from workbench.trace.errors import TraceCorruptError, TraceError, TraceVersionError
+from workbench.trace.parquet_pages import read_footer_checked
 from workbench.trace.schema import EXPORT_MANIFEST, SCHEMA_NAME, SESSION_FILE, SUPPORTED_VERSIONS, TableSpec
 
 # far above what the writer produces (a part is one flush: at most max_buffer_rows rows or
@@ -95,7 +96,7 @@ def read_session(path: Path) -> dict:
 def read_footer(path: Path, spec: TableSpec) -> tuple[int, dict[str, tuple[int, int]], int]:
     """Rows, integer column ranges and decoded bytes (at least) of a part; raises ValueError/ArrowException
     when it is unusable."""
-    meta = pq.read_metadata(path)
+    meta = read_footer_checked(path)  # bounded before pyarrow decodes it, and consistent before a chunk is read
     if meta.num_rows > MAX_PART_ROWS:
         raise ValueError(f"its footer claims {meta.num_rows:,} rows, more than the {MAX_PART_ROWS:,} a part may hold")
     decoded = _decoded_bytes(meta)
