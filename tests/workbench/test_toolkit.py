@@ -47,6 +47,14 @@ def test_a_kda_state_is_cached_after_each_position_asked(demo):
     cache = run_with_cache(s, "blocks.0.kda.hook_state", positions=[99, 299])
     assert cache["blocks.0.kda.hook_state"].shape[0] == 2
     torch.testing.assert_close(cache["blocks.0.kda.hook_state"][1], s.state.layers[0].recurrent, rtol=1e-5, atol=1e-5)
+    # without positions only the last state is kept (not one per prefill chunk: 5 here)
+    last = run_with_cache(session_of(model), "blocks.0.kda.hook_state")
+    assert last.positions["blocks.0.kda.hook_state"].tolist() == [299]
+    # positions already run are refused, not silently left out
+    half = session_of(model)
+    half.prefill(until=100)
+    with pytest.raises(InputError, match="before the pending tokens"):
+        run_with_cache(half, "blocks.0.kda.hook_state", positions=[50, 200])
 
 
 def test_past_the_byte_limit_points_spill_to_safetensors_and_read_back_the_same(demo, tmp_path):
@@ -140,3 +148,14 @@ def test_patch_refuses_prompts_it_cannot_compare(demo):
         patch(s, [1, 2, 3], [1, 2, 3], [5])
     with pytest.raises(InputError, match="kinds= holds"):
         patch(s, [1, 2, 3], [1, 9, 3], [5], kinds=("everything",))
+    with pytest.raises(InputError, match="state_position=0 must lie in"):
+        patch(s, [1, 2, 3], [1, 9, 3], [5], state_position=0)
+
+
+def test_a_state_restored_at_the_prompts_last_position_scores_from_the_forks_own_logits(demo):
+    model, tok = demo
+    clean = tok.encode("The code is 3-8-2-5. The code is")
+    corrupted = tok.encode("The code is 7-1-4-6. The code is")
+    report = patch(Session(model, tok), clean, corrupted, tok.encode(" 3"), kinds=("kda",), layers=[0],
+                   state_position=len(clean) - 1, controls=0, group=0)
+    assert len(report.cells) == 2 and all(np.isfinite(c.gain) for c in report.cells)

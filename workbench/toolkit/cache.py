@@ -191,7 +191,7 @@ def run_with_cache(session: Session, names: Sequence[str] | str, positions: Iter
         names: hook point names (docs/hooks.md), full (`blocks.3.hook_resid_post`) or per layer
             (`hook_resid_post`, `kda.hook_state`: every layer of `layers` that has the point).
         positions: absolute positions whose rows are kept (default: every pending position); a KDA state
-            point keeps the state after each of them (default: after each chunk's last position).
+            point keeps the state after each of them (default: after the last position only).
         max_bytes: what the cache holds in memory; past it, the largest points spill to `spill_dir`
             (default: a new temporary directory) as safetensors parts.
 
@@ -204,13 +204,16 @@ def run_with_cache(session: Session, names: Sequence[str] | str, positions: Iter
     full = expand_names(model, names, layers)
     run = session if session.pending else replay(session)
     wanted = position_set(positions, len(run.tokens))
-    if wanted is not None and wanted.max() < run.length:
-        raise InputError(f"positions= ends at {int(wanted.max())}, before the pending tokens (from {run.length})")
+    if wanted is not None and wanted.min() < run.length:
+        raise InputError(f"positions= holds {int(wanted.min())}, before the pending tokens (from {run.length}): "
+                         "those were run already")
     collector = RowCollector(wanted, max_bytes, Path(spill_dir) if spill_dir is not None else None)
     points = hook_points(model)
     states = [points[n] for n in full if n.endswith(STATE_POINT)]
+    # a state is [B, heads, K, V] per layer (6.3 MB at K3 size): by default only the run's last one is kept
+    shown = frozenset([len(run.tokens) - 1] if wanted is None else wanted.tolist())
     for point in states:
-        point.positions = None if wanted is None else frozenset(wanted.tolist())
+        point.positions = shown
     try:
         with hooks(model, [(n, collector.hook(n, n.endswith(STATE_POINT))) for n in full]):
             run.prefill()

@@ -117,8 +117,12 @@ def _ids(session: Session, value: Any, what: str) -> list[int]:
 
 def _score(branch: Session, answer_at: int, answer: list[int]) -> float:
     """Sum of log p(answer) of a branch whose tokens end with the answer at `answer_at` (teacher forced)."""
-    branch.prefill(until=answer_at - 1)
-    logits = branch.prefill(return_logits=True)
+    if branch.length < answer_at:
+        branch.prefill(until=answer_at - 1)
+        logits = branch.prefill(return_logits=True)
+    else:  # forked at the prompt's end: its last logits predict the answer's first token
+        assert branch.last_logits is not None
+        logits = torch.cat((branch.last_logits[None], branch.prefill(return_logits=True)))
     assert logits is not None
     logp = torch.log_softmax(logits[: len(answer)].float(), -1)
     return float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum())
