@@ -171,3 +171,10 @@ def test_the_summary_limits_in_docs_are_the_codes():
     row = next(line for line in DOCS.read_text().splitlines() if line.startswith("| dashboard summary (Arrow)"))
     assert f"more than {arrow_limits.MAX_FIELDS} fields" in row
     assert f"more than {arrow_limits.VALUES_PER_ROW_LIMIT} times the row limit" in row
+
+
+def test_the_parquet_limits_in_docs_are_the_codes():
+    from workbench.trace import parquet_pages
+    row = next(line for line in DOCS.read_text().splitlines() if line.startswith("| trace part (or `effects.parquet`)"))
+    assert f"footer is over {parquet_pages.MAX_FOOTER_BYTES >> 20} MiB" in row
+    assert f"more than {parquet_pages.MAX_FOOTER_ITEMS:,} entries" in row
