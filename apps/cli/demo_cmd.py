@@ -261,6 +261,7 @@ class _Answer:
     style: str           # the answer style (`workbench.retrieval_text.answer_parts`)
     pieces: list[str]    # the generated tokens' text
     first: int           # position of the first generated token
+    closing: list[int]   # ids that end the assistant message the answer is in (`engine.session.answer`)
 
 
 def _ask(session, question: str, key: str, new_tokens: int, name: str, style: str = "key") -> _Answer:
@@ -273,19 +274,15 @@ def _ask(session, question: str, key: str, new_tokens: int, name: str, style: st
     session.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(prefix),
                    name=f"{name} answer prefix", kind="turn", role="assistant")
     pieces: list[str] = []  # each token's text: the judge finds which tokens produced the value
-    generate_answer(session, max_new_tokens=new_tokens, temperature=0, add_generation_prompt=False,
-                    stop_ids=(tokenizer.close_id,), on_token=lambda tok: pieces.append(tok.text))
-    return _Answer(prefix, style, pieces, len(session.tokens) - len(pieces))
+    answer = generate_answer(session, max_new_tokens=new_tokens, temperature=0, add_generation_prompt=False,
+                             stop_ids=(tokenizer.close_id,), on_token=lambda tok: pieces.append(tok.text))
+    return _Answer(prefix, style, pieces, len(session.tokens) - len(pieces), answer.closing_ids)
 
 
 def _close_answer(session, answer: _Answer) -> None:
-    """End the assistant message the answer is in (`response<|sep|><|close|>message<|sep|><|end_of_msg|>`
-    after its generated `<|close|>`), so the next question is a turn of its own, as in training."""
-    tokenizer = session.tokenizer
-    closed = "".join(answer.pieces).endswith("<|close|>")
-    tag = tokenizer.section_tag("response", opening=False)     # `<|close|>response<|sep|>`
-    ids = (tag[1:] if closed else tag) + tokenizer.message_frame("assistant")[1]
-    session.append(ids=ids, name="answer end", kind="turn", role="assistant")
+    """End the assistant message the answer is in (after its `<|close|>`: `response<|sep|><|close|>message
+    <|sep|><|end_of_msg|>`), so the next question is a turn of its own, as in training."""
+    session.append(ids=answer.closing, name="answer end", kind="turn", role="assistant")
 
 
 def _judge(answer: _Answer, expected: str, topk, span: tuple[int, int]) -> dict:
