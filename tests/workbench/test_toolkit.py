@@ -148,6 +148,8 @@ def test_patch_refuses_prompts_it_cannot_compare(demo):
         patch(s, [1, 2, 3], [1, 2, 3], [5])
     with pytest.raises(InputError, match="kinds= holds"):
         patch(s, [1, 2, 3], [1, 9, 3], [5], kinds=("everything",))
+    with pytest.raises(InputError, match="layers= must be layer numbers"):
+        patch(s, [1, 2, 3], [1, 9, 3], [5], layers=[99])
     with pytest.raises(InputError, match="state_position=0 must lie in"):
         patch(s, [1, 2, 3], [1, 9, 3], [5], state_position=0)
 

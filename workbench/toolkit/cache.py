@@ -72,6 +72,8 @@ def expand_names(model: torch.nn.Module, names: Sequence[str] | str, layers: Ite
         raise InputError("names= must name at least one hook point (docs/hooks.md has the table)")
     points = hook_points(model)
     n_layers = model.config.num_hidden_layers
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        layers = [int(layers)]
     if layers is None:
         wanted = list(range(n_layers))
     else:

@@ -93,7 +93,8 @@ class PatchReport:
                  f"{self.tokens_run:,} tokens run"]
         for kind in dict.fromkeys(c.kind for c in self.cells):
             layers, cols, grid = self.grid(kind)
-            lines.append(f"{kind}: fraction of the clean log-prob restored (layer x {'head' if kind == 'kda' else 'span'})")
+            across = "head" if kind == "kda" else "span"
+            lines.append(f"{kind}: fraction of the clean log-prob restored (layer x {across})")
             lines.append("layer " + " ".join(f"{c:>12}" for c in cols))
             for layer, row in zip(layers, grid):
                 lines.append(f"{layer:>5} " + " ".join(f"{v:>12.0%}" if v == v else f"{'-':>12}" for v in row))
@@ -225,7 +226,10 @@ def patch(session: Session, clean: Any, corrupted: Any, answer: Any, *, kinds: S
         if not diff_span[0] <= a < b <= prompt_end:
             raise InputError(f"span {a}:{b} must lie inside [{diff_span[0]}, {prompt_end}) (from the first "
                              "difference to the prompt's end)")
-    chosen = None if layers is None else {int(i) for i in layers}
+    chosen = None if layers is None else set(layers)
+    if chosen is not None and not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                      and 0 <= i < config.num_hidden_layers for i in chosen):
+        raise InputError(f"layers= must be layer numbers in [0, {config.num_hidden_layers}), got {sorted(chosen, key=str)}")
 
     def layers_of(kind: str) -> list[int]:
         every = range(config.num_hidden_layers)

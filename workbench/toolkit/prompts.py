@@ -28,8 +28,8 @@ def fact_prompts(model: Any, tokenizer: Any, n_tokens: int, *, key: str = "green
         for name, text in task.documents:
             scratch.append(text, name=name)
         scratch.append(task.question, role="user", name="question")
-        scratch.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(task.prefix),
-                       name="answer prefix")
+        opened = tokenizer.chat_prompt([], add_generation_prompt=True) + tokenizer.response_prefix(task.prefix)
+        scratch.append(ids=opened, name="answer prefix")
         prompts.append(list(scratch.tokens))
     if len(prompts[0]) != len(prompts[1]):
         raise InputError(f"the values {clean!r} and {corrupted!r} tokenize to different lengths: pick values of "
