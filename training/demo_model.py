@@ -16,6 +16,8 @@ Schedule (DeepSeek V3.2's order for the sparse layers):
    language-model loss, the indexer on KL over its selected keys; sequences 1024 -> 2048 tokens.
 
 Gradients flow through the engine's own layers (`engine.model.KimiForCausalLM`, pure-torch ops).
+This module holds the run's step (`DemoJob`); the loop, saves and resuming are `training.trainer`'s.
+`--config training/configs/builtin_demo_1_v4img.toml` gives the settings of builtin:demo's first run.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ LOSS_COLUMNS = ["step", "phase", "length", "loss", "answer_loss", "indexer_kl", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("checkpoints/trained-demo"), help="final checkpoint directory")
     p.add_argument("--state", type=Path, default=None, help="resumable state directory (default: OUT.state)")
     p.add_argument("--seed", type=int, default=0)
@@ -168,7 +171,8 @@ class DemoJob:
         self.config = SPEC.model_config(args, args.topk)
         self.tok = Tokenizer.byte_level()
         self.model = trainable_model(self.config, args.seed).to(device)   # seeded on the CPU: the same init anywhere
-        self.model.runtime.kernels = "reference"   # the pure-torch ops everywhere: no Triton kernel in a graph that trains
+        # the pure-torch ops everywhere: no Triton kernel in a graph that trains
+        self.model.runtime.kernels = "reference"
         self.distill = IndexerDistill(self.model)
         self.balance = ExpertBalance(self.model)
         self.params = trainer.LanguageModelParams.of(self.model)

@@ -19,7 +19,6 @@ load after every step (DeepSeek V3's auxiliary-loss-free balancing).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.layers.mla import GatedMLA
 from engine.layers.moe import Router

@@ -20,7 +20,8 @@ weights; the tower and projector from the seeded random init, the tower rescaled
    rate; pictures read sparse; text rows at 4,096 tokens with every fourth at 8,192, to stretch
    retrieval past the base run's 2K.
 
-Text rows are read sparse (as trained) throughout, the indexer learning its KL target on them. Seeded and resumable as `training.demo_model` (its own state directory, `training.state`);
+Text rows are read sparse (as trained) throughout, the indexer learning its KL target on them. Seeded
+and resumable as `training.demo_model` (its own state directory, `training.state`);
 batches are pure functions of (seed, step) in streams the base run never used. At the end the
 experts are quantized, the checkpoint (with the tower) is written, reloaded with
 `engine.load_model` and evaluated: held-out needle accuracy (`training.evaluate`) and held-out
@@ -109,7 +110,8 @@ COLUMNS = ["step", "phase", "text_length", "text_loss", "answer_loss", "image_lo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, required=True, help="the finished base run's state directory (read only)")
     p.add_argument("--state", type=Path, required=True, help="this run's resumable state directory")
     p.add_argument("--out", type=Path, required=True, help="final checkpoint directory")
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def same_scale(info: dict) -> None:
         if info.get("scale") != args.scale:
-            raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; pass the same or another --state")
+            raise SystemExit(f"{args.state} holds a run with scale {info.get('scale')}; "
+                             "pass the same or another --state")
 
     run_info = {"command": trainer.command_line("training.extend", argv), "scale": args.scale, "lr": job.peak,
                 "stages": [asdict(s) for s in job.stages], "commit": trainer.git_commit(), **run_config.recorded(args)}

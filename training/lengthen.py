@@ -166,7 +166,8 @@ COPY_COLUMNS = ["copy_loss", "copy_mass"]   # runs with --copy-weight
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, required=True,
                    help="the finished base run's state directory, or a written checkpoint (builtin:demo, a "
                         "directory with config.json); read only")
@@ -280,7 +281,8 @@ class LengthenJob:
         self.model.runtime.dsa_force_dense = False
 
     def train_step(self, step: int) -> StepResult:
-        args, model, distill, copier, gen, opt = self.args, self.model, self.distill, self.copier, self.gen, self.optimizers
+        args, model, distill, copier, gen = self.args, self.model, self.distill, self.copier, self.gen
+        opt = self.optimizers
         stage = stage_at(self.stages, step)
         scale = trainer.warmup_cosine(step, self.total, LR_WARMUP, LR_FLOOR)
         for g in opt["main"].param_groups:
