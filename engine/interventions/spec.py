@@ -23,6 +23,8 @@ MAX_INTERVENTIONS = 1024
 MAX_SPEC_IDS = 1 << 16
 # a position must fit the int64 tables (an end past the context limit is clipped to it)
 MAX_POSITION = (1 << 63) - 1
+# a state scaled past this overflows the layers downstream: the forward would fail as if the weights were bad
+MAX_FACTOR = 1e6
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,13 @@ def parse_entry(entry: Any, index: int = 0) -> Intervention:
     if "factor" in entry:
         factor = entry["factor"]
         try:  # an int too large for a float is an OverflowError, not a factor
-            finite = isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+            finite = (isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+                      and abs(factor) <= MAX_FACTOR)
         except OverflowError:
             finite = False
         if not finite:
-            raise InputError(f"{where}: factor must be a finite number, got {_shown(factor)}")
+            raise InputError(f"{where}: factor must be a finite number in [-{MAX_FACTOR:g}, {MAX_FACTOR:g}], "
+                             f"got {_shown(factor)}")
         kwargs["factor"] = float(factor)
     if "experts" in entry:
         experts = _ids(entry["experts"], "experts", where)

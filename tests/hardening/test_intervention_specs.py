@@ -129,6 +129,8 @@ def test_the_largest_spec_costs_the_forward_little(model) -> None:
     {"op": "dsa.hide", "positions": [True, 4]},
     {"op": "kda.scale", "at": 1, "factor": True},
     {"op": "kda.scale", "at": 1, "factor": 10 ** 400},
+    {"op": "kda.scale", "at": 1, "factor": 1e308},  # finite, but an infinite state: refused, not a NaN forward
+    {"op": "kda.scale", "at": 1, "factor": -1e7},
     {"op": "dsa.hide", "positions": [0, 4], "layers": "ALL"},
     {"op": "dsa.hide", "positions": [0, 4], "layers": ["all"]},
     {"op": "kda.erase", "at": -1},
