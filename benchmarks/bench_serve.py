@@ -34,7 +34,7 @@ import time
 import openai
 import torch
 
-from apps.dashboard.host_guard import HostPolicy
+from apps.web_guard import HostPolicy
 from apps.serve.app import AppConfig
 from apps.serve.server import Server
 from apps.serve.worker import ServeOptions

@@ -57,6 +57,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                            "workbench.interventions", "workbench.causal_effects",
                            "workbench.attribution", "workbench.causal",
                            "workbench.__main__", "workbench.conversation_trace", "workbench.toolkit")),
+    # who may talk to a local web server (Host / Origin), shared by the dashboard and `workbench serve`
+    ("apps web guard", ("apps.web_guard",)),
     # the follower and the frame every view draws; below the components that watch it
     ("apps dashboard state", ("apps.dashboard.follower",)),
     ("apps dashboard components", ("apps.dashboard.components",)),

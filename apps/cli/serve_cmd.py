@@ -81,7 +81,7 @@ def read_api_key(path: Path | None) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from apps.cli.dashboard_cmd import allowed_hosts
     from apps.cli.run_cmd import record_families
-    from apps.dashboard.host_guard import HostPolicy
+    from apps.web_guard import HostPolicy
     from apps.dashboard.security import is_local
     from workbench import load_policy
 

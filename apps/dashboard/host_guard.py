@@ -7,11 +7,7 @@ never runs, and plain HTTP has no Host check at all. The one name such a page ca
 `Host` header its requests carry: its own name. So every HTTP and websocket request is checked here,
 before any handler runs, and so is `Origin` when the browser sends one.
 
-- `HostPolicy.for_server(bind, extra)`: the names a server answers to. Loopback names always; the bind
-  address itself; names given with `--allow-host`; and, for a wildcard bind (0.0.0.0, ::), any IP
-  literal and this machine's host name: an IP literal is never rebound, and a non-loopback server
-  also requires the access token.
-- `HostPolicy.refusal(host, origin)`: None, or the reason a request is refused.
+- `HostPolicy` (`apps.web_guard`, shared with `workbench serve`): which names a server answers to.
 - `install(policy)` / `SETTING`: the policy travels in the Tornado application's settings, and
   `install_hook()` makes Bokeh's application consult it for every request it routes (`find_handler`
   is the one place every HTTP request and websocket upgrade passes). An application without the
@@ -23,107 +19,13 @@ before any handler runs, and so is `Origin` when the browser sends one.
 
 from __future__ import annotations
 
-import ipaddress
 import re
-import socket
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+
+from apps.web_guard import HostPolicy, ip_literal, normalise_allowed, split_host
 
 # the Tornado application setting that carries a server's HostPolicy
 SETTING = "k3wb_host_policy"
-WILDCARD_BINDS = {"", "0.0.0.0", "::"}
-# a DNS name or an IP literal as --allow-host accepts it (no scheme, no path, no wildcard)
-_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
-
-
-def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(name)
-    except ValueError:
-        return None
-
-
-def split_host(value: str) -> str | None:
-    """The lower-case name of a `Host` value (`name`, `name:port`, `[v6]`, `[v6]:port`); None if malformed."""
-    value = value.strip()
-    if not value or len(value) > 300 or any(c.isspace() or ord(c) < 33 for c in value):
-        return None
-    if value.startswith("["):
-        end = value.find("]")
-        if end < 0 or (value[end + 1:] and not re.fullmatch(r":\d{1,5}", value[end + 1:])):
-            return None
-        name = value[1:end]
-        return name.lower() if _ip(name) is not None else None
-    name, _, port = value.partition(":")
-    if port and not port.isdigit():
-        return None
-    return name.lower().rstrip(".") or None
-
-
-def normalise_allowed(name: str) -> str:
-    """An `--allow-host` value as a bare lower-case name (a port is dropped); raises ValueError if malformed."""
-    bare = split_host(name) if not _ip(name) else name.lower()
-    if bare is None or not (_NAME.match(bare) or _ip(bare) is not None):
-        raise ValueError(f"--allow-host {name!r} is not a host name or IP address (give a bare name such as "
-                         "'myhost.lan', without scheme, path or wildcard)")
-    return bare
-
-
-@dataclass(frozen=True)
-class HostPolicy:
-    """Which `Host` / `Origin` names a dashboard server answers to.
-
-    Attributes:
-        names: bare lower-case names accepted as they are.
-        any_ip: accept any IP literal (a wildcard bind: the token protects it; an IP is never rebound).
-    """
-
-    names: frozenset[str]
-    any_ip: bool = False
-
-    @classmethod
-    def for_server(cls, bind: str, extra: tuple[str, ...] | list[str] = ()) -> "HostPolicy":
-        names = {"localhost", "127.0.0.1", "::1"} | {normalise_allowed(n) for n in extra}
-        wildcard = bind.strip("[]") in WILDCARD_BINDS
-        if not wildcard:
-            names.add(normalise_allowed(bind.strip("[]")))
-        else:
-            hostname = socket.gethostname().lower()
-            if _NAME.match(hostname):
-                names.add(hostname)
-        return cls(frozenset(names), any_ip=wildcard)
-
-    def allows(self, name: str) -> bool:
-        if name in self.names:
-            return True
-        address = _ip(name)
-        # every loopback literal reaches only this machine; other literals only where the bind is a wildcard
-        return address is not None and (address.is_loopback or self.any_ip)
-
-    def refusal(self, host: str | None, origin: str | None) -> str | None:
-        """None when a request with these headers may be served, else why it is refused."""
-        if host is None:
-            return "the request has no Host header"
-        name = split_host(host)
-        if name is None:
-            return f"malformed Host header {host[:80]!r}"
-        if not self.allows(name):
-            return (f"this dashboard does not answer to the name {name[:80]!r} (a page served under another "
-                    "site's name is refused); start it with --allow-host NAME to trust that name")
-        if origin is None:
-            return None
-        parts = urlsplit(origin.strip())
-        try:
-            origin_name = parts.hostname
-        except ValueError:
-            origin_name = None
-        if parts.scheme not in ("http", "https") or not origin_name:
-            return f"the request's Origin {origin[:80]!r} is not a web page this dashboard serves"
-        if not self.allows(origin_name.lower().rstrip(".")):
-            return (f"a page from {origin_name[:80]!r} may not use this dashboard; start it with --allow-host NAME "
-                    "to trust that name")
-        return None
 
 
 def install(settings: dict[str, Any], policy: HostPolicy) -> dict[str, Any]:
@@ -214,7 +116,7 @@ def _allow_bracketed_ipv6_origins() -> None:
     original = server.create_hosts_allowlist
 
     def create_hosts_allowlist(host_list: Any, port: int | None) -> list[str]:
-        bracketed = [h for h in host_list or () if (m := _BRACKETED_ORIGIN.match(h)) and _ip(m.group(1))]
+        bracketed = [h for h in host_list or () if (m := _BRACKETED_ORIGIN.match(h)) and ip_literal(m.group(1))]
         rest = [h for h in host_list or () if h not in bracketed]
         return (original(rest, port) if rest or not bracketed else []) + [h.lower() for h in bracketed]
 

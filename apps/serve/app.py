@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from apps.dashboard.host_guard import HostPolicy
+from apps.web_guard import HostPolicy
 from apps.serve.limits import (MAX_IMAGE_AREA, MAX_IMAGE_PATCHES, MAX_IMAGES, MAX_JSON_DEPTH, MAX_JSON_VALUES,
                                PendingBytes, RequestLimits, check_json_shape, check_request_cost)
 from apps.serve.protocol import (ChatRequest, RequestError, chunk_body, completion_body, error_body,
@@ -82,9 +82,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        reason = self.config.hosts.refusal(headers.get("host"), headers.get("origin"))
+        reason = self.config.hosts.refusal(headers.get("host"), headers.get("origin"), service="this server")
         if reason is not None:
-            refused = RequestError(reason.replace("this dashboard", "this server"), status=403,
+            refused = RequestError(reason, status=403,
                                    kind="permission_error", code="host_not_allowed")
             await _json_error(refused)(scope, receive, send)
             return

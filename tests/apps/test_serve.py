@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from starlette.testclient import TestClient
 
-from apps.dashboard.host_guard import HostPolicy
+from apps.web_guard import HostPolicy
 from apps.serve.app import AppConfig, create_app
 from apps.serve.protocol import completion_body
 from apps.serve.server import Server

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from apps.dashboard.host_guard import HostPolicy
+from apps.web_guard import HostPolicy
 from apps.serve.app import AppConfig
 from apps.serve.server import Server
 from apps.serve.worker import ServeOptions

@@ -21,7 +21,7 @@ import openai
 import pytest
 from PIL import Image
 
-from apps.dashboard.host_guard import HostPolicy
+from apps.web_guard import HostPolicy
 from apps.serve.app import AppConfig
 from apps.serve.limits import RequestLimits, check_json_shape
 from apps.serve.protocol import RequestError

@@ -167,7 +167,7 @@ def test_toy_family_records_through_workbench_run(toy, tmp_path, monkeypatch):
 def test_toy_family_records_through_serve(toy, tmp_path):
     import httpx
 
-    from apps.dashboard.host_guard import HostPolicy
+    from apps.web_guard import HostPolicy
     from apps.serve.app import AppConfig
     from apps.serve.server import Server
     from apps.serve.worker import ServeOptions
