@@ -48,6 +48,7 @@ import torch
 
 from engine.tokenizer import Tokenizer
 from training import device as device_io
+from training import run_config
 from training.demo_model import Stage, weighted_loss
 from training.distill import IndexerDistill, query_rows
 from training.image_tasks import forward_with_images, image_batch
@@ -385,8 +386,7 @@ def evaluate(out: Path, checkpoint: Path, device: torch.device, cells: Sequence,
     return verdict
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("out"), help="where everything is written (default ./out)")
@@ -408,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps between saved training states (default: an eighth of the planned steps, at least "
                         "25: each save writes weights and moments with an fsync, time the plan does not include)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = run_config.parse_args(build_parser(), argv, "gpu_run")
     args.size = "demo" if args.smoke else "gpu"
 
     from training import demo_model

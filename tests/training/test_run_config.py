@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from training import demo_model, extend, gpu_run, lengthen
+from training import run_config
 from training.run_config import CONFIGS
 
 PATHS = ["--base", "B", "--state", "S", "--out", "O"]
@@ -33,6 +34,7 @@ SHIPPED = {
     "extend.toml": (extend, "--threads 1"),
     "gpu_demo.toml": (demo_model, "--size gpu --varied-share 0.7 --gaps --drill-share 0.5 --first-weight 3 "
                                   "--image-every 2"),
+    "gpu_run.toml": (gpu_run, ""),   # training/gpu_train.sh's defaults
 }
 
 
@@ -42,7 +44,8 @@ def _paths(module) -> list[str]:
 
 
 def _settings(module, argv: list[str]) -> dict:
-    return {k: v for k, v in vars(module.SPEC.parse_args(_paths(module) + argv)).items() if k != "config"}
+    args = run_config.parse_args(module.build_parser(), _paths(module) + argv, module.__name__.split(".")[-1])
+    return {k: v for k, v in vars(args).items() if k != "config"}
 
 
 def test_every_shipped_configuration_is_tested() -> None:
