@@ -61,10 +61,11 @@ def resolve(session: Any, *interventions: Any) -> tuple[Intervention, ...]:
     lists of them, JSON text, or a path to a JSON spec file. Checked against the session's model."""
     entries: list[Any] = []
     for item in interventions:
-        if isinstance(item, Path) or (isinstance(item, str) and not item.lstrip().startswith("[")):
+        if isinstance(item, Path) or (isinstance(item, str) and not item.lstrip().startswith(("[", "{"))):
             entries += load_intervention_spec(item)
-        elif isinstance(item, str):
-            entries += parse_json(item, "intervention spec", InputError)
+        elif isinstance(item, str):  # JSON text: a list of spec objects, or one
+            parsed = parse_json(item, "intervention spec", InputError)
+            entries += parsed if isinstance(parsed, list) else [parsed]
         elif isinstance(item, (list, tuple)):
             entries += list(item)
         else:

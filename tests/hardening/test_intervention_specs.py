@@ -185,3 +185,14 @@ def test_dataclasses_built_by_hand_pass_the_same_checks(model) -> None:
     for item, words in ((MoeBan(experts=(-1,)), "ids >= 0"), (KdaScale(at=0, factor=float("nan")), "finite"),
                         (DsaHide(positions=(5, 2)), "START < END"), (MoeBan(experts=tuple(range(8))), "leaving 0")):
         refused(model, [item], *words.split("|"))
+
+
+def test_one_spec_object_as_json_text_is_read_as_a_spec(model) -> None:
+    """'{"op": ...}' was taken for a file name ("cannot read the intervention spec")."""
+    from workbench.interventions import resolve
+
+    s = Session(model, progress=False)
+    s.append(ids=ids_of(8), name="doc")
+    assert resolve(s, '{"op": "dsa.hide", "segment": "doc"}')[0].positions == (0, 8)
+    with pytest.raises(InputError, match=r"missing \['positions'\]"):
+        resolve(s, ' {"op": "dsa.hide"}')
