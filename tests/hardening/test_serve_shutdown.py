@@ -70,7 +70,10 @@ def test_a_stop_signal_mid_prefill_ends_the_request_closes_the_traces_and_exits_
         # a finished conversation first (its trace stays open for reuse), then a long prefill
         done = httpx.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 2}, timeout=120)
-        assert done.status_code == 200 and _statuses(trace_root) == ["recording"]
+        if done.status_code != 200:
+            proc.kill()
+            pytest.fail(f"the first request failed: {done.text[:300]} {proc.stderr.read()[-2000:]}")
+        assert _statuses(trace_root) == ["recording"]
         # 10K prompt tokens in chunks of 128, then up to 4,000 generated: still running when the signal comes
         body = {"messages": [{"role": "user", "content": "long " * 2000}], "max_tokens": 4000, "stream": stream}
 
