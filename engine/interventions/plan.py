@@ -11,7 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.interventions.checks import _layers_of, check_interventions
 from engine.interventions.spec import (ALL, DsaHide, DsaPin, Intervention, KdaErase, KdaScale, KdaSuppressWrites,
-                                       MoeBan, Selection, to_json)
+                                       MoeBan, Selection, parse_interventions, to_json)
 
 def _padded(n: int) -> int:
     """Range tables are padded to a power of two (at least 4): an intervention of a similar size reuses
@@ -128,9 +128,10 @@ class InterventionPlan:
     """
 
     def __init__(self, items: Sequence[Intervention], config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        items = parse_interventions(items)  # dataclasses built by hand pass the spec's checks too
         check_interventions(items, config)
         device = torch.device(device)
-        self.items = tuple(items)
+        self.items = items
         n, heads, experts = config.num_hidden_layers, config.kda_num_heads, config.num_experts
         hide: dict[int, list] = {}
         pin: dict[int, list] = {}
