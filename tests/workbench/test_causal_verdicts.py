@@ -14,7 +14,8 @@ from engine import load_model
 from engine.errors import InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
-from workbench.analysis.causal import (CHANCE, DEPENDS, NO_VERDICT, control_spans, verdict, verdict_of_summary)
+from workbench.analysis.causal import (CHANCE, DEPENDS, NO_VERDICT, SMALL, control_spans, verdict,
+                                      verdict_of_summary)
 from workbench.causal_effects import ScoringWarning
 from workbench.questions import needle_readers
 from workbench.task_templates import append_task, fact_task
@@ -61,7 +62,12 @@ def test_the_verdict_in_plain_words_with_rank_and_p_value() -> None:
     # inside the controls' range, or below them by a hair: chance
     inside = verdict(-19.0, [-19.8, -19.5, -18.0, -18.9, -19.1, -20.2, -18.5, -19.9], "notes.txt")
     assert inside.label == CHANCE and inside.rank == 6 and "not distinguishable from a random span" in inside.sentence
-    assert verdict(-0.0002, [0.0] * 8, "the needle").label == CHANCE
+    tiny = verdict(-0.0002, [0.0] * 8, "the needle")      # notebook 09's case: below every control, by a hair
+    assert tiny.label == SMALL and "too small to say the answer depends on the needle" in tiny.sentence
+    experts = verdict(-0.04, [0.001 * i for i in range(8)], "experts [6, 0] of layer 5", unit="set of experts",
+                      action="banning")
+    assert experts.sentence.startswith("banning experts [6, 0] of layer 5 lowered") and "8 random sets of experts" \
+        in experts.sentence
     # too few controls decide nothing, whatever the effect
     assert verdict(-12.0, [0.0, 0.1], "x").label == NO_VERDICT
     assert verdict_of_summary(-12.34, -0.1, 0.2, 8, "the fact").sentence == found.sentence

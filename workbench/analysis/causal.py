@@ -15,8 +15,9 @@ same everywhere an effect is shown (the API, `workbench questions`, the demo, th
   controls there is no verdict, and the sentence says why.
 
 The rule: the answer depends on X when the effect is a drop below every control (rank 1 of n + 1,
-p = 1 / (n + 1)) and larger than the controls' own spread by at least `MIN_EFFECT_NATS`; otherwise it
-is not distinguishable from a random span of the same size.
+p = 1 / (n + 1)) by at least `MIN_EFFECT_NATS` beyond the lowest control; a drop below every control
+by less is said to be too small to matter; anything else is not distinguishable from a random span
+of the same size.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ DEPENDS = "depends"
 ACTION_WORDS = {"dsa.hide": "hiding", "dsa.pin": "pinning", "kda.suppress_writes": "suppressing the KDA writes over",
                 "moe.ban": "banning"}
 CHANCE = "not distinguishable from chance"
+SMALL = "below every control, too small to matter"
 NO_VERDICT = "no verdict"
 
 Span = tuple[int, int]
@@ -142,7 +144,7 @@ class Verdict:
         controls: the same change with each control, nats.
         rank: 1 + how many controls lowered it at least as much (1: the largest drop of all); None without controls.
         p_value: rank / (n + 1): the chance a random span of the same size lowers it as much (one-sided).
-        label: DEPENDS, CHANCE or NO_VERDICT.
+        label: DEPENDS, SMALL (below every control by less than MIN_EFFECT_NATS), CHANCE or NO_VERDICT.
         sentence: the verdict in plain words (what every surface prints).
     """
 
@@ -182,10 +184,28 @@ def _digits(value: float) -> int:
     return 1 if abs(value) >= 1 else 2 if abs(value) >= 0.01 else 4
 
 
+def _plural(unit: str, n: int) -> str:
+    """"span" -> "spans", "set of experts" -> "sets of experts" (n != 1)."""
+    if n == 1:
+        return unit
+    head, _, rest = unit.partition(" ")
+    return f"{head}s" + (f" {rest}" if rest else "")
+
+
 def _control_words(n: int, low: float, high: float, unit: str) -> str:
     digits = _digits(max(abs(low), abs(high)))
-    return (f"{n} random {unit}{'s' if n != 1 else ''} of the same size changed it by {_signed(low, digits)} to "
+    return (f"{n} random {_plural(unit, n)} of the same size changed it by {_signed(low, digits)} to "
             f"{_signed(high, digits)}")
+
+
+def _judged(effect: float, low: float, rank: int | None, what: str, unit: str) -> tuple[str, str]:
+    """(label, conclusion) of a decided verdict: depends, below every control but by too little, or chance."""
+    if rank == 1 and effect <= low - MIN_EFFECT_NATS:
+        return DEPENDS, f": the answer depends on {what}"
+    if rank == 1 and effect < low:
+        return SMALL, (f": below every random {unit}, but by less than {MIN_EFFECT_NATS} nats: too small to say "
+                       f"the answer depends on {what}")
+    return CHANCE, f": not distinguishable from a random {unit} of the same size"
 
 
 def verdict(effect: float, controls: Sequence[float], what: str, *, where: str = "", note: str = "",
@@ -212,10 +232,8 @@ def verdict(effect: float, controls: Sequence[float], what: str, *, where: str =
     if len(c) < min_controls or not math.isfinite(effect):
         reason = note or f"{len(c)} control(s) cannot tell a drop from a lucky draw ({min_controls} needed)"
         return Verdict(effect, c, rank, p_value, NO_VERDICT, f"{head}; {beside}; no verdict: {reason}")
-    if rank == 1 and effect <= min(c) - MIN_EFFECT_NATS:
-        return Verdict(effect, c, rank, p_value, DEPENDS, f"{head}; {beside}: the answer depends on {what}")
-    return Verdict(effect, c, rank, p_value, CHANCE,
-                   f"{head}; {beside}: not distinguishable from a random {unit} of the same size")
+    label, conclusion = _judged(effect, min(c), rank, what, unit)
+    return Verdict(effect, c, rank, p_value, label, f"{head}; {beside}{conclusion}")
 
 
 def verdict_of_summary(effect: float, control_min: float, control_max: float, controls: int, what: str, *,
@@ -236,11 +254,10 @@ def verdict_of_summary(effect: float, control_min: float, control_max: float, co
         return Verdict(effect, (), rank, p_value, NO_VERDICT,
                        f"{head}; {beside}; no verdict: {n} control(s) cannot tell a drop from a lucky draw "
                        f"({min_controls} needed)")
-    if rank == 1 and effect <= control_min - MIN_EFFECT_NATS:
-        return Verdict(effect, (), rank, p_value, DEPENDS, f"{head}; {beside}: the answer depends on {what}")
-    return Verdict(effect, (), rank, p_value, CHANCE,
-                   f"{head}; {beside}: not distinguishable from a random {unit} of the same size")
+    label, conclusion = _judged(effect, control_min, rank, what, unit)
+    return Verdict(effect, (), rank, p_value, label, f"{head}; {beside}{conclusion}")
 
 
-__all__ = ["ACTION_WORDS", "DEFAULT_CONTROLS", "MIN_CONTROLS", "MIN_EFFECT_NATS", "DEPENDS", "CHANCE", "NO_VERDICT", "ControlDraw",
+__all__ = ["ACTION_WORDS", "DEFAULT_CONTROLS", "MIN_CONTROLS", "MIN_EFFECT_NATS", "DEPENDS", "CHANCE", "SMALL",
+           "NO_VERDICT", "ControlDraw",
            "control_spans", "free_gaps", "Verdict", "verdict", "verdict_of_summary"]
