@@ -185,6 +185,8 @@ def test_dataclasses_built_by_hand_pass_the_same_checks(model) -> None:
     for item, words in ((MoeBan(experts=(-1,)), "ids >= 0"), (KdaScale(at=0, factor=float("nan")), "finite"),
                         (DsaHide(positions=(5, 2)), "START < END"), (MoeBan(experts=tuple(range(8))), "leaving 0")):
         refused(model, [item], *words.split("|"))
+        with pytest.raises(InputError, match=words):  # also handed straight to the plan
+            InterventionPlan([item], model.config)
 
 
 def test_one_spec_object_as_json_text_is_read_as_a_spec(model) -> None:
