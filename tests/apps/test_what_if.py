@@ -253,3 +253,28 @@ def test_a_recorded_fact_is_offered_and_its_controls_avoid_the_evidence() -> Non
     # the whole document leaves no room: the rerun still runs, and says why it can give no verdict
     whole = plan_rerun(base, None, HIDE_DSA, "notes.txt", "all", "")
     assert whole.controls == [] and "no random span of 900 tokens fit" in whole.note
+
+
+def test_recorded_spans_from_a_trace_are_checked(tmp_path) -> None:
+    import json as _json
+    from types import SimpleNamespace
+
+    from workbench.causal.reruns import RerunBase, plan_rerun, recorded_spans
+
+    import workbench
+    from engine import load_model
+    from engine.session import Session
+    from engine.tokenizer import Tokenizer
+
+    trace = tmp_path / "t"
+    with workbench.record(Session(load_model("preset:tiny"), Tokenizer.byte_level()), trace=trace):
+        pass
+    session = _json.loads((trace / "session.json").read_text())
+    session["task"] = {"spans": {"the fact": [10, 20], "bad": [5, 2], "flag": [True, 3], "text": ["a", 1],
+                                 "far": [900, 5000]}}
+    (trace / "session.json").write_text(_json.dumps(session))
+    spans = recorded_spans(trace)
+    assert spans == {"the fact": (10, 20), "far": (900, 5000)}
+    base = RerunBase(trace=trace, end=SimpleNamespace(tokens=[0] * 1000), spans=spans)
+    with pytest.raises(ValueError, match="past the context's 1000 tokens"):
+        plan_rerun(base, None, HIDE_DSA, "far", "all", "")

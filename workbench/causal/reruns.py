@@ -110,8 +110,9 @@ def recorded_spans(trace: Path) -> dict[str, tuple[int, int]]:
     spans = task.get("spans") if isinstance(task, dict) else None
     if not isinstance(spans, dict):
         return {}
-    return {str(k): (int(v[0]), int(v[1])) for k, v in spans.items()
-            if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 0 <= v[0] < v[1]}
+    return {str(k)[:80]: (int(v[0]), int(v[1])) for k, v in list(spans.items())[:16]
+            if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            and 0 <= v[0] < v[1]}
 
 
 def span_label(label: str, span: tuple[int, int]) -> str:
@@ -213,6 +214,8 @@ def _chosen_span(base: RerunBase, choice: str, positions: str, end: int) -> tupl
         return seg.name, (int(seg.start), int(seg.end))
     for label, span in base.spans.items():
         if choice in (label, span_label(label, span)):
+            if span[1] > end:
+                raise ValueError(f"{label} [{span[0]}, {span[1]}) lies past the context's {end} tokens")
             return label, span
     raise ValueError(f"pick a segment or recorded span of the session (got {choice!r})")
 
