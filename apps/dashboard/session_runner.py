@@ -144,7 +144,8 @@ class SessionRunner(pn.viewable.Viewer):
         self._rerun_base: tuple[RerunBase | None, Any] = (None, None)
         # a rerun writes the trace's effects table after the recording finished: wake the follower so the
         # effects view shows it now, not after a reload
-        self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK, on_written=self._effects_written)
+        self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK, on_written=self._effects_written,
+                                   selected=lambda: self.state.position if self.state is not None else None)
         self.tasks = TaskForm()
         self.tasks.sample_button.on_click(lambda _: self.add_sample_picture())
         self.tasks.param.watch(self._task_changed, "task")

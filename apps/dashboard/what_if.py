@@ -67,9 +67,15 @@ class WhatIfPanel(pn.viewable.Viewer):
     message = param.String(default="")
 
     def __init__(self, base_source: Callable[[], tuple[RerunBase | None, Any]], lock: threading.Lock,
-                 on_written: Callable[[], None] | None = None, **params: Any) -> None:
+                 on_written: Callable[[], None] | None = None, selected: Callable[[], int | None] | None = None,
+                 **params: Any) -> None:
         super().__init__(**params)
         self._on_written = on_written  # told (event loop) when a rerun wrote the effects table: views re-read it
+        self._selected = selected  # the token picked on the session map or the DSA map (None: none picked)
+        self.start_button = pn.widgets.Button(label="Range starts at the selected token", width=250)
+        self.end_button = pn.widgets.Button(label="Range ends at the selected token", width=250)
+        self.start_button.on_click(lambda _: self.pick(start=True))
+        self.end_button.on_click(lambda _: self.pick(start=False))
         self._base_source = base_source  # -> (the runner's kept base or None, the model config)
         self._lock = lock  # the runner's model lock: a rerun and a recording never share the model at once
         self._base: RerunBase | None = None
@@ -108,6 +114,27 @@ class WhatIfPanel(pn.viewable.Viewer):
         self.segment = labels[0] if labels else None
         self._layers()
         self.button.disabled = base is None or self.running
+
+    def pick(self, start: bool) -> bool:
+        """Set one end of the typed range to the token selected on the session map or the DSA map (the
+        other end kept when it still makes a range; else the one token)."""
+        position = self._selected() if self._selected is not None else None
+        if position is None:
+            self.message = "error: click a token on the session map or the DSA map first"
+            return False
+        low, high = position, position + 1
+        parts = self.positions.split(":")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            old_low, old_high = int(parts[0]), int(parts[1])
+            if start and old_high > position:
+                high = old_high
+            if not start and old_low <= position:
+                low = old_low
+        self.positions = f"{low}:{high}"
+        if RANGE in self.param.segment.objects:
+            self.segment = RANGE
+        self.message = ""
+        return True
 
     @param.depends("action", watch=True)
     def _layers(self) -> None:
@@ -213,6 +240,7 @@ class WhatIfPanel(pn.viewable.Viewer):
             pn.pane.Markdown("### What if"),
             pn.widgets.Select.from_param(self.param.segment, label="Segment or recorded span"),
             pn.widgets.TextInput.from_param(self.param.positions, label="Positions (START:END, with a range)"),
+            pn.Row(self.start_button, self.end_button),
             pn.widgets.Select.from_param(self.param.action, label="Switch off"),
             pn.widgets.Select.from_param(self.param.layer, label="Layer"),
             pn.widgets.TextInput.from_param(self.param.experts, label="Experts to ban"),

@@ -120,6 +120,14 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
         assert end <= result.rerun.span[0] or start >= result.rerun.span[1]
     _branch_reads_differ_where_hidden(panel, trace, result.rerun.span)
 
+    # a range picked on the maps: the selected token sets either end
+    runner.state.position = None
+    assert not panel.pick(start=True) and "click a token" in panel.message
+    runner.state.position = 5
+    assert panel.pick(start=True) and panel.positions == "5:6" and panel.segment == RANGE
+    runner.state.position = 11
+    assert panel.pick(start=False) and panel.positions == "5:12"
+    runner.state.position = None
     # any range typed as START:END; a bad one is an error before anything runs
     panel.segment = RANGE
     panel.positions = "oops"
