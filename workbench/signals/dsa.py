@@ -146,9 +146,20 @@ def to_rows(ctx: RecordingContext, name: str, layer: int, rank: int, items: list
 # ---- reading ---------------------------------------------------------------------------------------------
 def heatmap(trace: Any, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
             end: int | None = None, steps: tuple[int, int] | None = None, *, spread: bool = False) -> DSAHeatmap:
-    """How often each context range was selected, per DSA layer: a labelled `DSAHeatmap` (`Trace.dsa_heatmap`
-    documents the arguments). `spread` (the dashboard's screen columns): exactly `bins` equal columns,
-    a stored bin's count spread over the finer ones, and no chance row (the view computes its own)."""
+    """How often each context range was selected, per DSA layer: a float64 [len(layers), columns]
+    array, labelled (`workbench.analysis.dsa_heatmap.DSAHeatmap`: `.layers`, `.edges`, `.chance`,
+    `.ratio`, `.to_frame()`; the chance row is the DSA map's: what random top-k picks would select).
+
+    Rows follow `layer` (an int or a list) or, when None, `trace.layers("dsa_key_counts")`.
+    Columns are `bins` equal ranges of [start, end) (end defaults to the session's tokens), but
+    never finer than the recording's bins (width policy.dsa_bin_tokens): a short session gets
+    fewer columns, and a count is split only where a column boundary cuts a stored bin. `steps`
+    (inclusive) restricts to deltas of those steps, e.g. the decode phase; without it the running
+    sums are used, which cost only the parts added since the last call.
+
+    `spread` (the dashboard's screen columns): exactly `bins` equal columns, a stored bin's count
+    spread over the finer ones, and no chance row (the view computes its own).
+    """
     _check_heatmap_request(bins, start, end)
     if steps is None:
         sums = trace.folded_sums("dsa_key_counts").total(by="layer")
@@ -211,4 +222,5 @@ def topk_for(trace: Any, position: int, layers: Sequence[int] | None = None) -> 
 
 FAMILY = register(SignalFamily(
     "dsa", TABLES, request, to_rows, follow_marks=frozenset({"dsa.dense_mass"}),
-    running_sums={"dsa_key_counts": RunningSums(("layer",), "key_bin", "count")}, policy_fields=POLICY_FIELDS))
+    running_sums={"dsa_key_counts": RunningSums(("layer",), "key_bin", "count")}, policy_fields=POLICY_FIELDS,
+    readers={"dsa_heatmap": heatmap, "topk_for": topk_for}))

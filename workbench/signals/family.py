@@ -85,6 +85,8 @@ class SignalFamily:
         running_sums: delta tables the reader keeps dense running sums of, by table name.
         convert: host-side conversions of a table's merged columns at a flush (ids to names).
         policy_fields: the `RecordPolicy` fields the family reads (documentation and checks).
+        readers: what the family adds to a `Trace` by name: `trace.NAME(...)` calls `readers[NAME](trace, ...)`
+            (`trace.dsa_heatmap(bins=512)`), so the trace store itself names no family.
     """
 
     name: str
@@ -95,6 +97,7 @@ class SignalFamily:
     running_sums: dict[str, RunningSums] = field(default_factory=dict)
     convert: dict[str, Callable[[dict], dict]] = field(default_factory=dict)
     policy_fields: tuple[str, ...] = ()
+    readers: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     @property
     def signals(self) -> tuple[str, ...]:

@@ -59,8 +59,11 @@ def to_rows(ctx: RecordingContext, name: str, layer: int, rank: int, items: list
 
 
 def norm_matrix(trace: Any, layer: int, stat: str = "norm") -> tuple[np.ndarray, np.ndarray]:
-    """One KDA statistic of one layer over positions: (positions int64 [P], values float32 [P, H])
-    (`Trace.kda_norm_matrix` documents the arguments)."""
+    """KDA state statistic of one layer over positions: (positions int64 [P], values float32 [P, H]).
+
+    `stat` is norm, max_abs, mean_decay, mean_beta, eff_rank, half_life or global_share. Rows are sorted by position; when a position
+    was measured twice the later record wins.
+    """
     if stat not in STATISTICS:
         raise TraceError(f"unknown KDA statistic {stat!r}; statistics are {', '.join(STATISTICS)}")
     table = trace.table("kda_norms", [layer], ["position", stat])
@@ -81,4 +84,5 @@ def norm_matrix(trace: Any, layer: int, stat: str = "norm") -> tuple[np.ndarray,
     return positions[last], values[last]
 
 
-FAMILY = register(SignalFamily("kda", TABLES, request, to_rows, policy_fields=POLICY_FIELDS))
+FAMILY = register(SignalFamily("kda", TABLES, request, to_rows, policy_fields=POLICY_FIELDS,
+                               readers={"kda_norm_matrix": norm_matrix}))

@@ -96,8 +96,11 @@ def _modality_names(cols: dict) -> dict:
 
 def counts_matrix(trace: Any, modality: str | None = None, segments: Sequence[int] | None = None,
                   layers: Sequence[int] | None = None) -> np.ndarray:
-    """Expert usage: int64 [len(layers), experts] of routed token slots, summed over the selection
-    (`Trace.moe_counts_matrix` documents the arguments)."""
+    """Expert usage: int64 [len(layers), experts] of routed token slots, summed over the selection.
+
+    Rows follow `layers` (default `trace.layers("moe_counts")`); `modality` is "text", "image" or
+    None for both; `segments` restricts to segment ids.
+    """
     select: dict = {"segment": None if segments is None else list(segments),
                     "modality": None if modality is None else [MODALITIES.index(modality)]}
     per_layer = trace.folded_sums("moe_counts").total(select, by="layer")
@@ -120,4 +123,5 @@ def routes_for(trace: Any, position: int, layers: Sequence[int] | None = None) -
 FAMILY = register(SignalFamily(
     "moe", TABLES, request, to_rows,
     running_sums={"moe_counts": RunningSums(("segment", "modality", "layer"), "expert", "count")},
-    convert={"moe_counts": _modality_names}, policy_fields=POLICY_FIELDS))
+    convert={"moe_counts": _modality_names}, policy_fields=POLICY_FIELDS,
+    readers={"moe_counts_matrix": counts_matrix, "routes_for": routes_for}))

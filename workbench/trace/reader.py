@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import os
 import socket
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -475,45 +476,18 @@ class Trace:
             return False
         return target.restore(sums, {str(part.path) for part in self._parts[name] if part.path not in self._bad})
 
-    def dsa_heatmap(self, layer: int | Sequence[int] | None = None, bins: int = 512, start: int = 0,
-                    end: int | None = None, steps: tuple[int, int] | None = None) -> np.ndarray:
-        """How often each context range was selected, per DSA layer: a float64 [len(layers), columns]
-        array, labelled (`workbench.analysis.dsa_heatmap.DSAHeatmap`: `.layers`, `.edges`, `.chance`,
-        `.ratio`, `.to_frame()`; the chance row is the DSA map's: what random top-k picks would select).
+    def __getattr__(self, name: str) -> Any:
+        """A signal family's reader as a method: `trace.dsa_heatmap(bins=512)`, `trace.routes_for(p)`, ...
+        (`SignalFamily.readers`; each documents its arguments). The store itself names no family."""
+        if not name.startswith("_"):
+            for family in signals.registered().values():
+                reader = family.readers.get(name)
+                if reader is not None:
+                    return types.MethodType(reader, self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-        Rows follow `layer` (an int or a list) or, when None, `trace.layers("dsa_key_counts")`.
-        Columns are `bins` equal ranges of [start, end) (end defaults to the session's tokens), but
-        never finer than the recording's bins (width policy.dsa_bin_tokens): a short session gets
-        fewer columns, and a count is split only where a column boundary cuts a stored bin. `steps`
-        (inclusive) restricts to deltas of those steps, e.g. the decode phase; without it the running
-        sums are used, which cost only the parts added since the last call.
-        """
-        return signals.dsa.heatmap(self, layer, bins, start, end, steps)
-
-    def kda_norm_matrix(self, layer: int, stat: str = "norm") -> tuple[np.ndarray, np.ndarray]:
-        """KDA state statistic of one layer over positions: (positions int64 [P], values float32 [P, H]).
-
-        `stat` is norm, max_abs, mean_decay, mean_beta, eff_rank, half_life or global_share. Rows are sorted by position; when a position
-        was measured twice the later record wins.
-        """
-        return signals.kda.norm_matrix(self, layer, stat)
-
-    def moe_counts_matrix(self, modality: str | None = None, segments: Sequence[int] | None = None,
-                          layers: Sequence[int] | None = None) -> np.ndarray:
-        """Expert usage: int64 [len(layers), experts] of routed token slots, summed over the selection.
-
-        Rows follow `layers` (default `trace.layers("moe_counts")`); `modality` is "text", "image" or
-        None for both; `segments` restricts to segment ids.
-        """
-        return signals.moe.counts_matrix(self, modality, segments, layers)
-
-    def topk_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
-        """What each DSA layer read for the query at `position` (rows of dsa_topk, one per layer/record)."""
-        return signals.dsa.topk_for(self, position, layers)
-
-    def routes_for(self, position: int, layers: Sequence[int] | None = None) -> pa.Table:
-        """The experts each MoE layer chose for the token at `position` (rows of moe_routes)."""
-        return signals.moe.routes_for(self, position, layers)
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *(n for f in signals.registered().values() for n in f.readers)})
 
     def check(self) -> list[str]:
         """Decode every part once (not only footers); returns `problems` (raises instead when strict)."""
