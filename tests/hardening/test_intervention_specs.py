@@ -86,6 +86,13 @@ def test_cli_refuses_a_full_ban_before_anything_runs(tmp_path, capsys) -> None:
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and "MoE layer 1" in err[0] and "leaving 0" in err[0], err
     assert not trace.exists()  # refused before the trace was created
+    (tmp_path / "ids.json").write_text("[[1, 2, 3]]")
+    out = tmp_path / "logits.safetensors"
+    assert main(["logits", "--model", "preset:tiny", "--input-ids", str(tmp_path / "ids.json"), "--out", str(out),
+                 "--intervene", str(spec)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "MoE layer 1" in err[0] and "leaving 0" in err[0], err
+    assert not out.exists()
 
 
 # ---- item 9: the cost of a spec ------------------------------------------------------------------------
