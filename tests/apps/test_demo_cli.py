@@ -65,14 +65,16 @@ def test_headless_demo_records_and_exports(checkpoint_dir, tmp_path: Path, capsy
     assert "8 random" in needle_check[1] and "none overlapping it or each other" in needle_check[1]
     assert any("hidden from every DSA layer" in line for line in needle_check)
     verdicts = [line.strip() for line in needle_check if line.strip().startswith("hiding the needle")]
-    assert verdicts and all("8 random spans of the same size changed it by" in v for v in verdicts)
-    assert all(v.endswith(("the answer depends on the needle", "from a random span of the same size"))
-               for v in verdicts)
+    # a 512-token context may hold fewer than 8 disjoint 50-token controls: then no verdict, saying why
+    assert verdicts and all("random span" in v and "of the same size changed it by" in v for v in verdicts)
+    assert all(("the answer depends on the needle" in v or "from a random span of the same size" in v
+                or "no verdict: only " in v) for v in verdicts), verdicts
     # ... and its rows in the trace's effects table, for `workbench questions`
     from workbench.trace.effects_table import read_effects
 
     effects = read_effects(trace)
-    assert set(effects["check_name"]) == {"needle", "picture"} and (effects["controls"] == 8).all()
+    assert set(effects["check_name"]) == {"needle", "picture"} and (effects["controls"] >= 1).all()
+    assert (effects["controls"] <= 8).all()
 
 
 def test_demo_refuses_tiny_contexts_and_foreign_directories(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
