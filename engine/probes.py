@@ -134,6 +134,10 @@ DSA_TOPK = Signal("dsa.topk", "the key positions each DSA layer's indexer select
     _positions("query positions of this forward call"),
     Field("indices", ("B", "n", "topk"), "int64", "selected key positions, ascending; -1 = empty slot"),
     Field("scores", ("B", "n", "topk"), "float32", "indexer scores aligned with indices", optional=True),
+    Field("tie_band", ("B", "n"), "int64", "integrity: keys sharing the k-th score (0 = every visible key kept)",
+          optional=True),
+    Field("tie_cut", ("B", "n"), "int64", "integrity: keys of that band left out (> 0: the tie-break, earliest "
+          "position first, decided the selection)", optional=True),
 ))
 DSA_DENSE_MASS = Signal("dsa.dense_mass", "how faithful sparse attention is, for the sampled queries", (
     _positions("the sampled query positions (`ProbeRequest.queries` in prefill, `decode_every` in decode)"),
@@ -159,6 +163,11 @@ KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state 
           "(tokens) over the interval", optional=True, eager=True),
     Field("global_share", ("B", "n", "heads"), "float32", "share of channels whose half-life over the interval "
           "exceeds the context so far (position + 1)", optional=True, eager=True),
+    Field("frozen", ("B", "n", "heads"), "float32", "integrity: channels per head whose decay exp(g) is exactly "
+          "1.0 in fp32 (never forget), averaged over the interval's tokens", optional=True),
+    Field("drift", ("B", "n", "heads"), "float32", "integrity: relative difference of the state a chunked prefill "
+          "left at the call's first chunk boundary and the same tokens run one by one; NaN elsewhere (decode steps "
+          "run token by token already)", optional=True),
 ))
 MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     _positions("token positions of this forward call"),
@@ -166,6 +175,9 @@ MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     Field("weights", ("B", "n", "experts_per_token"), "float32", "combine weights aligned with experts"),
     Field("entropy", ("B", "n"), "float32", "entropy (nats) of the router's normalised sigmoid scores over "
           "all experts", optional=True),
+    Field("nonfinite", ("B", "n"), "int64", "integrity: non-finite router logits of the token", optional=True),
+    Field("boundary_ties", ("B", "n"), "int64", "integrity: experts left out whose choice score equals the k-th "
+          "chosen one (> 0: a tie at the top-k boundary decided the route)", optional=True),
 ))
 
 SIGNALS: dict[str, Signal] = {s.name: s for s in (DSA_TOPK, DSA_DENSE_MASS, KDA_STATE, MOE_ROUTE)}

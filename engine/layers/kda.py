@@ -19,6 +19,7 @@ from engine.interventions import KdaRule
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.layers.fused import FusedLinears
 from engine.ops.kda import kda_chunked, kda_recurrent
+from engine.ops.integrity import chunked_vs_recurrent, frozen_channels
 from engine.ops.kda.state_stats import (interval_half_life, interval_means, state_effective_rank, state_max_abs,
                                        state_norm)
 from engine.parallel import comm
@@ -111,24 +112,37 @@ class KimiDeltaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(a * z)  # K3: bounded in (lb, 0)
         return -a * F.softplus(z)  # Kimi-Linear
 
-    def _observer(self, g: torch.Tensor, beta: torch.Tensor, start: int):
+    def _observer(self, g: torch.Tensor, beta: torch.Tensor, start: int, window: tuple | None = None):
         """A state observer for the `kda.state` probe, and a function that emits what it saw.
 
         Norms always; the optional statistics only when the listener's request names them (the
-        effective rank only at the positions its `queries` sample keeps: an SVD per head).
+        effective rank only at the positions its `queries` sample keeps: an SVD per head). `window`
+        (q, k, v, initial) is the call's input when the chunked form runs: the integrity `drift` runs
+        its first chunk (at most one chunk of tokens) again token by token and compares the states.
         """
         point = self.probe_state
         request = point.request
         max_abs, mean_decay, mean_beta = (request.wants(f) for f in ("max_abs", "mean_decay", "mean_beta"))
         rank, timescales = request.wants("eff_rank"), request.wants("half_life")
+        frozen = request.wants("frozen")
+        drift = request.wants("drift")
         seen: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         ranks: list[torch.Tensor] = []
+        drifts: list[torch.Tensor] = []
 
         def observe(t: int, S: torch.Tensor) -> None:
             seen.append((t, state_norm(S), state_max_abs(S) if max_abs else None))  # [B, H] each
             if rank:
                 sampled = request.queries is None or len(request.queries.rows(np.array([start + t])))
                 ranks.append(state_effective_rank(S) if sampled else S.new_full(S.shape[:2], float("nan")))
+            if drift:
+                if drifts or window is None:  # the first boundary only: a bounded check, off the bulk of the prefill
+                    drifts.append(S.new_full(S.shape[:2], float("nan")))
+                else:
+                    q, k, v, initial = window
+                    n = t + 1
+                    drifts.append(chunked_vs_recurrent(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
+                                                       initial, S))
 
         def gather(x: torch.Tensor) -> torch.Tensor:  # [B, n, local heads] -> [B, n, heads]
             return comm.all_gather(x, self.parallel, -1, "probe.kda")
@@ -147,6 +161,10 @@ class KimiDeltaAttention(nn.Module):
                     data["mean_decay"] = gather(interval_means(g.exp().mean(-1), ends))  # channel mean [B, T, H]
                 if mean_beta:
                     data["mean_beta"] = gather(interval_means(beta, ends))
+            if frozen:
+                data["frozen"] = gather(interval_means(frozen_channels(g), ends_cpu.to(g.device)))
+            if drift:
+                data["drift"] = gather(torch.stack(drifts, 1).float())
             if rank:
                 data["eff_rank"] = gather(torch.stack(ranks, 1).float())
             if timescales:
@@ -240,7 +258,9 @@ class KimiDeltaAttention(nn.Module):
             keep = rule.write_keep(start + torch.arange(T, device=x.device), self.head_range)
             if keep is not None:  # no write for those tokens; their decay still runs
                 beta = beta * keep
-        observe, emit = self._observer(g, beta, start) if self.probe_state.listening else (None, None)
+        chunked = q.shape[1] > self.runtime.kda_recurrent_max_tokens and not isinstance(start, torch.Tensor)
+        window = (q, k, v, initial) if chunked else None
+        observe, emit = self._observer(g, beta, start, window) if self.probe_state.listening else (None, None)
         if (rule is not None and rule.edit_at is not None) or self.hook_state.attached:
             o, final = self._edited_core(q, k, v, g, beta, initial, start, rule, observe)
         else:

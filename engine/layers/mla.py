@@ -187,12 +187,15 @@ class GatedMLA(nn.Module):
         # a dense-reading layer still runs its indexer for a listener (what it would have read)
         if self.indexer is not None and (not dense or self.probe_topk.collecting or self.probe_dense_mass.collecting):
             assert cache.index_keys is not None and p.index_queries is not None and p.index_weights is not None
-            idx, scores = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
-                                              self.indexer.topk, key_start=key_start, intervention=rule)
+            ties = self.probe_topk.collecting and self.probe_topk.request.wants("tie_band")
+            idx, scores, *band = masked_indexer_topk(p.index_queries, p.index_weights, cache.index_keys, positions,
+                                                     self.indexer.topk, key_start=key_start, intervention=rule,
+                                                     ties=ties)
             scores = through(self.hook_scores, scores, start)
             idx = through(self.hook_selection, idx, start)
             if self.probe_topk.collecting:
-                self.probe_topk.emit(indices=idx, scores=scores if self.probe_topk.request.wants("scores") else None)
+                self.probe_topk.emit(indices=idx, scores=scores if self.probe_topk.request.wants("scores") else None,
+                                     tie_band=band[0] if ties else None, tie_cut=band[1] if ties else None)
             if self.probe_dense_mass.collecting:
                 self.probe_dense_mass.collected.append({"q_nope": q_nope, "q_rope": q_rope, "indices": idx})
         if idx is not None and not dense:
@@ -234,15 +237,18 @@ class GatedMLA(nn.Module):
         rule = self._intervention()
         if self.indexer is not None:
             assert keys_all is not None and p.index_queries is not None and p.index_weights is not None
-            idx, scores = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk, key_start=key_start,
-                                       impl=self.runtime.kernels, intervention=rule)
+            ties = self.probe_topk.listening and self.probe_topk.request.wants("tie_band")
+            idx, scores, *band = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk,
+                                              key_start=key_start, impl=self.runtime.kernels, intervention=rule,
+                                              ties=ties)
             scores = through(self.hook_scores, scores, start)
             idx = through(self.hook_selection, idx, start)
             if self.parallel.debug_checks:
                 comm.assert_same(idx, self.parallel, f"DSA top-k of layer {self.layer_idx}")
             if self.probe_topk.listening:
                 self.probe_topk.emit(positions=torch.arange(start, start + T), indices=idx,
-                                     scores=scores if self.probe_topk.request.wants("scores") else None)
+                                     scores=scores if self.probe_topk.request.wants("scores") else None,
+                                     tie_band=band[0] if ties else None, tie_cut=band[1] if ties else None)
             if self.probe_dense_mass.listening:
                 self._dense_mass(q_nope, q_rope, latent_all, k_rope_all, start, idx, w_kb)
         # an edited selection is read as given, even where every past key fits in the top-k

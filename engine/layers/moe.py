@@ -30,6 +30,7 @@ from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
 from engine.ops.moe.weights import dense_bytes, take_range
+from engine.ops.integrity import router_faults
 from engine.ops.router import router_entropy
 
 
@@ -49,8 +50,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, return_scores: bool = False, *, intervention: MoeRule | None = None,
                 positions: torch.Tensor | None = None, rows: tuple[int, ...] | None = None,
-                start: int | torch.Tensor = 0):
-        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]]).
+                start: int | torch.Tensor = 0, health: bool = False):
+        """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]][, non-finite
+        logits [N], ties at the top-k boundary [N]] (the last two with `health`: `engine.ops.integrity.router_faults`)).
         `intervention` bans (-inf) or forces (+inf) experts' choice scores for the tokens at `positions`
         [N] before the top-k; the weights stay the router's scores of the experts chosen. `rows` ([B, T],
         the tokens' layout) and `start` are what the hook points show."""
@@ -79,9 +81,8 @@ class Router(nn.Module):
         weights = scores.gather(-1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        if return_scores:
-            return weights * self.scaling, ids, scores
-        return weights * self.scaling, ids
+        out = (weights * self.scaling, ids) + ((scores,) if return_scores else ())
+        return out + (router_faults(logits, choice, ids) if health else ())
 
 
 class RoutedExperts(nn.Module):
@@ -206,13 +207,17 @@ class LatentMoE(nn.Module):
         if not point.listening:
             weights, ids = self.gate(flat, **routing)
         else:
-            with_entropy = point.request.wants("entropy")
-            weights, ids, *scores = self.gate(flat, return_scores=with_entropy, **routing)
+            with_entropy, with_health = point.request.wants("entropy"), point.request.wants("nonfinite")
+            weights, ids, *extra = self.gate(flat, return_scores=with_entropy, health=with_health, **routing)
+            scores = extra[:1] if with_entropy else []
+            nonfinite, ties = extra[-2:] if with_health else (None, None)
             # collecting (the decode step, `start` a device tensor): the host adds the positions
             positions = None if point.collecting else torch.arange(start, start + shape[-2])
             point.emit(positions=positions, experts=ids.view(*shape[:-1], -1),
                        weights=weights.view(*shape[:-1], -1),
-                       entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None)
+                       entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None,
+                       nonfinite=None if nonfinite is None else nonfinite.view(shape[:-1]),
+                       boundary_ties=None if ties is None else ties.view(shape[:-1]))
         if self.parallel.debug_checks:
             comm.assert_same(ids, self.parallel, "routed expert ids")
         parts = list(self.input_projections(flat)) if self.input_projections is not None else []

@@ -50,6 +50,12 @@ class RecordPolicy:
     flush_share: the largest share of the session's time periodic flushes may take: after a flush
         that took d seconds the next waits at least d / flush_share (a decode-time flush takes
         main-thread time, several tokens' worth on a CPU). 1 = flush every flush_seconds.
+    health: integrity checks (the `*_health` tables, `workbench.signals.integrity`): KDA states finite and
+        bounded, frozen decay, chunked-vs-recurrent drift at each prefill call's first chunk, DSA and MoE
+        ties, non-finite router logits. On by default (docs/recording.md has the cost).
+    health_norm_max: a KDA head's state norm above this is a fault (healthy states stay orders below).
+    health_drift_tol: relative state difference above which chunked prefill and token-by-token disagree
+        (fp32 forms agree to ~1e-5).
     """
 
     name: str = "default"
@@ -71,6 +77,9 @@ class RecordPolicy:
     mark_segments: tuple[str, ...] = ()
     flush_seconds: float = 1.0
     flush_share: float = 0.02
+    health: bool = True
+    health_norm_max: float = 1e4
+    health_drift_tol: float = 1e-3
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -81,6 +90,8 @@ class RecordPolicy:
                      "kda_rank_every"):
             if getattr(self, name) < 0:
                 raise InputError(f"policy field `{name}` must be >= 0")
+        if not self.health_norm_max > 0 or not self.health_drift_tol > 0:
+            raise InputError("policy fields `health_norm_max` and `health_drift_tol` must be positive")
         if self.flush_seconds <= 0:
             raise InputError("policy field `flush_seconds` must be positive")
         if not 0 < self.flush_share <= 1:

@@ -11,5 +11,8 @@ module here that builds a `SignalFamily` and registers it (import it below to sh
 from workbench.signals.family import (RecordingContext, families_from_spec, RunningSums, SignalFamily, register, registered,
                                       unregister)
 from workbench.signals import dsa, kda, moe  # noqa: E402,F401  (registration)
+from workbench.signals import integrity  # noqa: E402  (the health tables ride on the three families)
+
+integrity.install()
 
 __all__ = ["families_from_spec", "RecordingContext", "RunningSums", "SignalFamily", "register", "registered", "unregister"]

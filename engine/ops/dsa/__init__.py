@@ -15,7 +15,7 @@ __all__ = ["indexer_topk"]
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, topk: int, *,
-                 impl: str = "auto", **blocks) -> tuple[torch.Tensor, torch.Tensor]:
+                 impl: str = "auto", **blocks) -> tuple[torch.Tensor, ...]:
     """See `reference.indexer_topk`; `impl` = "auto" (Triton scores on CUDA) or "reference"."""
     scorer = reference.indexer_scores
     if use_triton(q, impl):

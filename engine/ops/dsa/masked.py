@@ -25,11 +25,12 @@ import torch
 
 from engine.interventions import DsaRule
 from engine.ops.dsa.reference import indexer_scores
+from engine.ops.integrity import topk_ties
 
 
 def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, topk: int, *,
                         key_start: torch.Tensor | None = None,
-                        intervention: DsaRule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        intervention: DsaRule | None = None, ties: bool = False) -> tuple[torch.Tensor, ...]:
     """Top-k key positions per query over the whole key buffer.
 
     Args:
@@ -41,10 +42,12 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
         topk (int): keys kept per query.
         key_start (torch.Tensor, Optional): `[B]` first visible key of each row (left padding).
         intervention (DsaRule, Optional): hidden (-inf) and pinned (+inf) key ranges (`engine.interventions`).
+        ties (bool): also return the tie band at rank k and the part of it left out, `[B, Tq]` int64
+            each (`engine.ops.integrity.topk_ties`, one compare over the scores already here).
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty, empty slots last) and scores
-        `[B, Tq, topk]` fp32 (-inf = empty), as `reference.indexer_topk`.
+        `[B, Tq, topk]` fp32 (-inf = empty), as `reference.indexer_topk` (with `ties`, band and cut).
     """
     cap = k.shape[1]
     if cap <= topk:
@@ -75,6 +78,9 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
     idx = pick.masked_fill(vals == float("-inf"), -1)
     # ascending positions, empty slots last (as the reference leaves them)
     order = torch.where(idx < 0, cap, idx).argsort(dim=-1)
+    if ties:
+        band, cut = topk_ties(scores, vals.amin(-1), vals)
+        return idx.gather(-1, order), vals.gather(-1, order), band, cut
     return idx.gather(-1, order), vals.gather(-1, order)
 
 

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from engine.interventions import DsaRule
+from engine.ops.integrity import topk_ties
 
 # scores held at once: q_block * key_block * indexer heads (fp32) stays near 64 MB
 _SCORE_BUDGET = 16 * 1024 * 1024
@@ -97,7 +98,8 @@ def indexer_topk(
     key_start: torch.Tensor | None = None,
     scorer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     intervention: DsaRule | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    ties: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Top-k key positions per query, scored blockwise.
 
     Args:
@@ -110,9 +112,14 @@ def indexer_topk(
         scorer (callable, Optional): computes a score block like `indexer_scores` (a fused kernel).
         intervention (DsaRule, Optional): key ranges hidden from the selection (score -inf) or pinned
             into it (score +inf), see `engine.interventions`.
+        ties (bool): also return each query's tie band at rank k (`engine.ops.integrity.topk_ties`),
+            counted as the blocks merge: a key dropped at a merge can only tie the final k-th score if
+            the k-th score has not risen since, so the dropped ties are summed while it stays and reset
+            when it rises (no second pass over the keys).
 
     Returns:
-        idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty).
+        idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty);
+        with `ties`, also band and cut `[B, Tq]` int64 (see `topk_ties`).
     """
     B, Tq, Hi, _ = q.shape
     Tk = k.shape[1]
@@ -120,6 +127,9 @@ def indexer_topk(
     out_idx = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q.device)
     out_score = torch.full((B, Tq, topk), float("-inf"), dtype=torch.float32, device=q.device)
     key_pos = torch.arange(Tk, device=q.device)
+    if ties:
+        out_band = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
+        out_cut = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
     for q0 in range(0, Tq, qb):
         q1 = min(Tq, q0 + qb)
         pos = q_pos[q0:q1]
@@ -127,6 +137,8 @@ def indexer_topk(
         first = int(pos.min())
         run_score: torch.Tensor | None = None
         run_idx: torch.Tensor | None = None
+        run_kth: torch.Tensor | None = None  # the k-th score after the last merge, and the ties it dropped
+        dropped: torch.Tensor | None = None
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
             s = (scorer or indexer_scores)(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
@@ -150,7 +162,13 @@ def indexer_topk(
                 run_score = torch.cat((run_score, s), dim=-1)
                 run_idx = torch.cat((run_idx, key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)), dim=-1)
             if run_score.shape[-1] > topk:
+                merged = run_score
                 run_score, run_idx = _select(run_score, run_idx, topk)
+                if ties:
+                    kth = run_score.amin(-1)
+                    _, now = topk_ties(merged, kth, run_score)
+                    dropped = now if dropped is None else torch.where(kth == run_kth, dropped + now, now)
+                    run_kth = kth
             elif run_idx.dim() == 1:
                 run_idx = run_idx.expand(B, q1 - q0, -1)
         assert run_score is not None and run_idx is not None
@@ -158,8 +176,13 @@ def indexer_topk(
         # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
+        if ties and dropped is not None:  # fewer keys than top-k: every visible key kept, no band
+            band, _ = topk_ties(run_score, run_kth, run_score)
+            out_band[:, q0:q1], out_cut[:, q0:q1] = band + dropped, dropped
     if intervention is not None and intervention.hide is not None:
         # hidden keys leave holes among the selected positions: empty slots go last again
         order = torch.where(out_idx < 0, Tk, out_idx).argsort(dim=-1)
         out_idx, out_score = out_idx.gather(-1, order), out_score.gather(-1, order)
+    if ties:
+        return out_idx, out_score, out_band, out_cut
     return out_idx, out_score
