@@ -47,7 +47,7 @@ from engine.errors import InputError
 from engine.model import KimiForCausalLM
 from engine.session.sampling import SamplingParams, make_generator, sample
 from engine.session.segments import MAX_SEGMENT_NAME, Segment
-from engine.session.interventions import activate as activate_interventions
+from engine.session.intervention_log import activate as activate_interventions
 from engine.session.state import model_fingerprint, restore, session_state_dict
 from engine.session.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer

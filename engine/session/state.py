@@ -53,7 +53,7 @@ def session_state_dict(session: Any, *, thumbnails: bool = True) -> dict[str, An
         "sampling": session.sampling.to_json(),
         # snapshot format v1 calls the deployment record "record"
         "record": session.deployment.to_json(),
-        # which interventions were active over which positions (`engine.session.interventions`)
+        # which interventions were active over which positions (`engine.session.intervention_log`)
         "interventions": list(getattr(session, "intervention_log", [])),
     }
 
