@@ -73,10 +73,27 @@ def _list(count: int, kind: int) -> bytes:
     return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + _varint(count)
 
 
-def footer_bomb(file: Path, chunks: int, row_groups: int = 1) -> int:
-    """A Parquet file that is nothing but a footer: one INT32 column, `row_groups` row groups of `chunks`
-    minimal column chunks each (3 bytes apiece in the file); returns the file size."""
-    chunk = bytes([2 << 4 | 6]) + _zigzag(0) + b"\0"  # ColumnChunk {2: file_offset 0}
+def _column_meta(physical: int, histogram: int) -> bytes:
+    """ColumnMetaData of an empty chunk: `physical` type, and a definition level histogram of
+    `histogram` entries in its size statistics when > 0."""
+    out = bytes([1 << 4 | 5]) + _zigzag(physical) + bytes([1 << 4 | 9]) + _list(1, 5) + _zigzag(0)  # encodings
+    out += bytes([1 << 4 | 9]) + _list(1, 8) + _varint(1) + b"a"  # path_in_schema
+    out += bytes([1 << 4 | 5]) + _zigzag(0)  # codec
+    out += b"".join(bytes([1 << 4 | 6]) + _zigzag(0) for _ in range(3))  # values, uncompressed, compressed
+    out += bytes([2 << 4 | 6]) + _zigzag(4)  # 9: data_page_offset
+    if histogram:  # 16: SizeStatistics {3: definition_level_histogram}
+        out += bytes([7 << 4 | 12]) + bytes([3 << 4 | 9]) + _list(histogram, 6) + _zigzag(0) * histogram + b"\0"
+    return out + b"\0"
+
+
+def footer_bomb(file: Path, chunks: int, row_groups: int = 1, physical: int | None = None, histogram: int = 0) -> int:
+    """A Parquet file that is nothing but a footer: one required INT32 column, `row_groups` row groups of
+    `chunks` minimal column chunks each (3 bytes apiece in the file), or of chunks with metadata of type
+    `physical` (and a definition level histogram of `histogram` entries); returns the file size."""
+    chunk = bytes([2 << 4 | 6]) + _zigzag(0)  # ColumnChunk {2: file_offset 0}
+    if physical is not None:
+        chunk += bytes([1 << 4 | 12]) + _column_meta(physical, histogram)  # 3: meta_data
+    chunk += b"\0"
     group = bytes([1 << 4 | 9]) + _list(chunks, 12) + chunk * chunks + \
         bytes([1 << 4 | 6]) + _zigzag(0) + bytes([1 << 4 | 6]) + _zigzag(0) + b"\0"  # total_byte_size, num_rows
     root = bytes([4 << 4 | 8]) + _varint(6) + b"schema" + bytes([1 << 4 | 5]) + _zigzag(1) + b"\0"

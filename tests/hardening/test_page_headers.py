@@ -220,7 +220,7 @@ def test_honest_footers_pass(tmp_path):
     path = _trace(tmp_path)
     for file in path.rglob("*.parquet"):
         check_footer(file)
-    footer_bomb(tmp_path / "ok.parquet", 1000, row_groups=2)
+    footer_bomb(tmp_path / "ok.parquet", 1, row_groups=2)
     check_footer(tmp_path / "ok.parquet")  # within the limits: pyarrow judges the rest
 
 
@@ -238,3 +238,26 @@ def test_a_row_group_with_more_chunks_than_columns_is_refused_not_a_crash(tmp_pa
                    for p in t.problems)
     else:
         assert any(str(bad) in p for p in t.problems)  # consistent, but its columns are not the table's
+
+
+
+@pytest.mark.parametrize("physical, histogram, words", [
+    (9, 0, "its chunk's physical type 9 is not the schema's 1"),
+    (7, 0, "its chunk's physical type 7 is not the schema's 1"),
+    (1, 2, "its definition level histogram has 2 entries, the column 1"),
+])
+def test_column_chunk_metadata_pyarrow_would_die_on_is_refused(tmp_path, physical, histogram, words):
+    """pyarrow terminates the process on these too ("ColumnMetaData type does not match ColumnDescriptor
+    physical type", "Definition level histogram size mismatch"): found by mutating footers."""
+    path = _trace(tmp_path)
+    bad = path / "dsa_key_counts" / "part-000001.parquet"
+    footer_bomb(bad, 1, physical=physical, histogram=histogram)
+    t = open_trace(path)
+    assert t.dsa_heatmap(bins=4).sum() == 4
+    assert any(str(bad) in p and words in p for p in t.problems), t.problems
+
+
+def test_a_consistent_forged_footer_reaches_pyarrow(tmp_path):
+    footer_bomb(tmp_path / "ok.parquet", 1, physical=1, histogram=1)
+    check_footer(tmp_path / "ok.parquet")
+    assert pq.read_metadata(tmp_path / "ok.parquet").row_group(0).column(0).physical_type == "INT32"

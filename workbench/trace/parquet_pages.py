@@ -84,8 +84,8 @@ class _Compact:
             raise PageBoundsError("a page header runs past the end of its column chunk")
         self.pos += count
 
-    def _value(self, kind: int, depth: int) -> int | dict | None:
-        """One value of compact type `kind`: integers and structs are kept, everything else skipped."""
+    def _value(self, kind: int, depth: int) -> int | dict | list | None:
+        """One value of compact type `kind`: integers, structs and lists are kept, everything else skipped."""
         if kind in (1, 2):  # booleans: the type is the value
             return int(kind == 1)
         if kind == 3:
@@ -104,8 +104,7 @@ class _Compact:
             count, item = header >> 4, header & 0x0F
             if count == 15:
                 count = self._varint()
-            self._items(count, (item,), depth)
-            return None
+            return self._items(count, (item,), depth)
         if kind == 11:
             count = self._varint()
             if count:
@@ -116,7 +115,7 @@ class _Compact:
             return self.struct(depth + 1)
         raise PageBoundsError(f"a page header holds an unknown Thrift type {kind}")
 
-    def _items(self, count: int, kinds: tuple[int, ...], depth: int) -> None:
+    def _items(self, count: int, kinds: tuple[int, ...], depth: int) -> list:
         if count > self.end - self.pos:  # every item takes a byte at least
             raise PageBoundsError("a page header claims more list items than it has bytes")
         if self.items is not None:
@@ -124,18 +123,21 @@ class _Compact:
             if self.items < 0:
                 raise PageBoundsError(f"the footer lists more than {MAX_FOOTER_ITEMS:,} entries (row groups, "
                                       "column chunks, encodings, ...), more than a part's footer may")
+        out = []
         for _ in range(count):
             for kind in kinds:
                 if kind in (1, 2):  # a boolean in a list takes a byte
                     self._skip(1)
+                    out.append(None)
                 else:
-                    self._value(kind, depth)
+                    out.append(self._value(kind, depth + 1))
+        return out
 
-    def struct(self, depth: int = 0) -> dict[int, int | dict | None]:
+    def struct(self, depth: int = 0) -> dict[int, int | dict | list | None]:
         """The fields of the struct at the current position, by field id."""
         if depth > _MAX_DEPTH:
             raise PageBoundsError("a page header nests too deep")
-        fields: dict[int, int | dict | None] = {}
+        fields: dict[int, int | dict | list | None] = {}
         last = 0
         while True:
             header = self._byte()
@@ -221,9 +223,76 @@ def check_footer(path: str | Path) -> None:
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             reader = _Compact(buf, size - 8 - length, size - 8, items=MAX_FOOTER_ITEMS)
             try:
-                reader.struct()
+                footer = reader.struct()
             except PageBoundsError as exc:
                 raise PageBoundsError(str(exc).replace("a page header", "the footer")) from None
+    _check_column_chunks(footer)
+
+
+def _leaves(schema: list) -> list[tuple[int, int, int | None]]:
+    """(max definition level, max repetition level, physical type) of each leaf column of a footer's
+    flattened schema (SchemaElement structs: 1 type, 3 repetition, 5 children); [] when it is malformed
+    (pyarrow refuses such a schema itself, with an exception it does translate)."""
+    out: list[tuple[int, int, int | None]] = []
+    pos = 1
+    stack = [(schema[0].get(5) or 0 if schema and isinstance(schema[0], dict) else 0, 0, 0)]
+    while stack:
+        left, defined, repeated = stack.pop()
+        if left <= 0:
+            continue
+        stack.append((left - 1, defined, repeated))
+        if pos >= len(schema) or not isinstance(schema[pos], dict) or len(stack) > _MAX_DEPTH * 4:
+            return []
+        element = schema[pos]
+        pos += 1
+        repetition = element.get(3) or 0
+        level = (defined + (repetition in (1, 2)), repeated + (repetition == 2))
+        children = element.get(5)
+        if isinstance(children, int) and children > 0:
+            stack.append((children, *level))
+        else:
+            out.append((*level, element.get(1)))
+    return out
+
+
+def _check_column_chunks(footer: dict) -> None:
+    """What pyarrow checks when it builds a column chunk's metadata, where a failure terminates the
+    process (its accessor does not translate the C++ exception): every row group lists one chunk per
+    leaf column of the schema's physical type, a chunk's size statistics have level histograms of the
+    column's levels (or none) and unencoded byte counts only for BYTE_ARRAY, and no chunk is encrypted
+    or holds geospatial statistics (a trace's never do)."""
+    schema, groups = footer.get(2), footer.get(4)
+    if not isinstance(schema, list) or not isinstance(groups, list):
+        return  # pyarrow refuses a footer without them itself
+    leaves = _leaves(schema)
+    for rg, group in enumerate(groups):
+        chunks = group.get(1) if isinstance(group, dict) else None
+        if not isinstance(chunks, list) or len(chunks) != len(leaves):
+            listed = len(chunks) if isinstance(chunks, list) else 0
+            raise PageBoundsError(f"row group {rg} lists {listed:,} column chunks for the schema's "
+                                  f"{len(leaves):,} column(s)")
+        for i, (chunk, (max_def, max_rep, physical)) in enumerate(zip(chunks, leaves)):
+            if not isinstance(chunk, dict):
+                continue
+            if chunk.get(8) is not None or chunk.get(9) is not None:
+                raise PageBoundsError(f"row group {rg} column {i} is encrypted")
+            meta = chunk.get(3)
+            if isinstance(meta, dict) and meta.get(1) != physical:
+                raise PageBoundsError(f"row group {rg} column {i}: its chunk's physical type {meta.get(1)} is not "
+                                      f"the schema's {physical}")
+            if isinstance(meta, dict) and meta.get(17) is not None:
+                raise PageBoundsError(f"row group {rg} column {i}: geospatial statistics (no trace column has them)")
+            sizes = meta.get(16) if isinstance(meta, dict) else None
+            if not isinstance(sizes, dict):
+                continue
+            for field, level, name in ((2, max_rep, "repetition"), (3, max_def, "definition")):
+                histogram = sizes.get(field)
+                if isinstance(histogram, list) and histogram and len(histogram) != level + 1:
+                    raise PageBoundsError(f"row group {rg} column {i}: its {name} level histogram has "
+                                          f"{len(histogram)} entries, the column {level + 1}")
+            if sizes.get(1) is not None and physical != 6:  # 6: BYTE_ARRAY
+                raise PageBoundsError(f"row group {rg} column {i}: unencoded byte counts for a column that is "
+                                      "not BYTE_ARRAY")
 
 
 def read_footer_checked(path: str | Path) -> pq.FileMetaData:
