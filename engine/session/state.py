@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from engine.cache import ModelState
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
+from engine.ops.integrity import state_digest
 from engine.session.sampling import SamplingParams
 from engine.session.segments import THUMBNAIL_TENSOR, Segment, segments_from_json, thumbnails_from_tensors
 from engine.session.snapshot import prefix_hash
@@ -55,7 +56,17 @@ def session_state_dict(session: Any, *, thumbnails: bool = True) -> dict[str, An
         "record": session.deployment.to_json(),
         # which interventions were active over which positions (`engine.session.intervention_log`)
         "interventions": list(getattr(session, "intervention_log", [])),
+        # integrity: a restore or a fork must give back exactly this recurrent memory (checked in `restore`)
+        "kda_digest": kda_digest(tensors),
     }
+
+
+def kda_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """`engine.ops.integrity.state_digest` of the KDA layers' recurrent states and conv tails (`layers.{i}.recurrent`
+    / `.conv`, always fp32, so a restore at another cache dtype keeps them bit for bit; MLA rows follow the
+    cache dtype and are not in it)."""
+    names = sorted(k for k in tensors if k.startswith("layers.") and k.endswith((".recurrent", ".conv")))
+    return state_digest((name, tensors[name]) for name in names)
 
 
 @dataclass
@@ -131,6 +142,10 @@ def restore(state: dict[str, Any], model: KimiForCausalLM, *, dtype: torch.dtype
     extra = sorted(k for k in tensors if k not in known and not k.startswith(THUMBNAIL_TENSOR))
     if extra:
         raise InputError(f"snapshot holds tensor(s) no session state has: {', '.join(extra[:3])[:120]}")
+    recorded_digest = state.get("kda_digest")
+    if recorded_digest is not None and recorded_digest != kda_digest(layers.to_tensors()):
+        raise InputError(f"the restored KDA state differs from the one saved (digest {str(recorded_digest)[:16]:.16}, "
+                         f"restored {kda_digest(layers.to_tensors())[:16]}): corrupt snapshot")
     last_logits = tensors["last_logits"].to(device, copy=True) if "last_logits" in tensors else None
     previous = [state["record"]] if isinstance(state.get("record"), dict) else []
     return Restored(layers, tokens, segments, thumbnails, step, sampling, generator, last_logits, previous)
