@@ -1,5 +1,6 @@
 """The six questions of the workbench spec (section 6), each one call on a trace: a frame and one line,
-and a seventh where the trace holds measured effects (issue 30): which memory did the answer depend on?
+a seventh where the trace holds measured effects (issue 30): which memory did the answer depend on? and an
+eighth (issue 41): did the recording's integrity checks find anything, where and since when?
 
     trace = workbench.open_trace("traces/demo")
     for name, answer in ask_all(trace).items():
@@ -243,8 +244,21 @@ def memory_dependence(trace: Trace) -> Answer:
     return Answer(ranked.reset_index(drop=True), "Q7 memory the answer depended on: " + "; ".join(parts))
 
 
+def integrity_health(trace: Trace) -> Answer:
+    """Q8: did the recording's integrity checks find anything (issue 41), where and since when? The frame
+    has one row per (check, layer) (`workbench.signals.integrity.health`), findings first."""
+    from workbench.signals import integrity
+
+    table = integrity.health(trace)
+    found = integrity.findings(trace)
+    rest = table[~table.set_index(["check", "layer"]).index.isin(found.set_index(["check", "layer"]).index)]
+    frame = pd.concat([found, rest], ignore_index=True) if len(found) else table
+    return Answer(frame, "Q8 " + integrity.summary_line(trace))
+
+
 QUESTIONS = {"needle": needle_readers, "sink": sink_readers, "image": image_reads, "kda": kda_heads,
-             "experts": expert_routing, "dense_mass": dense_mass_kept, "memory": memory_dependence}
+             "experts": expert_routing, "dense_mass": dense_mass_kept, "memory": memory_dependence,
+             "integrity": integrity_health}
 
 
 def ask_all(trace: Trace) -> dict[str, Answer]:

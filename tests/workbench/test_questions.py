@@ -35,7 +35,8 @@ def trace_dir(tmp_path_factory):
 def test_all_six_answer_with_chance(trace_dir):
     trace = workbench.open_trace(trace_dir)
     answers = ask_all(trace)
-    assert list(answers) == ["needle", "sink", "image", "kda", "experts", "dense_mass", "memory"]
+    assert list(answers) == ["needle", "sink", "image", "kda", "experts", "dense_mass", "memory", "integrity"]
+    assert answers["integrity"].line.startswith("Q8 integrity: no faults")  # recorded with the default checks on
     assert "no effects measured" in answers["memory"].line
     assert "chance" in answers["sink"].line and "chance" in answers["dense_mass"].line
     assert "no image" in answers["image"].line
@@ -54,7 +55,8 @@ def test_all_six_answer_with_chance(trace_dir):
 def test_cli_questions_prints_six_lines(trace_dir, capsys):
     assert main(["questions", str(trace_dir), "--needle", "40:60"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 7 and lines[0].startswith("Q1 needle [40, 60)") and lines[6].startswith("Q7 memory")
+    assert len(lines) == 8 and lines[0].startswith("Q1 needle [40, 60)") and lines[6].startswith("Q7 memory")
+    assert lines[7].startswith("Q8 integrity")
     assert main(["questions", str(trace_dir), "--needle", "60:40"]) == 2
 
 
