@@ -152,6 +152,12 @@ def test_on_builtin_demo_the_answer_depends_on_the_fact_and_a_bare_string_target
     check = workbench.check_span(session, spans["the fact"], continuation=task, what="the fact")
     assert check.verdict.label == DEPENDS and check.effect < -2 and len(check.controls) == 8
     assert check.verdict.sentence.endswith("the answer depends on the fact")
+    # the case: the document fills almost the whole context, so no disjoint control fits
+    whole = workbench.check_span(session, "notes.txt", continuation=task)
+    doc = next(s for s in session.segments if s.name == "notes.txt")
+    assert (doc.end - doc.start) / len(session.tokens) > 0.9 and whole.controls == ()
+    assert whole.verdict.label == NO_VERDICT and whole.effect < -2
+    assert f"no verdict: no random span of {doc.end - doc.start:,} tokens fit" in whole.verdict.sentence
     with pytest.warns(ScoringWarning, match="starts with scaffolding"):
         bare = workbench.effects(session, {"op": "dsa.hide", "segment": "notes.txt", "layers": "all"},
                                  continuation=task.question, target="7142", max_new_tokens=4)
