@@ -115,7 +115,7 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
     config = session.config
     continuation, target = task_scoring(continuation, target)
     check_attribution_args(session, segments, continuation=continuation, target=target, controls=controls, seed=seed,
-                           experts=experts, evidence=evidence, flags={"dsa": dsa, "moe": moe})
+                           experts=experts, evidence=evidence, flags={"dsa": dsa, "moe": moe}, role=role)
     target_ids = _ids(session, target)
     assert target_ids is not None
     if kda not in (None, "layers", "heads"):

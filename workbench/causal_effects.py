@@ -242,7 +242,7 @@ def effects(session: Any, *interventions: Any,
     items = resolve(session, *interventions)
     continuation, target = task_scoring(continuation, target)
     check_effects_args(session, continuation=continuation, record_to=record_to, max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed)
+                       temperature=temperature, seed=seed, role=role)
     target_ids = _ids(session, target)
     fork_at = len(session.tokens)
     first = earliest_write(items)

@@ -159,20 +159,28 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     return int(seed)
 
 
-def check_continuation(session: Any, continuation: Any) -> None:
-    """A continuation is None, text, a `TaskPrompt`, a function of the branch, or token ids."""
-    if continuation is None or isinstance(continuation, str) or callable(continuation) \
-            or hasattr(continuation, "question"):  # a TaskPrompt (its own checks run when it is appended)
+def check_continuation(session: Any, continuation: Any, role: Any = "user") -> None:
+    """A continuation is None, text (a `role` turn: the model needs a tokenizer), a `TaskPrompt`, a function
+    of the branch, or token ids."""
+    if not isinstance(role, str):
+        raise InputError(f"role must be a chat role name (text), got {_shown(role)}")
+    if isinstance(continuation, str) or hasattr(continuation, "question"):  # text or a TaskPrompt
+        if session.tokenizer is None:
+            raise InputError("a text continuation needs a model with tokenizer files; give token ids instead")
+        if isinstance(continuation, str):
+            session.tokenizer.message_frame(role)  # an unknown role is refused here, before anything runs
+        return
+    if continuation is None or callable(continuation):
         return
     check_token_ids(session, continuation, "continuation")
 
 
 def check_effects_args(session: Any, *, continuation: Any, record_to: Any, max_new_tokens: Any, temperature: Any,
-                       seed: Any) -> None:
+                       seed: Any, role: Any = "user") -> None:
     """`workbench.effects`' arguments beyond the interventions: the sampling ones by the sampler's own rules,
     checked here before the context is prefilled rather than at the first sampled token."""
     SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
-    check_continuation(session, continuation)
+    check_continuation(session, continuation, role)
     if record_to is not None and (isinstance(record_to, (str, bytes, Path)) or not isinstance(record_to, Sequence)
                                   or len(record_to) != 2
                                   or not all(isinstance(p, (str, Path)) and str(p) for p in record_to)):
@@ -198,10 +206,10 @@ def check_span_items(session: Any, segments: Any) -> None:
 
 
 def check_attribution_args(session: Any, segments: Any, *, continuation: Any, target: Any, controls: Any,
-                           seed: Any, experts: Any, evidence: Any, flags: Mapping[str, Any]) -> None:
+                           seed: Any, experts: Any, evidence: Any, flags: Mapping[str, Any], role: Any = "user") -> None:
     """`workbench.attribution`'s arguments (the checks its own body does not make)."""
     check_span_items(session, segments)
-    check_continuation(session, continuation)
+    check_continuation(session, continuation, role)
     if target is None:
         raise InputError("attribution needs a target: the answer (text or token ids) whose log-probability is measured")
     if not _is_int(controls) or not 1 <= controls <= MAX_CONTROLS:

@@ -97,6 +97,8 @@ HIDE = [{"op": "dsa.hide", "segment": "doc"}]
     (dict(continuation=[1, 2 ** 64]), "continuation: token ids"),
     (dict(seed=-1, temperature=1.0), "seed must be"),
     (dict(record_to="plain"), "record_to must be a pair"),
+    (dict(role=5), "role must be a chat role name"),
+    (dict(continuation="what is it?"), "needs a model with tokenizer files"),  # refused before the prefill
 ])
 def test_effects_arguments_are_one_line(model, kwargs, words) -> None:
     options = {"continuation": [1, 2], "max_new_tokens": 1, **kwargs}
@@ -126,6 +128,7 @@ def test_effects_arguments_are_one_line(model, kwargs, words) -> None:
     (["doc"], dict(target=[10 ** 6]), "target: token ids"),
     (["doc"], dict(target=None), "attribution needs a target"),
     (["doc"], dict(dsa="yes"), "dsa must be True or False"),
+    (["doc"], dict(role=None), "role must be a chat role name"),
 ])
 def test_attribution_arguments_are_one_line(model, segments, kwargs, words) -> None:
     options = {"continuation": [1, 2], "target": [3], **kwargs}
