@@ -232,8 +232,8 @@ class Dashboard(pn.viewable.Viewer):
         and sent after the page loaded) costs a round trip and several separate property messages
         per view, and a relayout of the whole page for each (benchmarks/bench_dashboard.py).
         """
-        lower = [self.view(n) for n in VIEWS]
-        return [self.probe, self.alert, self.session_map, *lower]
+        lower = [self.view(n) for n in VIEWS if n != "integrity"]
+        return [self.probe, self.alert, self.view("integrity"), self.session_map, *lower]
 
     def __panel__(self) -> pn.viewable.Viewable:
         self.start(sync=True)

@@ -20,10 +20,12 @@ from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.effects import EffectsView
 from apps.dashboard.components.experts import ExpertsView
+from apps.dashboard.components.integrity_banner import IntegrityBanner
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from workbench.analysis.views import VIEW_REDUCERS, Reducer
 from workbench.analysis.views.effects_view import EffectsReducer
+from workbench.analysis.views.integrity_view import IntegrityReducer
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,5 @@ register_view(ViewSpec("health", VIEW_REDUCERS["health"],
                        lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
 register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
 register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state)))
+# drawn as a banner above the session map (`Dashboard.views`), not among the views below it
+register_view(ViewSpec("integrity", IntegrityReducer, lambda dash: IntegrityBanner(state=dash.state), notebook=False))
