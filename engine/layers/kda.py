@@ -135,8 +135,8 @@ class KimiDeltaAttention(nn.Module):
             if rank:
                 sampled = request.queries is None or len(request.queries.rows(np.array([start + t])))
                 ranks.append(state_effective_rank(S) if sampled else S.new_full(S.shape[:2], float("nan")))
-            if drift:
-                if drifts or window is None:  # the first boundary only: a bounded check, off the bulk of the prefill
+            if drift and window is not None:
+                if drifts:  # the first boundary only: a bounded check, off the bulk of the prefill
                     drifts.append(S.new_full(S.shape[:2], float("nan")))
                 else:
                     q, k, v, initial = window
@@ -161,10 +161,14 @@ class KimiDeltaAttention(nn.Module):
                     data["mean_decay"] = gather(interval_means(g.exp().mean(-1), ends))  # channel mean [B, T, H]
                 if mean_beta:
                     data["mean_beta"] = gather(interval_means(beta, ends))
-            if frozen:
-                data["frozen"] = gather(interval_means(frozen_channels(g), ends_cpu.to(g.device)))
-            if drift:
-                data["drift"] = gather(torch.stack(drifts, 1).float())
+            if frozen:  # observed after every token (decode): the per-token counts are the interval means
+                counts = frozen_channels(g)
+                if len(seen) != g.shape[1]:
+                    counts = interval_means(counts, ends_cpu.to(g.device))
+                data["frozen"] = gather(counts)
+            if drift:  # recurrent calls (decode steps among them) are token by token already: NaN, not measured
+                data["drift"] = gather(torch.stack(drifts, 1).float() if drifts else
+                                       g.new_full((g.shape[0], len(seen), g.shape[2]), float("nan")))
             if rank:
                 data["eff_rank"] = gather(torch.stack(ranks, 1).float())
             if timescales:

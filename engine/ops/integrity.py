@@ -50,10 +50,8 @@ def topk_ties(scores: torch.Tensor, kth: torch.Tensor, selected: torch.Tensor) -
     """
     finite = torch.isfinite(kth)
     at_kth = kth.unsqueeze(-1)
-    band = (scores == at_kth).sum(-1)
-    kept = (selected == at_kth).sum(-1)
-    zero = torch.zeros_like(band)
-    return torch.where(finite, band, zero), torch.where(finite, band - kept, zero)
+    band = (scores == at_kth).sum(-1) * finite
+    return band, band - (selected == at_kth).sum(-1) * finite
 
 
 def router_faults(logits: torch.Tensor, choice: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -176,9 +176,9 @@ def indexer_topk(
         # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
-        if ties and dropped is not None:  # fewer keys than top-k: every visible key kept, no band
-            band, _ = topk_ties(run_score, run_kth, run_score)
-            out_band[:, q0:q1], out_cut[:, q0:q1] = band + dropped, dropped
+        if ties and dropped is not None:  # None: fewer keys than top-k, every visible key kept, no band
+            kept = (run_score == run_kth.unsqueeze(-1)).sum(-1) * run_kth.isfinite()
+            out_band[:, q0:q1], out_cut[:, q0:q1] = kept + dropped, dropped
     if intervention is not None and intervention.hide is not None:
         # hidden keys leave holes among the selected positions: empty slots go last again
         order = torch.where(out_idx < 0, Tk, out_idx).argsort(dim=-1)
