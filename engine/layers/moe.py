@@ -75,14 +75,16 @@ class Router(nn.Module):
             keep = group_score.topk(self.topk_group, dim=-1).indices
             mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
             choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1).indices
+        top = choice.topk(self.top_k, dim=-1)
+        ids = top.indices
         if self.hook_experts.attached:
             ids = through(self.hook_experts, ids.view(*(rows or ids.shape[:1]), -1), start).reshape(ids.shape)
         weights = scores.gather(-1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         out = (weights * self.scaling, ids) + ((scores,) if return_scores else ())
-        return out + (router_faults(logits, choice, ids) if health else ())
+        return out + (router_faults(logits, choice, ids, None if self.hook_experts.attached else top.values)
+                      if health else ())
 
 
 class RoutedExperts(nn.Module):

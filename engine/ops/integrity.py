@@ -32,7 +32,8 @@ def frozen_channels(g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """Log-decays g `[..., K]` -> `[...]` float32: how many channels decay by exactly 1.0 (never forget)
     once exp(g) is rounded to `dtype` (the precision the state update runs in). In fp32 only
     |g| < ~6e-8 rounds to 1; in bf16 every decay above ~0.998 does."""
-    return (torch.exp(g.float()).to(dtype) == 1.0).sum(-1, dtype=torch.float32)
+    decay = torch.exp(g.float())
+    return ((decay if dtype == torch.float32 else decay.to(dtype)) == 1.0).sum(-1, dtype=torch.float32)
 
 
 def topk_ties(scores: torch.Tensor, kth: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,20 +55,22 @@ def topk_ties(scores: torch.Tensor, kth: torch.Tensor, selected: torch.Tensor) -
     return band, band - (selected == at_kth).sum(-1) * finite
 
 
-def router_faults(logits: torch.Tensor, choice: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def router_faults(logits: torch.Tensor, choice: torch.Tensor, ids: torch.Tensor,
+                  picked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE router checks per token.
 
     Args:
         logits: `[N, E]` router logits (before the sigmoid).
         choice: `[N, E]` the scores the top-k ran on (sigmoid + correction bias).
         ids: `[N, k]` the chosen experts.
+        picked: `[N, k]` their choice scores when the top-k already gave them (else gathered here).
 
     Returns:
         nonfinite `[N]` int64: non-finite logits; boundary_ties `[N]` int64: experts left out whose
         choice score equals the k-th chosen one (> 0: a tie at the top-k boundary decided the route).
     """
-    nonfinite = (~torch.isfinite(logits)).sum(-1)
-    picked = choice.gather(-1, ids)
+    nonfinite = logits.shape[-1] - torch.isfinite(logits).sum(-1)
+    picked = choice.gather(-1, ids) if picked is None else picked
     kth = picked.amin(-1)
     _, cut = topk_ties(choice, kth, picked)
     return nonfinite, cut

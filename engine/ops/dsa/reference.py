@@ -166,7 +166,8 @@ def indexer_topk(
                 run_score, run_idx = _select(run_score, run_idx, topk)
                 if ties:
                     kth = run_score.amin(-1)
-                    _, now = topk_ties(merged, kth, run_score)
+                    band, now = topk_ties(merged, kth, run_score)
+                    kept = band - now  # the selection's keys at the k-th score: final once no merge follows
                     dropped = now if dropped is None else torch.where(kth == run_kth, dropped + now, now)
                     run_kth = kth
             elif run_idx.dim() == 1:
@@ -177,7 +178,6 @@ def indexer_topk(
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
         if ties and dropped is not None:  # None: fewer keys than top-k, every visible key kept, no band
-            kept = (run_score == run_kth.unsqueeze(-1)).sum(-1) * run_kth.isfinite()
             out_band[:, q0:q1], out_cut[:, q0:q1] = kept + dropped, dropped
     if intervention is not None and intervention.hide is not None:
         # hidden keys leave holes among the selected positions: empty slots go last again
