@@ -116,12 +116,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apps.serve.worker import EngineWorker, ServeOptions
     from engine.parallel import distributed
     from workbench.sessions import load_with_tokenizer
+    from workbench.task_templates import card_of
 
+    card = card_of(args.model)  # a bad card file is one line now, before the model loads
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     options = ServeOptions(model_name=str(args.model), trace_root=trace_root, policy=policy,
                            families=families, cache_bytes=args.cache_mib << 20, prefill_chunk=args.prefill_chunk,
-                           max_queue=args.max_queue, max_conversations=args.max_conversations)
+                           max_queue=args.max_queue, max_conversations=args.max_conversations,
+                           open_response=bool(card.tasks), notice=card.notice)
     config = AppConfig(model_id=str(args.model), hosts=hosts, api_key=key, max_body_bytes=args.max_body_mib << 20,
                        max_tokens=args.max_tokens, image_root=args.image_root,
                        max_pending_bytes=max(args.max_pending_mib, args.max_body_mib) << 20)

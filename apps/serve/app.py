@@ -305,8 +305,11 @@ def _finish(reason: str) -> str:
 
 def _k3_info(info: dict) -> dict:
     """What this server adds to a response: the conversation, its trace and turn, the reused prefix."""
-    return {"conversation": info["conversation"], "trace": info["trace"], "turn": info["turn"],
-            "cached_tokens": info["cached_tokens"], "ttft_s": info["ttft_s"]}
+    out = {"conversation": info["conversation"], "trace": info["trace"], "turn": info["turn"],
+           "cached_tokens": info["cached_tokens"], "ttft_s": info["ttft_s"]}
+    if info.get("notice"):  # what the model can answer (its card), with every free-form reply
+        out["notice"] = info["notice"]
+    return out
 
 
 async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage: bool) -> AsyncIterator[bytes]:
@@ -325,7 +328,7 @@ async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage:
                 return
             elif event[0] == "done":
                 info = event[1]
-                yield _sse(chunk_body(rid, model_id, {}, _finish(info["finish_reason"])))
+                yield _sse({**chunk_body(rid, model_id, {}, _finish(info["finish_reason"])), "k3": _k3_info(info)})
                 if include_usage:
                     yield _sse(chunk_body(rid, model_id, {}, usage_=usage(
                         info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"])))

@@ -56,6 +56,7 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     user: str | None = None  # OpenAI's end-user id: conversations of different users never mix
+    continue_final: bool = False  # vLLM's continue_final_message: the last assistant message is a response start
 
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters of this request (checked when the request was parsed)."""
@@ -82,6 +83,15 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
         raise RequestError(f"{name} must be an integer, got {str(value)[:40]!r}", param=name)
     if not lo <= value <= hi:
         raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    return value
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false", param=name)
     return value
 
 
@@ -139,6 +149,12 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     seed = _integer(body, "seed", *SEED_RANGE)
     stop = _stop(body)
+    continue_final = _flag(body, "continue_final_message", False)
+    if _flag(body, "add_generation_prompt", True) == continue_final:
+        # vLLM's pair: a new assistant turn (the default), or the last assistant message continued
+        raise RequestError("continue_final_message: true needs add_generation_prompt: false, and "
+                           "add_generation_prompt: false is only for continuing a final assistant message",
+                           param="add_generation_prompt")
     try:
         messages = parse_messages(body["messages"], image_root=image_root)
     except InputError as exc:
@@ -146,7 +162,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
     request = ChatRequest(messages=messages, stream=bool(stream), include_usage=bool(options.get("include_usage")),
                           temperature=temperature, top_p=top_p,
                           max_tokens=limit if limit is not None else min(256, max_tokens_limit),
-                          seed=seed, stop=stop, user=user)
+                          seed=seed, stop=stop, user=user, continue_final=continue_final)
     try:
         request.sampling()  # the engine's own checks, now rather than after a cached conversation is taken
     except InputError as exc:

@@ -62,6 +62,11 @@ class ServeOptions:
     trace_root: Path | None = None
     policy: Any = "default"
     families: Collection[str] | None = None  # None: every registered signal family
+    # from the model's card (`workbench.task_templates.card_of`): a model trained on task templates answers
+    # in a response opened right after an empty think, so the server opens it (no tag eats max_tokens);
+    # `notice` (what it can answer) goes with every free-form reply, as the CLI prints it
+    open_response: bool = False
+    notice: str = ""
     cache_bytes: int = 4 << 30
     max_conversations: int = 64
     prefill_chunk: int = 2048
@@ -84,7 +89,6 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._running: Conversation | None = None  # the conversation the running job extends
         self._thread = threading.Thread(target=self._loop, name="k3wb-serve-engine", daemon=True)
-        self._gen_prompt = tokenizer.chat_prompt([], add_generation_prompt=True)
 
     # ---- queue ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,8 +196,10 @@ class EngineWorker:
             return self.replies.lookup(prefix, text, job.owner)
 
         try:
-            return render_messages(self.model, self.tokenizer, job.request.messages, add_generation_prompt=True,
-                                   replies=replies)
+            return render_messages(self.model, self.tokenizer, job.request.messages,
+                                   add_generation_prompt=not job.request.continue_final, replies=replies,
+                                   open_response=self.options.open_response,
+                                   continue_final=job.request.continue_final)
         except InputError as exc:
             job.emit(("error", 400, str(exc), "messages"))
             return None
@@ -252,13 +258,15 @@ class EngineWorker:
             return
         for old in self.cache.put(conv):
             self._close(old, "complete")
-        if result["finish_reason"] != "cancelled" and result["ids"]:
-            # keyed by the text the client received (the response only): that is what it sends back
-            ids = self._gen_prompt + result["ids"] + result["closing"]
-            self.replies.remember(chat.ids[:len(chat.ids) - len(self._gen_prompt)], result["content"], ids,
-                                  job.owner)
+        if result["finish_reason"] != "cancelled" and result["ids"] and not job.request.continue_final:
+            # keyed by the text the client received (the response only): that is what it sends back; a
+            # continued message is sent back as the client's own start plus this text, so it is rendered anew
+            opening = chat.pieces[-1].ids  # the generation prompt and what it opened
+            ids = opening + result["ids"] + result["closing"]
+            self.replies.remember(chat.ids[:len(chat.ids) - len(opening)], result["content"], ids, job.owner)
         usage = {"prompt_tokens": len(chat.ids), "completion_tokens": len(result["ids"]), "cached_tokens": cached}
-        job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns,
+        notice = self.options.notice if not job.request.continue_final else ""
+        job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns, "notice": notice,
                            "trace": conv.trace.path.name if conv.trace is not None else None}))
 
     def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, params: SamplingParams, started: float,

@@ -243,15 +243,26 @@ ReplyLookup = Callable[[list[int], str], "list[int] | None"]
 
 def render_messages(model: Any, tokenizer: Any, messages: Sequence[TranscriptMessage], *,
                     add_generation_prompt: bool = False, start: int = 0,
-                    replies: ReplyLookup | None = None) -> RenderedChat:
+                    replies: ReplyLookup | None = None, open_response: bool = False,
+                    continue_final: bool = False) -> RenderedChat:
     """Token ids of `messages` (images preprocessed, no tower run, nothing changed).
 
     Args:
         start: tokens already before the messages (the context limit counts them).
         replies: exact ids of assistant messages a server generated (see `ReplyLookup`).
+        open_response: after the generation prompt, also close the (empty) `think` section and open
+            `response` (a model trained to answer without thinking writes its answer at once).
+        continue_final: the last message is an assistant message of text to continue: it becomes the
+            start of an open response after the generation prompt (vLLM's `continue_final_message`).
+    The generation prompt (with what it opens) is always the last piece.
     """
     if tokenizer is None:
         raise InputError("chat messages need a tokenizer")
+    final = None
+    if continue_final:
+        if not messages or messages[-1].role != "assistant" or messages[-1].images or messages[-1].text is None:
+            raise InputError("continue_final_message needs a last message from the assistant, of text only")
+        final, messages = messages[-1], messages[:-1]
     ids: list[int] = []
     pieces: list[ChatPiece] = []
     images: list[tuple[int, int, str]] = []
@@ -282,8 +293,10 @@ def render_messages(model: Any, tokenizer: Any, messages: Sequence[TranscriptMes
                 piece.ids = piece.head + piece.ids + piece.tail
             ids.extend(piece.ids)
             pieces.append(piece)
-    if add_generation_prompt:
+    if add_generation_prompt or final is not None:
         prompt = tokenizer.chat_prompt([], add_generation_prompt=True)
+        if final is not None or open_response:
+            prompt = prompt + tokenizer.response_prefix(final.text if final is not None else "")
         pieces.append(ChatPiece(prompt, "assistant", "assistant"))
         ids.extend(prompt)
     limit = model.config.max_position_embeddings
