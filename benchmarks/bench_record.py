@@ -49,17 +49,19 @@ def run(model, ids: list[int], decode: int, chunk: int, policy: "str | RecordPol
         shutil.rmtree(trace, ignore_errors=True)
     recording = workbench.record(session, trace=trace, policy=policy) if policy else contextlib.nullcontext()
     with recording:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         session.prefill()
-        mid = time.perf_counter()
+        mid, cpu_mid = time.perf_counter(), time.process_time()
         for _ in session.generate(decode, temperature=0, stop_ids=()):
             pass
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), time.process_time()
     closed = time.perf_counter()  # the recording's close: its last flush (decode payloads are reduced there)
     # generation may end early on the end-of-message token: count the decode steps that ran
     rec = session.deployment
     return {"prefill_s": mid - start, "decode_s": rec.decode_seconds, "decode_steps": rec.decode_steps,
             "total_s": end - start, "close_s": closed - end, "tokens": len(session.tokens),
+            # this process's CPU seconds: on a shared machine, time spent descheduled is left out
+            "prefill_cpu_s": cpu_mid - cpu_start, "decode_cpu_s": cpu_end - cpu_mid,
             "bytes": trace_bytes(trace)["total"] if policy is not None else 0}
 
 
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--skip-projection", action="store_true")
     ap.add_argument("--skip-opt-in", action="store_true", help="only off / default / all")
     ap.add_argument("--compile", choices=["off", "static", "on"], default="off")
+    ap.add_argument("--health-only", action="store_true", help="only off / default / no-health: the integrity "
+                    "checks' cost (issue 41), per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 spinning threads on a shared 2-core "
                     "machine slow torch down many times)")
     args = ap.parse_args()
@@ -80,20 +84,28 @@ def main() -> None:
     model.runtime.compile = {"off": False, "static": "static", "on": True}[args.compile]
     ids = filler_ids(args.tokens, Tokenizer.byte_level().encode)
     tmp = Path(tempfile.mkdtemp(prefix="bench-record-"))
-    modes = {"off": None, "default": "default", "all": "all"}
-    if not args.skip_opt_in:
+    modes = {"off": None, "default": "default", "no-health": RecordPolicy(name="no-health", health=False), "all": "all"}
+    if args.health_only:
+        modes = {"off": None, "default": "default", "no-health": modes["no-health"]}
+    elif not args.skip_opt_in:
         modes.update({"kda-rank": RecordPolicy(name="kda-rank", kda_rank_every=256),
                       "kda-extras": RecordPolicy(name="kda-extras", kda_extras=True),
                       "overlap": RecordPolicy(name="overlap", dense_overlap=True, dense_mass_stride=256)})
     best: dict[str, dict] = {}
     best_decode: dict[str, float] = {}  # seconds per decode step: the best round of each mode on its own
-    for _ in range(args.repeats):
-        for name, policy in modes.items():
-            r = run(model, ids, args.decode, args.chunk, policy, tmp / name)
+    health_ratios: list[tuple[float, float]] = []  # per round: default / no-health, decode step and prefill
+    for round_no in range(args.repeats):
+        this_round: dict[str, dict] = {}
+        order = list(modes.items())
+        for name, policy in order if round_no % 2 == 0 else order[::-1]:  # alternate who runs first
+            r = this_round[name] = run(model, ids, args.decode, args.chunk, policy, tmp / name)
             if name not in best or r["total_s"] < best[name]["total_s"]:
                 best[name] = r
             per_step = r["decode_s"] / max(1, r["decode_steps"])
             best_decode[name] = min(best_decode.get(name, per_step), per_step)
+        on, off_checks = this_round["default"], this_round["no-health"]
+        health_ratios.append((on["decode_cpu_s"] / max(1, on["decode_steps"]) / (off_checks["decode_cpu_s"] / max(
+            1, off_checks["decode_steps"])), on["prefill_cpu_s"] / off_checks["prefill_cpu_s"]))
     off = best["off"]
     print(f"demo preset, {args.tokens}-token prefill (chunks of {args.chunk}) + {args.decode} decode steps, "
           f"best of {args.repeats}, torch threads {torch.get_num_threads()}, compile {args.compile}")
@@ -107,6 +119,15 @@ def main() -> None:
               f" {r['close_s'] * 1e3:>9.1f}")
     print("(close ms: the recording's final flush after the timed run, where payloads of the decode steps since "
           "the last periodic flush are reduced and written; not in the overheads)")
+    decode_ratios = sorted(d for d, _ in health_ratios)
+    prefill_ratios = sorted(p for _, p in health_ratios)
+    print(f"integrity checks (default policy against the same with health off, rounds interleaved; CPU time): "
+          f"decode step {best_decode['default'] / best_decode['no-health'] - 1:+.2%} wall best against best, "
+          f"CPU per round median "
+          f"{decode_ratios[len(decode_ratios) // 2] - 1:+.2%} (range {decode_ratios[0] - 1:+.2%} .. "
+          f"{decode_ratios[-1] - 1:+.2%}); prefill per round median "
+          f"{prefill_ratios[len(prefill_ratios) // 2] - 1:+.2%} (range {prefill_ratios[0] - 1:+.2%} .. "
+          f"{prefill_ratios[-1] - 1:+.2%})")
     per_token = best["default"]["bytes"] / best["default"]["tokens"]
     print(f"default-policy trace of a 128K-token demo session: {per_token * 131072 / 1e6:.1f} MB (goal < 200 MB)")
     if not args.skip_projection:
