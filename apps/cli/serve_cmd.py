@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-record", action="store_true", help="record nothing")
     p.add_argument("--record", default="all", help="signal families to record: all (default) or a comma list "
                    "of registered families")
+    p.add_argument("--otel", default="off", choices=["off", "console", "otlp"],
+                   help="an OpenTelemetry span per request (GenAI conventions, linked to its trace): printed (console) "
+                        "or sent over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (otlp); default off")
     p.add_argument("--policy", default="default", help="recording policy: default, all, or a JSON file of fields")
     p.add_argument("--image-root", type=Path, help="local image paths in messages are allowed under this directory "
                    "only (default: none; data: URLs always work)")
@@ -118,13 +121,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from workbench.sessions import load_with_tokenizer
     from workbench.task_templates import card_of
 
+    from apps.serve.telemetry import make_telemetry
+
     card = card_of(args.model)  # a bad card file is one line now, before the model loads
+    telemetry = make_telemetry(args.otel, model=str(args.model), trace_root=trace_root)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     options = ServeOptions(model_name=str(args.model), trace_root=trace_root, policy=policy,
                            families=families, cache_bytes=args.cache_mib << 20, prefill_chunk=args.prefill_chunk,
                            max_queue=args.max_queue, max_conversations=args.max_conversations,
-                           open_response=bool(card.tasks), notice=card.notice)
+                           open_response=bool(card.tasks), notice=card.notice, telemetry=telemetry)
     config = AppConfig(model_id=str(args.model), hosts=hosts, api_key=key, max_body_bytes=args.max_body_mib << 20,
                        max_tokens=args.max_tokens, image_root=args.image_root,
                        max_pending_bytes=max(args.max_pending_mib, args.max_body_mib) << 20)
@@ -144,5 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if trace_root is not None:
             print(f"conversations are recorded under {trace_root}/ (workbench dashboard --trace {trace_root}/CONV)",
                   flush=True)
-        server.run()
+        try:
+            server.run()
+        finally:
+            if telemetry is not None:
+                telemetry.shutdown()  # the spans still batched are exported before the process ends
     return 0

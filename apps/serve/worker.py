@@ -67,6 +67,7 @@ class ServeOptions:
     # `notice` (what it can answer) goes with every free-form reply, as the CLI prints it
     open_response: bool = False
     notice: str = ""
+    telemetry: Any = None  # an `apps.serve.telemetry.RequestTelemetry`: one span per request (--otel)
     cache_bytes: int = 4 << 30
     max_conversations: int = 64
     prefill_chunk: int = 2048
@@ -105,6 +106,8 @@ class EngineWorker:
             if self._outstanding > self.options.max_queue or self._stopping.is_set():
                 return False
             self._outstanding += 1
+        if self.options.telemetry is not None:  # the span runs from now (queued) to the job's last event
+            job.emit = self.options.telemetry.observe(job.request, job.request_id, job.emit)
         self._jobs.put(job)
         return True
 
