@@ -276,11 +276,13 @@ class EngineWorker:
                   cached: int) -> dict[str, Any]:
         session = conv.session
         ttft: float | None = None
+        last = 0.0
 
         def first_token(_token: Any) -> None:
-            nonlocal ttft
+            nonlocal ttft, last
+            last = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - started
+                ttft = last - started
 
         def keep_going(_token: Any) -> bool:
             go_on = not job.cancelled.is_set() and not self._stopping.is_set()
@@ -300,8 +302,10 @@ class EngineWorker:
             finish = answer.finish_reason
             if self._stopping.is_set():
                 finish = "shutdown"  # stopped in its prefill or after a token: never a complete reply
+            # time per output token after the first (the decode rate a client sees)
+            tpot = (last - started - ttft) / (answer.generated - 1) if ttft is not None and answer.generated > 1 else None
             turn.update(prompt_tokens=len(chat.ids), cached_tokens=cached, completion_tokens=answer.generated,
-                        finish_reason=finish, ttft_s=ttft)
+                        finish_reason=finish, ttft_s=ttft, tpot_s=tpot)
         # what closes the reply's sections and message, so the reply a client sends back renders as a
         # complete message that extends the cached state exactly
         closing = answer.closing_ids if finish not in ("cancelled", "shutdown") else []

@@ -87,3 +87,35 @@ def test_a_second_turn_continues_from_the_exact_ids_of_an_opened_response(served
     second = ask(srv, messages=messages, max_tokens=12)
     # the whole first turn (prompt, opened response, reply and its closing ids) is reused, not re-run
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+
+
+def test_the_dashboard_shows_each_served_turn(tmp_path) -> None:
+    """A served conversation's trace: the status line gives the newest turn's prompt, reused prefix,
+    generated tokens, TTFT, TPOT and finish reason, as the server measured them."""
+    from apps.dashboard.components.session_map import progress_text
+    from workbench import open_trace
+    from workbench.analysis.views.session_map import RecordingMapReducer
+    from workbench.analysis.views.base import ViewOptions
+
+    model, tokenizer = load_with_tokenizer("preset:tiny", seed=1)
+    srv = Server(model, tokenizer, ServeOptions(model_name="preset:tiny", trace_root=tmp_path, max_queue=2),
+                 AppConfig(model_id="preset:tiny", hosts=HostPolicy.for_server("127.0.0.1"), max_body_bytes=1 << 20,
+                           max_tokens=4096), port=0)
+    srv.start_in_thread()
+    try:
+        messages = [{"role": "user", "content": "first turn of a served conversation"}]
+        first = httpx.post(f"{srv.url}/chat/completions", timeout=60, json={
+            "model": "preset:tiny", "messages": messages, "max_tokens": 4, "temperature": 0}).json()
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "second"}]
+        second = httpx.post(f"{srv.url}/chat/completions", timeout=60, json={
+            "model": "preset:tiny", "messages": messages, "max_tokens": 4, "temperature": 0}).json()
+    finally:
+        srv.stop()
+    trace = open_trace(tmp_path / second["k3"]["trace"])
+    snap = RecordingMapReducer().reduce(trace, ViewOptions())
+    assert [t["turn"] for t in snap.requests] == [1, 2]
+    line = progress_text(snap)
+    assert f"turn 2: {second['usage']['prompt_tokens']:,}-token prompt" in line, line
+    assert f"({second['usage']['prompt_tokens_details']['cached_tokens']:,} reused)" in line
+    assert "TTFT" in line and "TPOT" in line and "4 generated" in line and line.endswith("length"), line

@@ -36,6 +36,9 @@ def progress_text(snap: RecordingMapData) -> str:
     """One line: phase, tokens done / total, tokens/s, ETA (plain text, numbers only); in a conversation
     of several turns, also the turn and the whole context (the progress entry counts the last turn only)."""
     p = snap.progress
+    if snap.requests and int(snap.requests[-1].get("end", -1)) >= snap.tokens:
+        # a served conversation between or after its turns: the newest turn's figures, as the server measured them
+        return f"{snap.status} · {turn_text(snap.requests[-1])}"
     turns, context = conversation_size(snap)
     done, total = int(p.get("done") or 0), int(p.get("total") or 0)
     # the whole context, when this turn's prefill and answer are not all of it
@@ -57,6 +60,24 @@ def progress_text(snap: RecordingMapData) -> str:
     parts = [head] + ([whole] if whole else []) + [f"{rate:,.1f} tokens/s"]
     if eta is not None:
         parts.append(f"ETA {float(eta):,.0f} s")
+    return " · ".join(parts)
+
+
+def turn_text(turn: dict) -> str:
+    """A served turn in one line: 'turn 3: 9,090-token prompt (8,948 reused) · 96 generated · TTFT 0.42 s ·
+    TPOT 38 ms · stop' (what `workbench serve` recorded for it; absent figures left out)."""
+    parts = [f"turn {int(turn.get('turn', 0))}"]
+    if "prompt_tokens" in turn:
+        reused = f" ({int(turn['cached_tokens']):,} reused)" if turn.get("cached_tokens") else ""
+        parts[0] += f": {int(turn['prompt_tokens']):,}-token prompt{reused}"
+    if "completion_tokens" in turn:
+        parts.append(f"{int(turn['completion_tokens']):,} generated")
+    if "ttft_s" in turn:
+        parts.append(f"TTFT {float(turn['ttft_s']):.2f} s")
+    if "tpot_s" in turn:
+        parts.append(f"TPOT {1000 * float(turn['tpot_s']):.0f} ms")
+    if "finish_reason" in turn:
+        parts.append(str(turn["finish_reason"]))
     return " · ".join(parts)
 
 

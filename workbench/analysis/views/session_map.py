@@ -15,6 +15,7 @@ from workbench.trace import Trace
 from workbench.analysis.views.base import Reducer, ViewOptions
 
 MAX_GENERATED = 1000  # generated tokens sent to the browser (the newest ones)
+MAX_TURNS = 64  # served turns kept for the status line (the newest ones)
 
 Marks = tuple[tuple[int, int, str], ...]
 
@@ -31,6 +32,8 @@ class RecordingMapData:
     segments: tuple[dict, ...] = ()
     marks: Marks = ()  # marked key ranges (start, end, label), e.g. a planted needle
     generated: tuple[tuple[int, str], ...] = ()  # (position, piece) of the newest generated tokens
+    # a served conversation's turns (`workbench serve`): prompt, reused and generated tokens, TTFT, TPOT, finish
+    requests: tuple[dict, ...] = ()
     token_text: TokenText = field(default_factory=TokenText, repr=False)  # for the read-out's quotes
 
 
@@ -61,6 +64,23 @@ def generated_tokens(text: TokenText, segments: tuple[dict, ...]) -> tuple[tuple
     return tuple(out[-MAX_GENERATED:])
 
 
+def served_turns(session: dict) -> tuple[dict, ...]:
+    """The turns a server recorded (`session.json` `requests`), each with only numbers and a short finish
+    reason (a trace may come from anyone: nothing else of an entry reaches a view)."""
+    out = []
+    for entry in (session.get("requests") or [])[-MAX_TURNS:] if isinstance(session.get("requests"), list) else []:
+        if not isinstance(entry, dict):
+            continue
+        row = {k: entry[k] for k in ("turn", "start", "end", "prompt_tokens", "cached_tokens", "completion_tokens",
+                                     "ttft_s", "tpot_s")
+               if isinstance(entry.get(k), (int, float)) and not isinstance(entry.get(k), bool)}
+        reason = entry.get("finish_reason")
+        if isinstance(reason, str) and reason.isalpha() and len(reason) <= 16:
+            row["finish_reason"] = reason
+        out.append(row)
+    return tuple(out)
+
+
 class RecordingMapReducer(Reducer[RecordingMapData]):
     """session.json and the token table -> `RecordingMapData` (the token table is re-read when it grows)."""
 
@@ -80,4 +100,4 @@ class RecordingMapReducer(Reducer[RecordingMapData]):
         generated = self.memo("generated", (text, segments), lambda: generated_tokens(text, segments))
         return self.result(status=trace.status, tokens=tokens, extent=extent, progress=progress,
                            timings=dict(s.get("timings") or {}), segments=segments, marks=session_marks(s),
-                           generated=generated, token_text=text)
+                           generated=generated, token_text=text, requests=served_turns(s))
