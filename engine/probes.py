@@ -166,8 +166,8 @@ KDA_STATE = Signal("kda.state", "per-head statistics of the KDA recurrent state 
     Field("frozen", ("B", "n", "heads"), "float32", "integrity: channels per head whose decay exp(g) is exactly "
           "1.0 in fp32 (never forget), averaged over the interval's tokens", optional=True),
     Field("drift", ("B", "n", "heads"), "float32", "integrity: relative difference of the state a chunked prefill "
-          "left at the call's first chunk boundary and the same tokens run one by one; NaN elsewhere (decode steps "
-          "run token by token already)", optional=True),
+          "left at one chunk boundary per call (step % chunks) and the same chunk run token by token from the state "
+          "before it; NaN elsewhere (decode steps run token by token already)", optional=True),
 ))
 MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     _positions("token positions of this forward call"),

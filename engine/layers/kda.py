@@ -117,8 +117,11 @@ class KimiDeltaAttention(nn.Module):
 
         Norms always; the optional statistics only when the listener's request names them (the
         effective rank only at the positions its `queries` sample keeps: an SVD per head). `window`
-        (q, k, v, initial) is the call's input when the chunked form runs: the integrity `drift` runs
-        its first chunk (at most one chunk of tokens) again token by token and compares the states.
+        (q, k, v, initial) is the call's input when the chunked form runs: the integrity `drift` runs one
+        of its chunks (at most one chunk of tokens) again token by token, from the state the chunked
+        form reached before it, and compares the states after it; which chunk rotates with the step
+        (step % chunks), so the first chunk of a call checks the state it started from and the
+        others the hand-over between chunks.
         """
         point = self.probe_state
         request = point.request
@@ -129,6 +132,9 @@ class KimiDeltaAttention(nn.Module):
         seen: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         ranks: list[torch.Tensor] = []
         drifts: list[torch.Tensor] = []
+        chunks = -(-g.shape[1] // self.runtime.kda_chunk_size)
+        target = point.context.step % max(1, chunks)  # which observation the drift check re-runs up to
+        before: list = [-1, None if window is None else window[3]]  # the previous observation: t, S
 
         def observe(t: int, S: torch.Tensor) -> None:
             seen.append((t, state_norm(S), state_max_abs(S) if max_abs else None))  # [B, H] each
@@ -136,13 +142,14 @@ class KimiDeltaAttention(nn.Module):
                 sampled = request.queries is None or len(request.queries.rows(np.array([start + t])))
                 ranks.append(state_effective_rank(S) if sampled else S.new_full(S.shape[:2], float("nan")))
             if drift and window is not None:
-                if drifts:  # the first boundary only: a bounded check, off the bulk of the prefill
+                if len(drifts) != target:  # one chunk per call: a bounded check, off the bulk of the prefill
                     drifts.append(S.new_full(S.shape[:2], float("nan")))
                 else:
-                    q, k, v, initial = window
-                    n = t + 1
-                    drifts.append(chunked_vs_recurrent(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
-                                                       initial, S))
+                    q, k, v, _ = window
+                    a, b = before[0] + 1, t + 1
+                    drifts.append(chunked_vs_recurrent(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                                       before[1], S))
+                before[:] = [t, S]  # the chunked form makes a new S for each chunk: no copy needed
 
         def gather(x: torch.Tensor) -> torch.Tensor:  # [B, n, local heads] -> [B, n, heads]
             return comm.all_gather(x, self.parallel, -1, "probe.kda")

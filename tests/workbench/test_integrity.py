@@ -172,3 +172,30 @@ def test_health_off_writes_no_health_rows(model, tmp_path):
     trace = workbench.open_trace(tmp_path / "t")
     assert integrity.health(trace).empty
     assert integrity.summary_line(trace).startswith("integrity: not checked")
+
+
+def test_state_handed_over_wrongly_between_chunks_is_found(model, tmp_path, monkeypatch):
+    real = kda_layer.kda_chunked
+    size = model.runtime.kda_chunk_size
+
+    def bad_handover(q, k, v, g, beta, initial=None, *, chunk_size, observe=None, **kw):  # the fault: after the
+        if q.shape[1] <= chunk_size:  # first chunk of a call, the state goes on as [V, K]
+            return real(q, k, v, g, beta, initial, chunk_size=chunk_size, observe=observe, **kw)
+        head = [x[:, :chunk_size] for x in (q, k, v, g, beta)]
+        rest = [x[:, chunk_size:] for x in (q, k, v, g, beta)]
+        o1, state = real(*head, initial, chunk_size=chunk_size, observe=observe, **kw)
+        later = None if observe is None else (lambda t, S: observe(t + chunk_size, S))
+        o2, state = real(*rest, state.transpose(-1, -2).contiguous(), chunk_size=chunk_size, observe=later, **kw)
+        return torch.cat((o1, o2), 1), state
+
+    monkeypatch.setattr(kda_layer, "kda_chunked", bad_handover)
+    call = 2 * size + size // 2  # three chunks per prefill call: the check rotates over them with the step
+    session = Session(model, Tokenizer.byte_level(), prefill_chunk=call, progress=False)
+    with workbench.record(session, trace=tmp_path / "t"):
+        session.append(ids=ids(4 * call, 3))
+        session.prefill()
+    drift = integrity.findings(workbench.open_trace(tmp_path / "t"))
+    drift = drift[(drift["check"] == "kda.chunk_drift") & (drift["layer"] == first_kind(model, "kda"))]
+    assert len(drift) == 1
+    # the first call re-ran its first chunk (right); the second re-ran its second: the hand-over was wrong
+    assert drift.iloc[0]["since_position"] == call + 2 * size - 1
