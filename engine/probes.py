@@ -175,9 +175,12 @@ MOE_ROUTE = Signal("moe.route", "the experts each token was routed to", (
     Field("weights", ("B", "n", "experts_per_token"), "float32", "combine weights aligned with experts"),
     Field("entropy", ("B", "n"), "float32", "entropy (nats) of the router's normalised sigmoid scores over "
           "all experts", optional=True),
-    Field("nonfinite", ("B", "n"), "int64", "integrity: non-finite router logits of the token", optional=True),
-    Field("boundary_ties", ("B", "n"), "int64", "integrity: experts left out whose choice score equals the k-th "
-          "chosen one (> 0: a tie at the top-k boundary decided the route)", optional=True),
+    Field("logit_sum", ("B", "n"), "float32", "integrity: sum of the token's router logits (non-finite exactly "
+          "when one of them is, short of an overflow no router reaches)", optional=True),
+    Field("kth_choice", ("B", "n"), "float32", "integrity: the k-th chosen expert's choice score (sigmoid + "
+          "correction bias)", optional=True),
+    Field("runner_up", ("B", "n"), "float32", "integrity: the best choice score left out (equal to kth_choice: a "
+          "tie at the top-k boundary decided the route)", optional=True),
 ))
 
 SIGNALS: dict[str, Signal] = {s.name: s for s in (DSA_TOPK, DSA_DENSE_MASS, KDA_STATE, MOE_ROUTE)}

@@ -30,7 +30,7 @@ from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
 from engine.ops.moe.weights import dense_bytes, take_range
-from engine.ops.integrity import router_faults
+from engine.ops.integrity import router_boundary
 from engine.ops.router import router_entropy
 
 
@@ -52,7 +52,8 @@ class Router(nn.Module):
                 positions: torch.Tensor | None = None, rows: tuple[int, ...] | None = None,
                 start: int | torch.Tensor = 0, health: bool = False):
         """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]][, non-finite
-        logits [N], ties at the top-k boundary [N]] (the last two with `health`: `engine.ops.integrity.router_faults`)).
+        logit sum [N], k-th choice score [N], best score left out [N]] (the last three with `health`:
+        `engine.ops.integrity.router_boundary`)).
         `intervention` bans (-inf) or forces (+inf) experts' choice scores for the tokens at `positions`
         [N] before the top-k; the weights stay the router's scores of the experts chosen. `rows` ([B, T],
         the tokens' layout) and `start` are what the hook points show."""
@@ -83,8 +84,7 @@ class Router(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         out = (weights * self.scaling, ids) + ((scores,) if return_scores else ())
-        return out + (router_faults(logits, choice, ids, None if self.hook_experts.attached else top.values)
-                      if health else ())
+        return out + (router_boundary(logits, choice, top.values, top.indices) if health else ())
 
 
 class RoutedExperts(nn.Module):
@@ -209,17 +209,16 @@ class LatentMoE(nn.Module):
         if not point.listening:
             weights, ids = self.gate(flat, **routing)
         else:
-            with_entropy, with_health = point.request.wants("entropy"), point.request.wants("nonfinite")
+            with_entropy, with_health = point.request.wants("entropy"), point.request.wants("logit_sum")
             weights, ids, *extra = self.gate(flat, return_scores=with_entropy, health=with_health, **routing)
             scores = extra[:1] if with_entropy else []
-            nonfinite, ties = extra[-2:] if with_health else (None, None)
+            health = [t.view(shape[:-1]) for t in extra[-3:]] if with_health else [None, None, None]
             # collecting (the decode step, `start` a device tensor): the host adds the positions
             positions = None if point.collecting else torch.arange(start, start + shape[-2])
             point.emit(positions=positions, experts=ids.view(*shape[:-1], -1),
                        weights=weights.view(*shape[:-1], -1),
                        entropy=router_entropy(scores[0]).view(shape[:-1]) if with_entropy else None,
-                       nonfinite=None if nonfinite is None else nonfinite.view(shape[:-1]),
-                       boundary_ties=None if ties is None else ties.view(shape[:-1]))
+                       logit_sum=health[0], kth_choice=health[1], runner_up=health[2])
         if self.parallel.debug_checks:
             comm.assert_same(ids, self.parallel, "routed expert ids")
         parts = list(self.input_projections(flat)) if self.input_projections is not None else []

@@ -76,6 +76,22 @@ def router_faults(logits: torch.Tensor, choice: torch.Tensor, ids: torch.Tensor,
     return nonfinite, cut
 
 
+def router_boundary(logits: torch.Tensor, choice: torch.Tensor, top_values: torch.Tensor,
+                    top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a router step keeps for its checks, in three cheap ops (the verdicts come later, in bulk:
+    `router_verdicts`): logit sum `[N]`, the k-th chosen choice score `[N]` (the top-k's own sorted
+    values) and the best score left out `[N]`."""
+    runner_up = choice.scatter(-1, top_ids, float("-inf")).amax(-1)
+    return logits.sum(-1), top_values[..., -1], runner_up
+
+
+def router_verdicts(logit_sum: torch.Tensor, kth: torch.Tensor, runner_up: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router_boundary`'s values -> (a router logit is non-finite, a tie at the top-k boundary decided the
+    route), bool each."""
+    return ~torch.isfinite(logit_sum), (kth == runner_up) & torch.isfinite(kth)
+
+
 def state_drift(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """Relative difference per head of two states `[B, H, K, V]` -> `[B, H]` float32:
     ||a - b||_F / max(||a||_F, 1e-6) (NaN in either gives NaN: a fault in itself)."""

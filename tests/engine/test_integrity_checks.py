@@ -11,8 +11,8 @@ from engine import load_model
 from engine.errors import InputError
 from engine.ops.dsa.masked import masked_indexer_topk
 from engine.ops.dsa.reference import indexer_scores, indexer_topk
-from engine.ops.integrity import (chunked_vs_recurrent, frozen_channels, kda_state_faults, router_faults,
-                                  state_digest, topk_ties)
+from engine.ops.integrity import (chunked_vs_recurrent, frozen_channels, kda_state_faults, router_boundary,
+                                  router_faults, router_verdicts, state_digest, topk_ties)
 from engine.ops.kda import kda_chunked
 from engine.session import Session
 from engine.tokenizer import Tokenizer
@@ -77,6 +77,10 @@ def test_router_faults_find_nan_logits_and_boundary_ties():
     nonfinite, ties = router_faults(logits, choice, ids)
     assert nonfinite.tolist() == [0, 1]
     assert ties.tolist() == [1, 0]  # expert 2 ties expert 1 at the boundary and was left out
+    # what a router step keeps (three numbers per token), judged later in bulk: the same verdicts
+    top = choice.topk(2, dim=-1)
+    nonfinite_now, tie_now = router_verdicts(*router_boundary(logits, choice, top.values, top.indices))
+    assert nonfinite_now.tolist() == [False, True] and tie_now.tolist() == [True, False]
 
 
 def test_frozen_channels_and_state_faults():

@@ -1,8 +1,8 @@
 """Integrity in every recording (issue 41 section 1): the health tables, their checks and their reader.
 
 The checks ride on the signals the layers already emit: `kda.state` (norms, plus the optional `frozen`
-and `drift`), `dsa.topk` (plus `tie_band` / `tie_cut`) and `moe.route` (plus `nonfinite` /
-`boundary_ties`); the measures themselves are `engine.ops.integrity` functions on plain tensors (what
+and `drift`), `dsa.topk` (plus `tie_band` / `tie_cut`) and `moe.route` (plus `logit_sum`, `kth_choice`,
+`runner_up`); the measures themselves are `engine.ops.integrity` functions on plain tensors (what
 `workbench conformance` calls on captures from other engines). This module adds to each of the three
 families a health table (`kda_health`, `dsa_health`, `moe_health`, one layout) and, under a policy with
 `health` on (the default), the integrity fields to its request and one row per check, layer and batch of
@@ -42,14 +42,15 @@ CHECKS: dict[str, tuple[str, str]] = {
                         "policy.health_drift_tol"),
     "dsa.tie": ("note", "the selection was decided by a tie at rank k (earliest position first)"),
     "moe.router_nonfinite": ("fault", "non-finite router logits"),
-    "moe.boundary_tie": ("note", "a tie at the top-k boundary decided the route (the earlier expert id first)"),
+    "moe.boundary_tie": ("note", "the best expert left out scored exactly the k-th chosen one: a tie decided the "
+                         "route"),
 }
 SEVERITIES = ("fault", "warn", "note")
 POLICY_FIELDS = ("health", "health_norm_max", "health_drift_tol")
 
 # the integrity fields each family's probe is asked for when the policy has `health` on
 FIELDS = {"kda.state": ("frozen", "drift"), "dsa.topk": ("tie_band", "tie_cut"),
-          "moe.route": ("nonfinite", "boundary_ties")}
+          "moe.route": ("logit_sum", "kth_choice", "runner_up")}
 
 
 def _health_table(family: str, signal: str) -> TableSpec:
@@ -145,14 +146,16 @@ def dsa_rows(ctx: RecordingContext, layer: int, rank: int, steps: "torch.Tensor"
 
 
 def moe_rows(ctx: RecordingContext, layer: int, rank: int, steps: "torch.Tensor", fields: dict) -> None:
-    """MoE router checks: non-finite logits, ties at the top-k boundary."""
-    if "nonfinite" not in fields:
+    """MoE router checks: non-finite logits, ties at the top-k boundary (`engine.ops.integrity.router_verdicts`,
+    in bulk over the batch: a router step only kept three numbers per token)."""
+    from engine.ops.integrity import router_verdicts
+
+    if "logit_sum" not in fields:
         return
     positions = fields["positions"]
-    nonfinite, ties = fields["nonfinite"], fields["boundary_ties"]
-    _pend(ctx, "moe", layer, rank, "moe.router_nonfinite",
-          check_row(positions, steps, nonfinite > 0, nonfinite.float()))
-    _pend(ctx, "moe", layer, rank, "moe.boundary_tie", check_row(positions, steps, ties > 0, ties.float()))
+    nonfinite, ties = router_verdicts(fields["logit_sum"], fields["kth_choice"], fields["runner_up"])
+    _pend(ctx, "moe", layer, rank, "moe.router_nonfinite", check_row(positions, steps, nonfinite, nonfinite.float()))
+    _pend(ctx, "moe", layer, rank, "moe.boundary_tie", check_row(positions, steps, ties, fields["kth_choice"]))
 
 
 _CHECKERS = {"kda.state": kda_rows, "dsa.topk": dsa_rows, "moe.route": moe_rows}
