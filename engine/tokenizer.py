@@ -121,6 +121,13 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(list(ids), errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (b"" for an id past this tokenizer's vocabulary: a model may be larger)."""
+        try:
+            return self.encoding.decode_single_token_bytes(token_id)
+        except KeyError:
+            return b""
+
     def piece(self, token_id: int) -> str:
         """Display text of one token (special names verbatim, partial UTF-8 as replacement chars)."""
         return self.encoding.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")

@@ -278,7 +278,8 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                     return JSONResponse(completion_body(
                         request_id, config.model_id, "".join(content), _finish(info["finish_reason"]),
                         usage(info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"]),
-                        {"k3": _k3_info(info)}, reasoning="".join(reasoning) or None))
+                        {"k3": _k3_info(info)}, reasoning="".join(reasoning) or None,
+                        logprobs=info.get("logprobs")))
         except BaseException:
             job.cancelled.set()
             raise
@@ -323,6 +324,8 @@ async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage:
                 yield _sse(chunk_body(rid, model_id, {"content": event[1]}))
             elif event[0] == "reasoning":  # the field vLLM and SGLang stream a reasoning model's thinking in
                 yield _sse(chunk_body(rid, model_id, {"reasoning_content": event[1]}))
+            elif event[0] == "logprob":  # one generated token's log-probabilities, as it is drawn
+                yield _sse(chunk_body(rid, model_id, {}, logprobs=[event[1]]))
             elif event[0] == "error":
                 yield _sse(error_body(RequestError(event[2], status=event[1], kind="server_error")))
                 return

@@ -5,8 +5,10 @@
 OpenAI's API does: `{"error": {"message", "type", "param", "code"}}`. Fields the engine has no
 use for (`tools`, `response_format`, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer and that the engine cannot honour (`n` > 1,
-`logprobs`, penalties, `logit_bias`, a `response_format` other than text) are refused rather than
-silently dropped. `user` (OpenAI's end-user id) keeps that end
+penalties, `logit_bias`, a `response_format` other than text) are refused rather than
+silently dropped. `logprobs` / `top_logprobs` (at most 20) are answered the OpenAI way, for every
+generated token (the chat tags included: they are tokens the model computed, and a conformance check
+compares them too). `user` (OpenAI's end-user id) keeps that end
 user's conversations apart from everyone else's. Every field is checked here, in the engine's own
 ranges (the sampling parameters are built by `SamplingParams` itself), so a request the engine would
 refuse never reaches a cached conversation or a trace.
@@ -18,11 +20,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InputError
 from engine.session.sampling import SamplingParams
 from engine.session.transcript import TranscriptMessage, parse_messages
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -42,6 +47,8 @@ class RequestError(Exception):
 def error_body(exc: RequestError) -> dict[str, Any]:
     return {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}}
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -57,6 +64,8 @@ class ChatRequest:
     stop: tuple[str, ...] = field(default_factory=tuple)
     user: str | None = None  # OpenAI's end-user id: conversations of different users never mix
     continue_final: bool = False  # vLLM's continue_final_message: the last assistant message is a response start
+    logprobs: bool = False  # each generated token's log-probability (and the `top_logprobs` most likely)
+    top_logprobs: int = 0
 
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters of this request (checked when the request was parsed)."""
@@ -119,8 +128,10 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
     n = _integer(body, "n", 1, 1 << 30)
     if n not in (None, 1):
         raise RequestError("only n=1 is supported (one model, one sequence per request)", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise RequestError("logprobs are not supported by this server", param="logprobs")
+    logprobs = _flag(body, "logprobs", False)
+    top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if _number(body, penalty, 0.0, -2.0, 2.0) != 0:
             raise RequestError(f"{penalty} is not supported by this server (only 0)", param=penalty)
@@ -162,7 +173,8 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
     request = ChatRequest(messages=messages, stream=bool(stream), include_usage=bool(options.get("include_usage")),
                           temperature=temperature, top_p=top_p,
                           max_tokens=limit if limit is not None else min(256, max_tokens_limit),
-                          seed=seed, stop=stop, user=user, continue_final=continue_final)
+                          seed=seed, stop=stop, user=user, continue_final=continue_final, logprobs=logprobs,
+                          top_logprobs=top_logprobs)
     try:
         request.sampling()  # the engine's own checks, now rather than after a cached conversation is taken
     except InputError as exc:
@@ -176,24 +188,39 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def completion_body(request_id: str, model: str, content: str, finish_reason: str, usage_: dict,
-                    extra: dict[str, Any], reasoning: str | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any], reasoning: str | None = None,
+                    logprobs: list[dict] | None = None) -> dict[str, Any]:
     """A whole reply: `content` is the response text only; the thinking (when the model wrote any) is
     `reasoning_content`, as vLLM and SGLang return it for reasoning models."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning:
         message["reasoning_content"] = reasoning
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                         "logprobs": {"content": logprobs} if logprobs is not None else None}],
             "usage": usage_, **extra}
 
 
 def chunk_body(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None,
-               usage_: dict | None = None) -> dict[str, Any]:
+               usage_: dict | None = None, logprobs: list[dict] | None = None) -> dict[str, Any]:
     choices = [] if usage_ is not None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                              "logprobs": None}]
+                                              "logprobs": {"content": logprobs} if logprobs is not None else None}]
     out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                            "model": model, "choices": choices}
     if usage_ is not None:
         out["usage"] = usage_
+    return out
+
+
+def token_logprob(tokenizer: Any, token: int, logprobs: "torch.Tensor", top: int) -> dict[str, Any]:
+    """One generated token the OpenAI way: `{token, logprob, bytes, top_logprobs: [...]}` from the
+    log-probabilities `[vocab]` it was sampled from."""
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        raw = tokenizer.token_bytes(t) if tokenizer is not None else b""
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+
+    out = entry(token, float(logprobs[token]))
+    best = logprobs.topk(top) if top else None
+    out["top_logprobs"] = ([entry(int(t), float(v)) for v, t in zip(best.values.tolist(), best.indices.tolist())]
+                           if best is not None else [])
     return out

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection
 
+import torch
+
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
-from apps.serve.protocol import ChatRequest
+from apps.serve.protocol import ChatRequest, token_logprob
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
 from engine.errors import EngineError, InputError
 from engine.session.answer import Answer, generate_answer
@@ -278,11 +280,18 @@ class EngineWorker:
         ttft: float | None = None
         last = 0.0
 
-        def first_token(_token: Any) -> None:
+        want_logprobs, top = job.request.logprobs, job.request.top_logprobs
+        logprobs: list[dict] = []
+
+        def first_token(token: Any) -> None:
             nonlocal ttft, last
             last = time.perf_counter()
             if ttft is None:
                 ttft = last - started
+            if want_logprobs:  # the model's own distribution the token was drawn from (no temperature)
+                dist = torch.log_softmax(session.last_logits.float(), -1)
+                logprobs.append(token_logprob(self.tokenizer, token.id, dist, top))
+                job.emit(("logprob", logprobs[-1]))
 
         def keep_going(_token: Any) -> bool:
             go_on = not job.cancelled.is_set() and not self._stopping.is_set()
@@ -310,7 +319,7 @@ class EngineWorker:
         # complete message that extends the cached state exactly
         closing = answer.closing_ids if finish not in ("cancelled", "shutdown") else []
         return {"content": answer.text, "reasoning": answer.thinking, "ids": answer.ids, "closing": closing,
-                "finish_reason": finish, "ttft_s": ttft}
+                "finish_reason": finish, "ttft_s": ttft, "logprobs": logprobs if want_logprobs else None}
 
 
 def _shutting_down(generated: int | None = None) -> Event:
