@@ -56,7 +56,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
                            "workbench.attribution", "workbench.causal",
-                           "workbench.__main__", "workbench.conversation_trace", "workbench.toolkit")),
+                           "workbench.__main__", "workbench.conversation_trace", "workbench.conformance", "workbench.toolkit")),
     # who may talk to a local web server (Host / Origin), shared by the dashboard and `workbench serve`
     ("apps web guard", ("apps.web_guard",)),
     # the follower and the frame every view draws; below the components that watch it
