@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from apps.web_guard import HostPolicy
 from apps.serve.limits import (MAX_IMAGE_AREA, MAX_IMAGE_PATCHES, MAX_IMAGES, MAX_JSON_DEPTH, MAX_JSON_VALUES,
                                PendingBytes, RequestLimits, check_json_shape, check_request_cost)
+from apps.serve.events import Event, Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob
 from apps.serve.protocol import (ChatRequest, RequestError, chunk_body, completion_body, error_body,
                                  parse_chat_request, usage)
 from apps.serve.worker import EngineWorker, Job
@@ -145,7 +146,7 @@ def _decode(raw: bytes, config: AppConfig, limits: RequestLimits) -> tuple[ChatR
 def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Any:
     """The worker's way to hand an event to a handler; a no-op once the loop is gone (a forced stop: the
     second Ctrl-C cancels the handlers and closes the loop while the engine finishes its step)."""
-    def emit(event: tuple) -> None:
+    def emit(event: Event) -> None:
         try:
             loop.call_soon_threadsafe(events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -237,7 +238,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
             if not submitted:
                 give_back()
 
-        async def next_event() -> tuple | None:
+        async def next_event() -> Event | None:
             """The job's next event; None (and the job cancelled) once the client has gone."""
             while True:
                 try:
@@ -254,9 +255,9 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
             raise
         if first is None:
             return Response(status_code=499)
-        if first[0] == "error":
-            return _json_error(RequestError(first[2], status=first[1], param=first[3],
-                                            kind="invalid_request_error" if first[1] < 500 else "server_error"))
+        if isinstance(first, Failed):
+            return _json_error(RequestError(first.message, status=first.status, param=first.param,
+                                            kind="invalid_request_error" if first.status < 500 else "server_error"))
         if req.stream:
             return StreamingResponse(_stream(job, events, config.model_id, req.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-store"})
@@ -267,19 +268,18 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                 event = await next_event()
                 if event is None:
                     return Response(status_code=499)
-                if event[0] == "delta":
-                    content.append(event[1])
-                elif event[0] == "reasoning":
-                    reasoning.append(event[1])
-                elif event[0] == "error":
-                    return _json_error(RequestError(event[2], status=event[1], param=event[3], kind="server_error"))
-                elif event[0] == "done":
-                    info = event[1]
+                if isinstance(event, TextDelta):
+                    content.append(event.text)
+                elif isinstance(event, ReasoningDelta):
+                    reasoning.append(event.text)
+                elif isinstance(event, Failed):
+                    return _json_error(RequestError(event.message, status=event.status, param=event.param,
+                                                    kind="server_error"))
+                elif isinstance(event, Finished):
                     return JSONResponse(completion_body(
-                        request_id, config.model_id, "".join(content), _finish(info["finish_reason"]),
-                        usage(info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"]),
-                        {"k3": _k3_info(info)}, reasoning="".join(reasoning) or None,
-                        logprobs=info.get("logprobs")))
+                        request_id, config.model_id, "".join(content), _finish(event.finish_reason),
+                        usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
+                        {"k3": _k3_info(event)}, reasoning="".join(reasoning) or None, logprobs=event.logprobs))
         except BaseException:
             job.cancelled.set()
             raise
@@ -304,12 +304,12 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _k3_info(info: dict) -> dict:
+def _k3_info(done: Finished) -> dict:
     """What this server adds to a response: the conversation, its trace and turn, the reused prefix."""
-    out = {"conversation": info["conversation"], "trace": info["trace"], "turn": info["turn"],
-           "cached_tokens": info["cached_tokens"], "ttft_s": info["ttft_s"]}
-    if info.get("notice"):  # what the model can answer (its card), with every free-form reply
-        out["notice"] = info["notice"]
+    out = {"conversation": done.conversation, "trace": done.trace, "turn": done.turn,
+           "cached_tokens": done.cached_tokens, "ttft_s": done.ttft_s}
+    if done.notice:  # what the model can answer (its card), with every free-form reply
+        out["notice"] = done.notice
     return out
 
 
@@ -320,21 +320,20 @@ async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage:
         yield _sse(chunk_body(rid, model_id, {"role": "assistant", "content": ""}))
         while True:
             event = await events.get()
-            if event[0] == "delta":
-                yield _sse(chunk_body(rid, model_id, {"content": event[1]}))
-            elif event[0] == "reasoning":  # the field vLLM and SGLang stream a reasoning model's thinking in
-                yield _sse(chunk_body(rid, model_id, {"reasoning_content": event[1]}))
-            elif event[0] == "logprob":  # one generated token's log-probabilities, as it is drawn
-                yield _sse(chunk_body(rid, model_id, {}, logprobs=[event[1]]))
-            elif event[0] == "error":
-                yield _sse(error_body(RequestError(event[2], status=event[1], kind="server_error")))
+            if isinstance(event, TextDelta):
+                yield _sse(chunk_body(rid, model_id, {"content": event.text}))
+            elif isinstance(event, ReasoningDelta):  # the field vLLM and SGLang stream a reasoning model's thinking in
+                yield _sse(chunk_body(rid, model_id, {"reasoning_content": event.text}))
+            elif isinstance(event, TokenLogprob):  # one generated token's log-probabilities, as it is drawn
+                yield _sse(chunk_body(rid, model_id, {}, logprobs=[event.entry]))
+            elif isinstance(event, Failed):
+                yield _sse(error_body(RequestError(event.message, status=event.status, kind="server_error")))
                 return
-            elif event[0] == "done":
-                info = event[1]
-                yield _sse({**chunk_body(rid, model_id, {}, _finish(info["finish_reason"])), "k3": _k3_info(info)})
+            elif isinstance(event, Finished):
+                yield _sse({**chunk_body(rid, model_id, {}, _finish(event.finish_reason)), "k3": _k3_info(event)})
                 if include_usage:
                     yield _sse(chunk_body(rid, model_id, {}, usage_=usage(
-                        info["prompt_tokens"], info["completion_tokens"], info["cached_tokens"])))
+                        event.prompt_tokens, event.completion_tokens, event.cached_tokens)))
                 yield b"data: [DONE]\n\n"
                 return
     finally:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from apps.serve.events import Event, Failed, Finished, Started
 from engine.errors import InputError
 
 EXPORTERS = ("off", "console", "otlp")
@@ -36,7 +37,7 @@ class RequestTelemetry:
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("k3wb.serve")
 
-    def observe(self, request: Any, request_id: str, emit: Callable[[tuple], None]) -> Callable[[tuple], None]:
+    def observe(self, request: Any, request_id: str, emit: Callable[[Event], None]) -> Callable[[Event], None]:
         """`emit` wrapped so that the job's events also fill and end its span (started now, as it is queued)."""
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -45,21 +46,20 @@ class RequestTelemetry:
         span.set_attribute("gen_ai.response.id", request_id)
         ended = False
 
-        def on_event(event: tuple) -> None:
+        def on_event(event: Event) -> None:
             nonlocal ended
             if not ended:
-                kind = event[0]
-                if kind == "start":
-                    span.set_attribute("k3wb.conversation", event[1]["conversation"])
-                    span.set_attribute("k3wb.cached_tokens", int(event[1]["cached_tokens"]))
-                elif kind == "done":
-                    for key, value in _response_attributes(event[1], self.model, self.trace_root).items():
+                if isinstance(event, Started):
+                    span.set_attribute("k3wb.conversation", event.conversation)
+                    span.set_attribute("k3wb.cached_tokens", event.cached_tokens)
+                elif isinstance(event, Finished):
+                    for key, value in _response_attributes(event, self.model, self.trace_root).items():
                         span.set_attribute(key, value)
                     span.end()
                     ended = True
-                elif kind == "error":
-                    span.set_attribute("error.type", str(event[1]))
-                    span.set_status(Status(StatusCode.ERROR, str(event[2])[:500]))
+                elif isinstance(event, Failed):
+                    span.set_attribute("error.type", str(event.status))
+                    span.set_status(Status(StatusCode.ERROR, event.message[:500]))
                     span.end()
                     ended = True
             emit(event)
@@ -83,16 +83,14 @@ def _request_attributes(request: Any, model: str) -> dict[str, Any]:
     return out
 
 
-def _response_attributes(info: dict, model: str, trace_root: Path | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"gen_ai.response.model": model,
-                           "gen_ai.response.finish_reasons": [str(info["finish_reason"])],
-                           "gen_ai.usage.input_tokens": int(info["prompt_tokens"]),
-                           "gen_ai.usage.output_tokens": int(info["completion_tokens"]),
-                           "k3wb.turn": int(info["turn"])}
-    if info.get("ttft_s") is not None:
-        out["k3wb.ttft_s"] = float(info["ttft_s"])
-    if info.get("trace"):
-        out["k3wb.trace"] = str(trace_root / info["trace"]) if trace_root is not None else str(info["trace"])
+def _response_attributes(done: Finished, model: str, trace_root: Path | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"gen_ai.response.model": model, "gen_ai.response.finish_reasons": [done.finish_reason],
+                           "gen_ai.usage.input_tokens": done.prompt_tokens,
+                           "gen_ai.usage.output_tokens": done.completion_tokens, "k3wb.turn": done.turn}
+    if done.ttft_s is not None:
+        out["k3wb.ttft_s"] = float(done.ttft_s)
+    if done.trace:
+        out["k3wb.trace"] = str(trace_root / done.trace) if trace_root is not None else done.trace
     return out
 
 

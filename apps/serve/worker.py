@@ -2,11 +2,10 @@
 cached prefix (`prefix_cache`), recorded into its conversation's trace, streamed back as events.
 
 The HTTP side (`apps.serve.app`) never touches the model; it submits a `Job` and reads the events
-the job emits, in order: `("start", info)` once the request rendered (its tokens are known), then
-`("delta", text)` for streamed response text and `("reasoning", text)` for streamed thinking (the
-chat format's sections, read by `engine.session.chat_response.ResponseReader`: the scaffold tags
-never reach the client, and generation stops where the response ends), then `("done", info)`; or
-`("error", status, message, param)` at any point. A job whose client went away has `cancelled` set:
+the job emits (typed: `apps.serve.events`), in order: `Started` once the request rendered (its tokens
+are known), then `TextDelta` for streamed response text, `ReasoningDelta` for streamed thinking and
+`TokenLogprob` when asked (the answer is read by `engine.session.answer`: the scaffold tags never reach
+the client, and generation stops where the response ends), then `Finished`; or `Failed` at any point. A job whose client went away has `cancelled` set:
 it is skipped if still queued, and its generation stops after the current token otherwise. The queue
 is bounded (`submit` returns False when full: the client gets 429). An exception inside one request
 ends that request (and drops its conversation, whose state is then unknown), never the thread.
@@ -31,6 +30,8 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from apps.serve.events import (Event, Failed, Finished, ReasoningDelta, Started, TextDelta,
+                               TokenLogprob)
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest, token_logprob
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
@@ -40,7 +41,6 @@ from engine.session.sampling import SamplingParams
 from engine.session.transcript import RenderedChat, append_rendered, render_messages
 from workbench.sessions import open_session
 
-Event = tuple
 
 
 @dataclass
@@ -164,8 +164,8 @@ class EngineWorker:
                     self._run(job)
             except Exception as exc:  # noqa: BLE001 - one failed request must never stop the server
                 traceback.print_exc(file=sys.stderr)
-                job.emit(("error", 500, f"the engine failed on this request ({type(exc).__name__}); the server "
-                          "keeps running", None))
+                job.emit(Failed(500, f"the engine failed on this request ({type(exc).__name__}); the server "
+                                "keeps running"))
                 if self.channel is not None:
                     _end_job(self.channel, exc)
             finally:
@@ -206,7 +206,7 @@ class EngineWorker:
                                    open_response=self.options.open_response,
                                    continue_final=job.request.continue_final)
         except InputError as exc:
-            job.emit(("error", 400, str(exc), "messages"))
+            job.emit(Failed(400, str(exc), "messages"))
             return None
 
     def _new_conversation(self, owner: str) -> Conversation:
@@ -235,7 +235,7 @@ class EngineWorker:
         try:  # checked when the request was parsed; again here, before any conversation is touched
             params = job.request.sampling()
         except InputError as exc:
-            job.emit(("error", 400, str(exc), None))
+            job.emit(Failed(400, str(exc)))
             return
         chat = self._render(job)
         if chat is None:
@@ -244,14 +244,14 @@ class EngineWorker:
         cached = conv.session.length if conv is not None else 0
         if conv is None:
             conv = self._new_conversation(job.owner)
-        job.emit(("start", {"prompt_tokens": len(chat.ids), "cached_tokens": cached, "conversation": conv.id}))
+        job.emit(Started(len(chat.ids), cached, conv.id))
         self._running = conv
         try:
             result = self._generate(job, conv, chat, params, started, cached)
         except BaseException as exc:
             self._close(conv, "failed")
             if isinstance(exc, InputError):
-                job.emit(("error", 400, str(exc), None))
+                job.emit(Failed(400, str(exc)))
                 return
             raise
         finally:
@@ -269,10 +269,10 @@ class EngineWorker:
             opening = chat.pieces[-1].ids  # the generation prompt and what it opened
             ids = opening + result["ids"] + result["closing"]
             self.replies.remember(chat.ids[:len(chat.ids) - len(opening)], result["content"], ids, job.owner)
-        usage = {"prompt_tokens": len(chat.ids), "completion_tokens": len(result["ids"]), "cached_tokens": cached}
         notice = self.options.notice if not job.request.continue_final else ""
-        job.emit(("done", {**result, **usage, "conversation": conv.id, "turn": conv.turns, "notice": notice,
-                           "trace": conv.trace.path.name if conv.trace is not None else None}))
+        job.emit(Finished(**result, prompt_tokens=len(chat.ids), completion_tokens=len(result["ids"]),
+                          cached_tokens=cached, conversation=conv.id, turn=conv.turns, notice=notice,
+                          trace=conv.trace.path.name if conv.trace is not None else None))
 
     def _generate(self, job: Job, conv: Conversation, chat: RenderedChat, params: SamplingParams, started: float,
                   cached: int) -> dict[str, Any]:
@@ -291,7 +291,7 @@ class EngineWorker:
             if want_logprobs:  # the model's own distribution the token was drawn from (no temperature)
                 dist = torch.log_softmax(session.last_logits.float(), -1)
                 logprobs.append(token_logprob(self.tokenizer, token.id, dist, top))
-                job.emit(("logprob", logprobs[-1]))
+                job.emit(TokenLogprob(logprobs[-1]))
 
         def keep_going(_token: Any) -> bool:
             go_on = not job.cancelled.is_set() and not self._stopping.is_set()
@@ -305,8 +305,8 @@ class EngineWorker:
             answer = Answer()
             if not self._stopping.is_set():
                 answer = generate_answer(session, params, stop_strings=job.request.stop, add_generation_prompt=False,
-                                         on_text=lambda text: job.emit(("delta", text)),
-                                         on_thinking=lambda text: job.emit(("reasoning", text)),
+                                         on_text=lambda text: job.emit(TextDelta(text)),
+                                         on_thinking=lambda text: job.emit(ReasoningDelta(text)),
                                          on_token=first_token, keep_going=keep_going)
             finish = answer.finish_reason
             if self._stopping.is_set():
@@ -327,7 +327,7 @@ def _shutting_down(generated: int | None = None) -> Event:
         done = " before it ran"
     else:
         done = f" after {generated} generated token(s)" if generated else " in the prefill of its prompt"
-    return ("error", 503, f"the server is shutting down; this request was stopped{done}", None)
+    return Failed(503, f"the server is shutting down; this request was stopped{done}")
 
 
 def _end_job(channel: RankChannel | None, exc: BaseException) -> None:
