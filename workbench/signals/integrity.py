@@ -182,10 +182,12 @@ def _with_health_rows(inner: RowsFn) -> RowsFn:
 def install() -> None:
     """Add the health table, request fields and checks to the registered kda, dsa and moe families
     (once; `workbench.signals` calls it after registering them)."""
-    families = registered()
-    for family, signal in (("kda", "kda.state"), ("dsa", "dsa.topk"), ("moe", "moe.route")):
-        fam = families.get(family)
-        if fam is None or any(t.name == f"{family}_health" for t in fam.tables):
+    signals = {"kda": "kda.state", "dsa": "dsa.topk", "moe": "moe.route"}
+    # in registration order: re-registering each in turn leaves the families, and the tables (which the
+    # writer flushes in order), as they were, each family's health table after its own
+    for family, fam in registered().items():
+        signal = signals.get(family)
+        if signal is None or any(t.name == f"{family}_health" for t in fam.tables):
             continue
         register(dataclasses.replace(fam, tables=fam.tables + (_health_table(family, signal),),
                                      request=_with_health_request(fam.request),
