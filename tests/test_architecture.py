@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine base", ("engine.errors", "engine.io", "engine.lazy")),
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.io.inputs", "engine.runtime",
                        "engine.probes", "engine.hooks", "engine.cache", "engine.tokenizer", "engine.deployment",
-                       "engine.builtin", "engine.model_ref", "engine.session.chat_response", "engine.interventions")),
+                       "engine.builtin", "engine.model_ref", "engine.model_card", "engine.session.chat_response", "engine.interventions")),
     # who this rank is, the one choke point for collectives, expert placement maths
     ("engine parallel", ("engine.parallel",)),
     # one folder per operator: reference.py (pure torch) beside triton_*.py

@@ -12,10 +12,10 @@ held-out prompt measures retrieval, not memorised phrasing.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from dataclasses import dataclass, field
+
+from engine.model_card import ANSWER_STYLES, answer_style_of  # noqa: F401  (re-exported: the checkpoint's record)
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,6 @@ def filler(world: World, rng: random.Random, n_bytes: int) -> str:
     return "".join(parts)
 
 
-ANSWER_STYLES = ("key", "span")
 
 
 def response_text(key: str, value: str) -> str:
@@ -177,34 +176,6 @@ def answer_prefix(style: str, key: str) -> str:
     if style not in ANSWER_STYLES:
         raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
     return key if style == "span" else response_text(key, "")
-
-
-def answer_style_of(model: str | Path) -> str:
-    """The answer style a checkpoint was trained to (its `training.json`'s `answer_style`; "key" when
-    it has no such file or field, as every checkpoint before the style existed): `builtin:NAME`, a
-    directory, or `preset:...` (random weights: "key"). A training.json that is not a JSON object or
-    names an unknown style is an error that names the file."""
-    from engine.errors import CheckpointError
-    from engine.io.files import read_limited
-    from engine.model_ref import parse_model_ref
-
-    root = parse_model_ref(model).directory
-    if root is None:
-        return "key"
-    info = root / "training.json"
-    if not info.is_file():
-        return "key"
-    try:
-        # a checkpoint may come from anyone: its training notes are a few hundred bytes
-        data = json.loads(read_limited(info, "a training.json", CheckpointError, 1 << 20))
-    except CheckpointError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{info}: not valid JSON ({exc})") from None
-    style = data.get("answer_style", "key") if isinstance(data, dict) else None
-    if style not in ANSWER_STYLES:
-        raise ValueError(f"{info}: answer_style must be one of {ANSWER_STYLES}, got {style!r}")
-    return style
 
 
 def response_value(response: str, style: str = "key") -> str:

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.errors import CheckpointError, InputError
+from engine.errors import InputError
+# the checkpoint's prompting card is read by the engine, beside the model reference it belongs to
+from engine.model_card import CARD_TASKS, ModelCard, card_files, card_of
 from workbench.retrieval_text import TRAIN, answer_prefix, answer_style_of, response_value
 
-TASKS = ("free-form", "find-fact", "picture")
+TASKS = CARD_TASKS  # what a prompting card may name (`engine.model_card`)
 PICTURE_ATTRIBUTES = ("colour", "shape", "position", "digit")
 
 # The trained picture questions per picture kind (`workbench.shape_pictures`), and the system lines
@@ -51,87 +53,6 @@ PICTURE_SYSTEMS = ("You are a helpful assistant.", "You answer questions about p
 # the fact template and its question: the pair `workbench demo` plants and asks (TRAIN's needle 4)
 FACT_TEMPLATE = 4
 MAX_FIELD_CHARS = 80
-# the card files are a few hundred bytes; anything far larger is not one
-_CARD_FILE_LIMIT = 64 << 10
-_NOTICE_LIMIT = 400
-_DEFAULT_MAX_NEW_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """What a checkpoint says about prompting it."""
-
-    model: str
-    temperature: float        # default sampling temperature (0.0 = greedy)
-    max_new_tokens: int
-    tasks: tuple[str, ...]    # task templates it was trained on; () = any prompt
-    notice: str               # one line: what it can and cannot answer ("" when none)
-
-
-def card_of(model: str | Path) -> ModelCard:
-    """The prompting card of `builtin:NAME`, a checkpoint directory or `preset:...` (random weights:
-    temperature 1.0, any prompt, no notice). Missing files mean the same defaults; a file that is
-    too large, not JSON or holds wrong fields is a CheckpointError naming it."""
-    from engine.model_ref import parse_model_ref
-
-    ref = parse_model_ref(model)
-    card = ModelCard(ref.text, 1.0, _DEFAULT_MAX_NEW_TOKENS, (), "")
-    root = ref.directory
-    if root is None:
-        return card
-    gen = _card_json(root / "generation_config.json", "a generation_config.json")
-    prompting = _card_json(root / "prompting.json", "a prompting.json")
-    temperature, max_new = card.temperature, card.max_new_tokens
-    if gen is not None:
-        source = root / "generation_config.json"
-        if gen.get("do_sample") is False:
-            temperature = 0.0
-        elif "temperature" in gen:
-            temperature = _number(gen["temperature"], source, "temperature", 0.0, 100.0)
-        if "max_new_tokens" in gen:
-            max_new = int(_number(gen["max_new_tokens"], source, "max_new_tokens", 1, 1 << 20, integer=True))
-    tasks: tuple[str, ...] = ()
-    notice = ""
-    if prompting is not None:
-        source = root / "prompting.json"
-        raw_tasks = prompting.get("tasks", [])
-        if not isinstance(raw_tasks, list) or any(t not in TASKS for t in raw_tasks):
-            raise CheckpointError(f"{source}: tasks must be a list of {', '.join(TASKS)}; got {str(raw_tasks)[:120]}")
-        tasks = tuple(raw_tasks)
-        notice = prompting.get("notice", "")
-        if not isinstance(notice, str) or "\n" in notice or len(notice) > _NOTICE_LIMIT:
-            raise CheckpointError(f"{source}: notice must be one line of at most {_NOTICE_LIMIT} characters")
-    return ModelCard(ref.text, temperature, max_new, tasks, notice)
-
-
-def _card_json(path: Path, what: str) -> dict | None:
-    from engine.io.files import parse_json, read_limited
-
-    if not path.exists() and not path.is_symlink():
-        return None
-    data = parse_json(read_limited(path, what, CheckpointError, _CARD_FILE_LIMIT), str(path), CheckpointError)
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _number(value: Any, source: Path, field: str, lo: float, hi: float, integer: bool = False) -> float:
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not lo <= value <= hi:
-        kind = "an integer" if integer else "a number"
-        raise CheckpointError(f"{source}: {field} must be {kind} in [{lo:g}, {hi:g}], got {value!r}")
-    return value
-
-
-def card_files(tasks: Sequence[str], notice: str, *, temperature: float = 0.0,
-               max_new_tokens: int = 48) -> dict[str, dict]:
-    """The two card files (file name -> JSON object) a trained checkpoint ships, so that
-    `card_of` reads back `temperature`, `max_new_tokens`, `tasks` and `notice`."""
-    return {"generation_config.json": {"do_sample": temperature > 0, "temperature": temperature,
-                                       "max_new_tokens": max_new_tokens},
-            "prompting.json": {"tasks": list(tasks), "notice": notice}}
-
-
 # ---------------------------------------------------------------------------------------------------
 # finding a fact in the user's own text
 
