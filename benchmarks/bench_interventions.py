@@ -1,4 +1,4 @@
-"""Causal check of the trained demo model (issue 30): which memory does the passcode come from?
+"""Causal check of the trained demo model: which memory does the passcode come from?
 
     python benchmarks/bench_interventions.py                       # builtin:demo, 8K tokens
     python benchmarks/bench_interventions.py --tokens 32768 --controls 8 --kda heads --json rows.json

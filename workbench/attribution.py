@@ -1,4 +1,4 @@
-"""Which memory an answer depends on (issue 30): `attribution(...)`, a sweep of interventions, each
+"""Which memory an answer depends on: `attribution(...)`, a sweep of interventions, each
 beside a control of the same size.
 
 For a target answer (e.g. the needle's value) after a continuation (the question), every candidate

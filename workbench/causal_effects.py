@@ -1,4 +1,4 @@
-"""What an intervention changes in an answer (issue 30): `effects(...)`.
+"""What an intervention changes in an answer: `effects(...)`.
 
 From one shared prefix (the session's context, prefilled once) two branches continue: one as the
 model is, one with the interventions. Each branch appends the same continuation (the question),

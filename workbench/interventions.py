@@ -1,4 +1,4 @@
-"""Interventions on a running session, from Python or a JSON spec (issue 30).
+"""Interventions on a running session, from Python or a JSON spec.
 
     with workbench.intervene(session, {"op": "dsa.hide", "segment": "report.txt", "layers": "all"}):
         answer = [t.text for t in session.generate(16, temperature=0)]
@@ -123,7 +123,7 @@ def spec_json(items: Sequence[Intervention]) -> list[dict]:
 
 # ---- the arguments of the experiments built on interventions (`effects`, `attribution`) ----------------
 # Checked at their entry, before anything is prefilled or forked: each bad value is one InputError line
-# naming the argument (issue 42 item 10), never an IndexError from a tensor or a ValueError from numpy.
+# naming the argument, never an IndexError from a tensor or a ValueError from numpy.
 MAX_SEED = (1 << 63) - 1
 MAX_CONTROLS = 1000  # each control is a scored continuation: more is hours, not precision
 

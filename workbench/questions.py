@@ -1,6 +1,6 @@
 """The six questions of the workbench spec (section 6), each one call on a trace: a frame and one line,
-a seventh where the trace holds measured effects (issue 30): which memory did the answer depend on? and an
-eighth (issue 41): did the recording's integrity checks find anything, where and since when?
+a seventh where the trace holds measured effects: which memory did the answer depend on? and an
+eighth: did the recording's integrity checks find anything, where and since when?
 
     trace = workbench.open_trace("traces/demo")
     for name, answer in ask_all(trace).items():
@@ -245,7 +245,7 @@ def memory_dependence(trace: Trace) -> Answer:
 
 
 def integrity_health(trace: Trace) -> Answer:
-    """Q8: did the recording's integrity checks find anything (issue 41), where and since when? The frame
+    """Q8: did the recording's integrity checks find anything, where and since when? The frame
     has one row per (check, layer) (`workbench.signals.integrity.health`), findings first."""
     from workbench.signals import integrity
 

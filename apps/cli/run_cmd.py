@@ -215,7 +215,7 @@ def rehearse(args: argparse.Namespace, prompt: str | None, model, tokenizer) -> 
     """Lay the run's prompt out in a scratch session of the loaded model (no forward runs, no image goes
     through the tower) and resolve the interventions against its segments: a prompt past the context
     limit, a bad image, a bad template input or an intervention the model cannot run (a ban that leaves a
-    token too few experts) is refused here, before the trace directory exists (issue 42 items 8, 12)."""
+    token too few experts) is refused here, before the trace directory exists."""
     scratch = open_session(model, tokenizer, model_name=str(args.model), prefill_chunk=args.prefill_chunk,
                            progress=False, snapshot=args.load)
     scratch._run_tower = _no_tower  # this session is never run: its images need no embeddings

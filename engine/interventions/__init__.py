@@ -1,5 +1,5 @@
 """Interventions as data: what a layer may not read, what a KDA head may not remember, which experts
-a token may not use (issue 30).
+a token may not use.
 
 One JSON list describes them (the command line's `--intervene SPEC.json`, the Python API, the trace):
 

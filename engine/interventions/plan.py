@@ -207,7 +207,7 @@ class InterventionPlan:
 
 def _acting(items: Sequence[Intervention]) -> list[tuple[int, Intervention]]:
     """The entries that change anything, with their indices: a state edit by a factor of 1 is left out (it
-    would split a prefill at its position, which is not the same computation: issue 42 item 11), and a
+    would split a prefill at its position, which is not the same computation), and a
     repeated read / write / route entry counts once (a repeated edit multiplies again, so it stays)."""
     seen: set[Intervention] = set()
     out = []

@@ -16,7 +16,7 @@ ALL = "all"
 
 OPS = ("dsa.hide", "dsa.pin", "kda.erase", "kda.scale", "kda.suppress_writes", "moe.ban", "moe.force")
 
-# What one spec may cost, whatever its bytes (issue 42 item 9): the number of entries, and the ids all its
+# What one spec may cost, whatever its bytes: the number of entries, and the ids all its
 # layers / heads / experts lists name together. Each entry adds a row to a table per layer it names, and
 # every forward reads every row, so the entry count bounds the work and memory of each forward.
 MAX_INTERVENTIONS = 1024

@@ -1,4 +1,4 @@
-"""Verdicts that hold (issue 39): same-size control spans and the plain-words verdict of an effect.
+"""Verdicts that hold: same-size control spans and the plain-words verdict of an effect.
 
 An intervention's effect (the change of the answer's log-probability, nats) means something only
 beside what a random intervention of the same size does. Two pure functions make that comparison the

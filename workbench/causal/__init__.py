@@ -1,4 +1,4 @@
-"""The causal pieces of the workbench (issue 39): did the answer use this span, and what-if reruns.
+"""The causal pieces of the workbench: did the answer use this span, and what-if reruns.
 
 - `check`: `check_span(session, span, continuation=task)`: one span hidden from the DSA layers beside
   random same-size controls, with the verdict in one sentence (also `workbench.check_span`).
