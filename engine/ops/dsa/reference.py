@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 
 from engine.interventions import DsaRule
-from engine.ops.integrity import topk_ties
 
 # scores held at once: q_block * key_block * indexer heads (fp32) stays near 64 MB
 _SCORE_BUDGET = 16 * 1024 * 1024
@@ -36,16 +35,20 @@ def _block_sizes(n_heads: int, topk: int, n_keys: int, q_block: int | None, key_
     return qb, kb
 
 
-def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _select(scores: torch.Tensor, positions: torch.Tensor, k: int, ties: bool = False) -> tuple[torch.Tensor, ...]:
     """Keep the k best of each row: largest score, ties at the k-th score go to the earliest position.
 
     Args:
         scores: `[B, q, n]` fp32, -inf for invisible keys.
         positions: `[n]` or `[B, q, n]` key positions, ascending along the last dim.
+        ties: also return the k-th score `[B, q]` and the tie band and cut `[B, q]` int64
+            (`engine.ops.integrity.topk_ties`), counted over the whole row only where a tie straddles
+            the k-th place (elsewhere every key at the k-th score is in the selection).
 
     Returns:
         scores and positions `[B, q, k]` in ascending position order (-inf entries remain when a
-        row has fewer than k visible keys; they are its latest positions).
+        row has fewer than k visible keys; they are its latest positions); with `ties` also
+        kth, band and cut.
     """
     positions = positions.expand_as(scores)
     # one extra candidate shows whether a tie straddles the k-th place (then topk's pick is arbitrary)
@@ -54,6 +57,10 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torc
     surplus = (vals[..., k] == vals[..., k - 1])  # [B, q]
     vals, sel = vals[..., :k].contiguous(), sel[..., :k]
     idx = positions.gather(-1, sel)
+    if ties:
+        finite = kth[..., 0].isfinite()
+        band = (vals == kth).sum(-1) * finite  # the keys at the k-th score the selection holds
+        cut = torch.zeros_like(band)
     if bool(surplus.any()):
         # redo those rows exactly: every key above the k-th score outranks every tied key, and tied
         # keys rank by position (earliest first); one more top-k on that order picks the set
@@ -64,7 +71,13 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torc
         pick = order_key.topk(k, dim=-1).indices
         vals[rows] = s_rows.gather(-1, pick)
         idx[rows] = p_rows.gather(-1, pick)
+        if ties:  # these rows left keys at the k-th score out: count the whole band
+            whole = (s_rows == t_rows).sum(-1) * finite[rows]
+            cut[rows] = whole - band[rows]
+            band[rows] = whole
     order = idx.argsort(dim=-1)
+    if ties:
+        return vals.gather(-1, order), idx.gather(-1, order), kth[..., 0], band, cut
     return vals.gather(-1, order), idx.gather(-1, order)
 
 
@@ -161,15 +174,13 @@ def indexer_topk(
                 # running set first: its positions all precede this block's, so ties keep favouring earlier keys
                 run_score = torch.cat((run_score, s), dim=-1)
                 run_idx = torch.cat((run_idx, key_pos[k0:k1].expand(B, q1 - q0, k1 - k0)), dim=-1)
-            if run_score.shape[-1] > topk:
-                merged = run_score
+            if run_score.shape[-1] > topk and not ties:
                 run_score, run_idx = _select(run_score, run_idx, topk)
-                if ties:
-                    kth = run_score.amin(-1)
-                    band, now = topk_ties(merged, kth, run_score)
-                    kept = band - now  # the selection's keys at the k-th score: final once no merge follows
-                    dropped = now if dropped is None else torch.where(kth == run_kth, dropped + now, now)
-                    run_kth = kth
+            elif run_score.shape[-1] > topk:
+                run_score, run_idx, kth, band, now = _select(run_score, run_idx, topk, ties=True)
+                kept = band - now  # the selection's keys at the k-th score: final once no merge follows
+                dropped = now if dropped is None else torch.where(kth == run_kth, dropped + now, now)
+                run_kth = kth
             elif run_idx.dim() == 1:
                 run_idx = run_idx.expand(B, q1 - q0, -1)
         assert run_score is not None and run_idx is not None
