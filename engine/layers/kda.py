@@ -132,8 +132,10 @@ class KimiDeltaAttention(nn.Module):
         seen: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         ranks: list[torch.Tensor] = []
         drifts: list[torch.Tensor] = []
+        # which observation the drift check re-runs up to; read only for a chunked (eager, prefill) call, so
+        # the compiled decode step never depends on the step counter
         chunks = -(-g.shape[1] // self.runtime.kda_chunk_size)
-        target = point.context.step % max(1, chunks)  # which observation the drift check re-runs up to
+        target = point.context.step % max(1, chunks) if drift and window is not None else -1
         before: list = [-1, None if window is None else window[3]]  # the previous observation: t, S
 
         def observe(t: int, S: torch.Tensor) -> None:
