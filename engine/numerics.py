@@ -62,9 +62,13 @@ def nonfinite_error(model: torch.nn.Module, input_ids: torch.Tensor, logits: tor
     layer = first_nonfinite(outputs)
     config = model.config
     if layer is None:
-        where = "the decoder layers' outputs are finite: the final norm or lm_head produces them"
+        # the replay runs from an empty state with nothing attached: finite layers there mean either the
+        # output head, or something the replay does not repeat (a hook, an intervention, a state edited mid-run)
+        where = ("replayed from an empty state, every decoder layer's output is finite: the final norm or lm_head "
+                 "produces them, or they came from outside the weights (a hook, an intervention, a changed state)")
     else:
         where = (f"the first layer whose output is not finite is layer {layer} ({config.layer_kind(layer)}"
                  f"{', MoE' if config.is_moe_layer(layer) else ''})")
-    return NumericsError(f"{head}: {where}; the checkpoint's weights are likely bad "
-                         f"(`workbench inspect` checks their values)")
+    advice = ("`workbench inspect` checks the weights' values; then look at what was attached or set"
+              if layer is None else "the checkpoint's weights are likely bad (`workbench inspect` checks their values)")
+    return NumericsError(f"{head}: {where}; {advice}")
