@@ -13,14 +13,8 @@ full causal forward's logits at every position.
     session.save("snap/")                                    # safetensors + JSON
     again = Session.load("snap/", model, tokenizer)          # continues identically
 
-Images (spec section 8): `append(image=...)` preprocesses the picture (a bad one raises ImageError
-before anything changes), runs the vision tower once, and appends
-`<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_end|>`;
-prefill feeds the projector's outputs at those positions, whatever chunks split them. The segment's
-`image` dict records the picture (size, grids, token range, pixel hash); snapshots keep it and the
-thumbnail (a small PNG, for viewers), and need no pixels to resume (the image positions are in the
-state once consumed). `append_message(role, text, images=[...])` puts images and text in ONE chat
-message (images first, then the text), the section-9 format a chat with pictures uses.
+Images (spec section 8): `append(image=...)` and `append_message(role, text, images=[...])`; the
+media tokens and what a segment records are described in `engine.session.images`.
 
 Observers (`session.observers`) receive `(event, payload)` for progress and tokens, so the CLI,
 recorders and the dashboard follow a session without the session knowing them.
@@ -36,24 +30,24 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.cache import KDAState, ModelState
+from engine.cache import KDAState
 from engine.decode.step import DecodeStep
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
+from engine.session.arguments import check_names, check_types, token_ids
 from engine.session.sampling import SamplingParams, make_generator, sample
-from engine.session.segments import MAX_SEGMENT_NAME, Segment
+from engine.session.segments import Segment
 from engine.session.intervention_log import activate as activate_interventions
-from engine.session.state import model_fingerprint, restore, session_state_dict
+from engine.session.state import restore, session_state_dict
 from engine.session.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
 from engine.session.transcript import TranscriptMessage, append_rendered, parse_messages, render_messages
 from engine.vision import ImageSource
-from engine.session.images import PreparedImage, prepare_image
+from engine.session.images import PreparedImage, image_record, pending_image_inputs, prepare_image
 
 Observer = Callable[[str, dict], None]
 # a prefill this long can take seconds on a CPU (a 5.7K-token quick start waited 19 s in silence when the
@@ -68,44 +62,6 @@ class GeneratedToken:
     text: str
     position: int
     logprob: float
-
-
-def _check_types(**values: tuple[Any, type]) -> None:
-    """InputError naming the first argument that is neither None nor of its type (a public API
-    answers a wrong type with the engine's own error, not a TypeError from deep inside)."""
-    for name, (value, kind) in values.items():
-        if value is not None and not isinstance(value, kind):
-            raise InputError(f"{name}= must be a {kind.__name__}, got {type(value).__name__}")
-
-
-def _check_names(*names: str | None) -> None:
-    """InputError for a segment name longer than MAX_SEGMENT_NAME (before anything changes)."""
-    for name in names:
-        if name is not None and len(name) > MAX_SEGMENT_NAME:
-            raise InputError(f"a segment name of {len(name):,} characters; at most {MAX_SEGMENT_NAME:,} are kept")
-
-
-def _token_ids(ids: Any) -> list[int]:
-    """`ids` as a list of ints: a sequence or 1-D tensor of integers (never floats, bools or text,
-    which `int()` would silently turn into other ids)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise InputError(f"ids= must be a 1-D tensor of integer token ids, got {ids.dtype} {list(ids.shape)}")
-        return ids.tolist()
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise InputError(f"ids= must be a 1-D array of integer token ids, got {ids.dtype} {list(ids.shape)}")
-        return ids.tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise InputError(f"ids= must be a sequence of integer token ids, got {type(ids).__name__}")
-    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
-    if bad is not None:
-        raise InputError(f"ids= must hold integer token ids, got {bad!r:.40}")
-    out = [int(i) for i in ids]
-    huge = next((i for i in out if not -2 ** 63 <= i < 2 ** 63), None)  # a tensor could not even hold it
-    if huge is not None:
-        raise InputError(f"token id {huge:.3g} is outside the vocabulary")
-    return out
 
 
 class Session:
@@ -183,8 +139,8 @@ class Session:
         """
         if sum(x is not None for x in (text, ids, image)) != 1:
             raise InputError("append needs exactly one of text=, ids= or image=")
-        _check_types(text=(text, str), role=(role, str), name=(name, str), kind=(kind, str))
-        _check_names(name)
+        check_types(text=(text, str), role=(role, str), name=(name, str), kind=(kind, str))
+        check_names(name)
         if image is not None:
             return self._append_image(image, role=role, name=name, kind=kind)
         if text is not None:
@@ -197,7 +153,7 @@ class Session:
             else:
                 new = self._encode(text)
         else:
-            new = _token_ids(ids)
+            new = token_ids(ids)
             if not new:
                 raise InputError("empty token list: nothing to append")
         self.model.check_input_ids(torch.tensor([new]))
@@ -225,7 +181,7 @@ class Session:
         """
         if text is None and not images:
             raise InputError("a message needs text or at least one image")
-        _check_types(role=(role, str), text=(text, str), name=(name, str))
+        check_types(role=(role, str), text=(text, str), name=(name, str))
         if text is not None and not text:
             raise InputError("empty text: nothing to append")
         if self.tokenizer is None:
@@ -233,7 +189,7 @@ class Session:
         names = list(image_names) if image_names is not None else [None] * len(images)
         if len(names) != len(images):
             raise InputError(f"{len(images)} image(s) but {len(names)} image name(s)")
-        _check_names(name, *(n for n in names if isinstance(n, str)))
+        check_names(name, *(n for n in names if isinstance(n, str)))
         head, tail = self.tokenizer.message_frame(role)  # checks the role before the tower runs
         # every image is checked (and the length limit) before any tower runs or anything is committed
         parts: list[tuple[str, Any]] = [("image", self._prepare_image(im, label)) for im, label in zip(images, names)]
@@ -309,14 +265,10 @@ class Session:
     def _commit_image(self, prepared: PreparedImage, head: list[int], tail: list[int], *, role: str | None,
                       kind: str | None) -> Segment:
         """Append a prepared image (with the chat tags `head` before and `tail` after it) as one segment."""
-        processed, rows, cols = prepared.processed, prepared.rows, prepared.cols
+        processed = prepared.processed
         assert prepared.embeds is not None, "the tower runs before an image is committed"
         first = len(self.tokens) + len(head) + prepared.pad_at
-        info = {"width": processed.original_size[0], "height": processed.original_size[1],
-                "resized_width": processed.resized_size[0], "resized_height": processed.resized_size[1],
-                "patch_rows": processed.grid[0], "patch_cols": processed.grid[1], "grid_rows": rows,
-                "grid_cols": cols, "token_start": first, "token_end": first + rows * cols,
-                "sha256": processed.sha256, "frames": processed.frames}
+        info = image_record(prepared, first)
         self._pending_images.append((first, prepared.embeds))
         if processed.thumbnail is not None:
             self.image_thumbnails[len(self.segments)] = processed.thumbnail
@@ -326,16 +278,7 @@ class Session:
 
     def _image_inputs(self, start: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(projector rows, [1, n] mask) of the pending images that fall in positions [start, start + n)."""
-        rows, mask = [], None
-        for first, embeds in self._pending_images:
-            lo, hi = max(first, start), min(first + len(embeds), start + n)
-            if lo >= hi:
-                continue
-            if mask is None:
-                mask = torch.zeros(1, n, dtype=torch.bool, device=self.device)
-            mask[0, lo - start: hi - start] = True
-            rows.append(embeds[lo - first: hi - first])
-        return (torch.cat(rows) if rows else None), mask
+        return pending_image_inputs(self._pending_images, start, n, self.device)
 
     # ---- interventions (engine.interventions) -----------------------------------------------
     def set_interventions(self, spec: Any) -> None:
@@ -443,7 +386,7 @@ class Session:
                 chat message from someone other than the assistant.
             overrides: individual SamplingParams fields (temperature=0, seed=1, ...).
         """
-        _check_types(params=(params, SamplingParams))
+        check_types(params=(params, SamplingParams))
         unknown = sorted(map(str, set(overrides) - {f.name for f in fields(SamplingParams)}))
         if unknown:  # checked before anything changes: a bad call leaves the session's sampler as it was
             raise InputError(f"unknown sampling parameter(s) {', '.join(unknown)[:120]}")
