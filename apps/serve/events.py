@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.sessions import AnswerText, AnswerThinking
+
 
 @dataclass(frozen=True)
 class Started:
@@ -21,18 +23,9 @@ class Started:
     conversation: str
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    """A piece of the reply's shown text."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """A piece of what the model wrote inside `think` (`reasoning_content`)."""
-
-    text: str
+# the run core's answer events, as the engine thread hands them on (one definition: `workbench.sessions`)
+TextDelta = AnswerText            # a piece of the reply's shown text
+ReasoningDelta = AnswerThinking   # a piece of what the model wrote inside `think` (`reasoning_content`)
 
 
 @dataclass(frozen=True)

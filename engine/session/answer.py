@@ -91,6 +91,9 @@ def generate_answer(session: "Session", params: "SamplingParams | None" = None, 
     reader: ResponseReader | None = None
     started = time.perf_counter()
     stop_ids = set(overrides.get("stop_ids", params.stop_ids if params is not None else ()))
+    eos = session.config.special_token_id("eos_token_id")  # looked up once, not per token
+    if eos is not None:
+        stop_ids.add(eos)
 
     def show(text: str, thinking: str) -> None:
         if thinking:
@@ -115,12 +118,12 @@ def generate_answer(session: "Session", params: "SamplingParams | None" = None, 
             break
         if reader is None:
             show(token.text, "")
-            if token.id in stop_ids or token.id == session.config.special_token_id("eos_token_id"):
+            if token.id in stop_ids:
                 answer.finish_reason = "stop"
                 break
             continue
         show(reader.feed(token.id), reader.take_thinking(final=reader.done))
-        if reader.done or token.id in stop_ids or token.id == session.config.special_token_id("eos_token_id"):
+        if reader.done or token.id in stop_ids:
             answer.finish_reason = "stop"
             break
     if reader is not None:
