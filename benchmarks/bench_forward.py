@@ -47,13 +47,14 @@ def _block_fla() -> None:
     sys.modules["fla"] = None  # type: ignore[assignment]
 
 
-def write_checkpoint(out: Path, seed: int) -> None:
+def write_checkpoint(out: Path, seed: int, config: dict | None = None) -> None:
+    """A random `KimiLinearForCausalLM` of `config` (default `CONFIG`) saved with transformers."""
     _block_fla()
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(KimiLinearConfig(**CONFIG, initializer_range=0.04)).eval()
+    model = KimiLinearForCausalLM(KimiLinearConfig(**(config or CONFIG), initializer_range=0.04)).eval()
     with torch.no_grad():  # non-trivial norms and selection bias, as in the oracle test
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
