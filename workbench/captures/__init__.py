@@ -11,8 +11,9 @@
 The formats, and where they were read, are in docs/captures.md.
 """
 
+from workbench.captures.arrays import encode_flat, encode_npy
 from workbench.captures.exporter import export_responses
 from workbench.captures.importer import import_capture, load_capture_model
 from workbench.captures.records import ENGINES
 
-__all__ = ["ENGINES", "export_responses", "import_capture", "load_capture_model"]
+__all__ = ["ENGINES", "encode_flat", "encode_npy", "export_responses", "import_capture", "load_capture_model"]
