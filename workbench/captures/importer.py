@@ -7,7 +7,9 @@ tokens (prompt + output), as an agent's turns do. Each record adds a `turn` segm
 tokens) and a `generated` segment (its output). Positions are forwarded exactly once in the trace;
 a later response's rows for positions an earlier one already covered are not read again.
 
-Reductions are the recorder's own (`workbench.signals.dsa` / `moe`): expert counts by segment and
+Reductions are the recorder's own: each chunk of captured rows goes through the family's `to_rows`
+(`workbench.signals.dsa` / `moe`) as the emissions a session would have sent, with this import as the
+recording context (`workbench.recorders.rows` queues and writes the tables for both): expert counts by segment and
 modality, EP rank load, DSA key-bin counts, read distances, per-segment totals and sink hits, and the
 raw rows the policy keeps (prompt positions are "prefill", generated ones "decode", as in a session).
 What a capture does not hold is absent, and `session.json` says so under `capture.absent` (KDA state,
@@ -32,20 +34,21 @@ from engine.io.files import parse_json, read_limited
 from engine.config import ModelConfig
 from engine.errors import EngineError, InputError
 from engine.model_ref import parse_model_ref
-from engine.probes import Marks, Sample
+from engine.probes import Emission, Marks
 from engine.tokenizer import Tokenizer
 from workbench.captures.arrays import RowArray
 from workbench.captures.records import LayerMap, Record, layer_map, parse_records
 from workbench.recorders import rows as pending_rows
-from workbench.signals import dsa, moe
+from workbench.signals import SignalFamily, dsa, moe
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.trace import TraceError, TraceWriter
 from workbench.trace.bounds import MAX_SESSION_BYTES
-from workbench.trace.schema import IMAGES_DIR, MODALITIES, SESSION_FILE, TABLES, TOKENS_FILE
+from workbench.trace.schema import IMAGES_DIR, SESSION_FILE, TABLES, TOKENS_FILE
 from workbench.trace.target import LOCK_FILE
 
 CHUNK_BYTES = 128 << 20  # decoded bytes reduced at a time: memory stays bounded at any capture length
 SUMMARIES_DIR = "summaries"  # the dashboard's summaries of a finished trace: stale once the trace is replaced
+FAMILIES = {"moe": moe.FAMILY, "dsa": dsa.FAMILY}  # what a capture holds
 EP_WORLD = 1  # a capture does not say how the server spread experts over ranks: all load is rank 0's
 ABSENT = {
     "kda": "KDA state is not captured by vLLM or SGLang",
@@ -101,6 +104,8 @@ class _Import:
         self.covered = {"moe": 0, "dsa": 0}  # positions below this already have rows
         self.missing = {"moe": 0, "dsa": 0}
         self.maps: dict[str, LayerMap] = {}
+        self.ep_world = EP_WORLD
+        self.tables = pending_rows.PendingTables()
 
     def _layout(self) -> None:
         """Check the records form one conversation and lay out its segments."""
@@ -129,16 +134,45 @@ class _Import:
         self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
         self.decode = np.concatenate(decode) if decode else np.zeros(0, bool)
 
-    # ---- rows the policy keeps ---------------------------------------------------------------------------------
-    def keep(self, pos: np.ndarray, stride: int, decode_all: bool, window: tuple[int, int] = (0, 0)) -> np.ndarray:
-        """Row indices to keep in full, as the recorder picks them (prefill: sampled; decode: every row)."""
+    # ---- the recording context the families' `to_rows` write through (`workbench.signals.family`) ----------------
+    @property
+    def n_segments(self) -> int:
+        return len(self.segments) or 1
+
+    def position_maps(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """position -> segment id, and position -> modality index (a capture holds token ids only: text)."""
+        seg = self.segment_of[:n].to(device)
+        return seg, torch.zeros_like(seg)
+
+    def pend(self, table: str, layer: int | None, rank: int, cols: dict | None, drop_zero: str | None = None) -> None:
+        self.tables.pend(table, layer, rank, cols, drop_zero)
+
+    def rows(self, table: str, layer: int, rank: int, keep: np.ndarray | None, steps: torch.Tensor,
+             fields: dict[str, torch.Tensor]) -> None:
+        self.tables.rows(table, layer, rank, keep, steps, fields)
+
+    def keep_items(self, items: list[Emission], stride: int, *, decode_all: bool, last: bool = False,
+                   window: tuple[int, int] | None = None) -> np.ndarray:
+        return pending_rows.keep_items(items, stride, self.marks, decode_all=decode_all, last=last, window=window)
+
+    def _emissions(self, pos: np.ndarray, fields: dict[str, torch.Tensor]) -> list[Emission]:
+        """The chunk as the emissions a session would have sent: one per run of prompt ("prefill") or
+        generated ("decode") positions, all of this import step."""
         decode = self.decode[pos]
-        prefill_rows = Sample(stride=stride, window_every=window[0], window_tokens=window[1],
-                              marks=self.marks).rows(pos)
-        prefill_rows = prefill_rows[~decode[prefill_rows]]
-        decode_rows = np.flatnonzero(decode) if decode_all else \
-            np.intersect1d(Sample(stride=stride, marks=self.marks).rows(pos), np.flatnonzero(decode))
-        return np.union1d(prefill_rows, decode_rows)
+        cuts = np.flatnonzero(np.diff(decode.astype(np.int8))) + 1
+        items = []
+        for lo, hi in zip([0, *cuts], [*cuts, len(pos)]):
+            data = {name: t[lo:hi] for name, t in fields.items()}
+            items.append(Emission(None, self.step, "decode" if decode[lo] else "prefill", 0, data))
+        return items
+
+    def _feed(self, family: SignalFamily, signal: str, layer: int, pos: np.ndarray,
+              fields: dict[str, torch.Tensor]) -> None:
+        """Hand one layer's rows of a chunk to the family's own reduction, as the recorder would."""
+        fields = {"positions": torch.from_numpy(pos), **fields}
+        items = self._emissions(pos, fields)
+        steps = torch.full((len(pos),), self.step, dtype=torch.long)
+        family.to_rows(self, signal, layer, 0, items, steps, fields)
 
     # ---- arrays -------------------------------------------------------------------------------------------------
     def chunks(self, family: str, array: RowArray, end: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -163,13 +197,9 @@ class _Import:
         return found
 
     def moe(self, writer: TraceWriter, array: RowArray, end: int) -> None:
-        lmap, p = self.layers("moe", array), self.policy
-        n_seg = len(self.segments)
+        lmap = self.layers("moe", array)
         for pos, rows in self.chunks("moe", array, end):
             self.step += 1
-            seg = self.segment_of[torch.from_numpy(pos)]
-            modality = torch.zeros_like(seg)  # captures carry token ids only: every position is text
-            keep = self.keep(pos, 0, p.moe_decode_routes, (p.moe_window_every, p.moe_window_tokens))
             for entry, layer in zip(lmap.entries, lmap.layers):
                 experts = rows[:, entry, :].astype(np.int64)
                 bad = np.argwhere((experts < 0) | (experts >= self.config.num_experts))
@@ -177,26 +207,16 @@ class _Import:
                     r, c = bad[0]
                     raise InputError(f"{array.where}: expert id {experts[r, c]} at position {pos[r]} (layer {layer}) "
                                      f"is outside [0, {self.config.num_experts}) of the model config")
-                t = torch.from_numpy(experts)
-                counts = moe.expert_counts(t, seg, modality, self.config.num_experts, n_seg, len(MODALITIES))
-                self._append(writer, "moe_counts", layer, counts, "count",
-                             modality=lambda m: np.asarray(MODALITIES, dtype=object)[m])
-                self._append(writer, "moe_rank_load", layer,
-                             moe.rank_load(t, self.config.num_experts, EP_WORLD), "tokens")
-                if len(keep):
-                    k = experts.shape[1]
-                    writer.append("moe_routes", layer=layer, step=self.step, rank=0, position=pos[keep],
-                                  experts=experts[keep], weights=np.full((len(keep), k), np.nan, np.float16),
-                                  entropy=np.full(len(keep), np.nan, np.float32))
+                n, k = experts.shape
+                self._feed(moe.FAMILY, "moe.route", layer, pos, {  # captures hold no router weights: NaN
+                    "experts": torch.from_numpy(experts), "weights": torch.full((n, k), float("nan"), dtype=torch.float16),
+                    "entropy": torch.full((n,), float("nan"))})
+            self.tables.drain(writer, FAMILIES)
 
     def dsa(self, writer: TraceWriter, array: RowArray, end: int) -> None:
-        lmap, p = self.layers("dsa", array), self.policy
-        n_seg = len(self.segments)
+        lmap = self.layers("dsa", array)
         for pos, rows in self.chunks("dsa", array, end):
             self.step += 1
-            pos_t = torch.from_numpy(pos)
-            last = int(pos[-1])
-            keep = self.keep(pos, p.dsa_prefill_stride, p.dsa_decode_lists)
             for entry, layer in zip(lmap.entries, lmap.layers):
                 idx = rows[:, entry, :].astype(np.int64)
                 bad = np.argwhere((idx < -1) | (idx > pos[:, None]))
@@ -204,26 +224,8 @@ class _Import:
                     r, c = bad[0]
                     raise InputError(f"{array.where}: key position {idx[r, c]} selected by the query at position "
                                      f"{pos[r]} (layer {layer}) is not in [0, {pos[r]}] (-1 = empty slot)")
-                t = torch.from_numpy(idx)
-                n_bins = last // p.dsa_bin_tokens + 1
-                self._append(writer, "dsa_key_counts", layer, dsa.key_counts(t, p.dsa_bin_tokens, n_bins),
-                             "count")
-                self._append(writer, "dsa_distance_hist", layer, dsa.distance_hist(pos_t, t), "count")
-                self._append(writer, "dsa_segment_totals", layer, dsa.segment_totals(t, self.segment_of, n_seg),
-                             "count")
-                self._append(writer, "dsa_sink", layer, dsa.sink(last, t, p.sink_tokens), None)
-                if len(keep):
-                    writer.append("dsa_topk", layer=layer, step=self.step, rank=0, position=pos[keep],
-                                  selected=idx[keep])
-
-    def _append(self, writer: TraceWriter, table: str, layer: int, pending: dict, drop_zero: str | None,
-                **convert) -> None:
-        cols = pending_rows.to_columns(pending, drop_zero)
-        for name, fn in convert.items():
-            cols[name] = fn(cols[name])
-        n = len(next(c for c in cols.values() if isinstance(c, np.ndarray) and c.ndim > 0))
-        if n:
-            writer.append(table, layer=layer, step=self.step, rank=0, **cols)
+                self._feed(dsa.FAMILY, "dsa.topk", layer, pos, {"indices": torch.from_numpy(idx)})
+            self.tables.drain(writer, FAMILIES)
 
     def tokens(self, writer: TraceWriter) -> None:
         n = len(self.ids)

@@ -29,14 +29,13 @@ import numpy as np
 import torch
 
 from engine.errors import InputError
-from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, Sample, probe_points
+from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, probe_points
 from engine.session import Segment, Session
 from engine.vision.thumbnail import encode_thumbnail
 from workbench.recorders import rows as pending_rows
 from workbench.recorders.policy import RecordPolicy, load_policy
 from workbench.signals import SignalFamily, registered
 from workbench.trace import TraceError, TraceWriter
-from workbench.trace.schema import TABLES
 
 MODALITIES = ("text", "image")
 DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are turned into rows in bulk at the flush
@@ -63,7 +62,7 @@ class Recorder:
         self._segments_seen = -1
         self._marks = Marks(tuple(policy.mark_positions))
         self._marks_seen = -1  # segment count the marks (and the requests that carry them) were built for
-        self._pending: list[tuple[str, int | None, int, dict, str | None]] = []
+        self._tables = pending_rows.PendingTables()
         self._deferred: dict[ProbePoint, list[Emission]] = defaultdict(list)
         self._thumbnails: dict[int, str] = {}  # segment id -> thumbnail path in the trace
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
@@ -164,31 +163,14 @@ class Recorder:
             self._segment_dev[device] = (self._segment_of.to(device), self._modality_of.to(device))
         return self._segment_dev[device]
 
-    def _keep(self, positions: torch.Tensor, stride: int, *, every: bool = False,
-              window: tuple[int, int] | None = None) -> np.ndarray:
-        """Row indices to keep in full: every row, or stride-sampled rows (and windows of `window[1]`
-        tokens every `window[0]`), plus marked positions/segments."""
-        pos = positions.numpy()
-        if every:
-            return np.arange(len(pos))
-        self._update_marks()  # segments as they are now (a flush may follow a change no event announced)
-        every_n, tokens = window if window is not None else (0, 0)
-        return Sample(stride=stride, window_every=every_n, window_tokens=tokens, marks=self._marks).rows(pos)
-
     def pend(self, table: str, layer: int | None, rank: int, cols: dict | None, drop_zero: str | None = None) -> None:
         """Queue device tensors for `table` (with a `step` column or scalar); written at the next flush."""
-        if cols is not None:
-            self._pending.append((table, layer, rank, cols, drop_zero))
+        self._tables.pend(table, layer, rank, cols, drop_zero)
 
     def rows(self, table: str, layer: int, rank: int, keep: np.ndarray | None, steps: torch.Tensor,
              fields: dict[str, torch.Tensor]) -> None:
-        """Queue raw rows of a signal table (all, or rows `keep`): the columns the schema ties to a
-        payload field (`Column.field`)."""
-        columns = {c.name: fields.get(c.field) for c in TABLES[table].columns if c.field is not None}
-        if keep is None:
-            self.pend(table, layer, rank, {"step": steps, **{k: v for k, v in columns.items() if v is not None}})
-        else:
-            self.pend(table, layer, rank, pending_rows.select_rows(keep, step=steps, **columns))
+        """Queue raw rows of a signal table (all, or rows `keep`)."""
+        self._tables.rows(table, layer, rank, keep, steps, fields)
 
     def _drain(self) -> None:
         """Turn deferred decode payloads into rows, copy every pending result to the host (one device
@@ -196,23 +178,7 @@ class Recorder:
         for point, items in self._deferred.items():
             self._to_rows(point, items)
         self._deferred.clear()
-        pending, self._pending = self._pending, []
-        by_table: dict[str, list[dict]] = defaultdict(list)
-        for table, layer, rank, cols, drop_zero in pending:
-            columns = pending_rows.to_columns(cols, drop_zero)
-            n = len(next(c for c in columns.values() if isinstance(c, np.ndarray) and c.ndim > 0))
-            if n == 0:
-                continue
-            if layer is not None:
-                columns["layer"], columns["rank"] = np.full(n, layer), np.full(n, rank)
-            columns = {k: (np.full(n, v) if np.ndim(v) == 0 else v) for k, v in columns.items()}
-            by_table[table].append(columns)
-        for table, parts in by_table.items():
-            merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-            convert = self.families[SIGNALS[TABLES[table].signal].family].convert.get(table)
-            if convert is not None:
-                merged = convert(merged)
-            self.rows_written += self.writer.append(table, **merged)
+        self.rows_written += self._tables.drain(self.writer, self.families)
 
     # ---- probe payloads -----------------------------------------------------------------------------
     def _on_probe(self, emission: Emission) -> None:
@@ -241,18 +207,10 @@ class Recorder:
         family.to_rows(self, point.name, point.layer, items[0].rank, items, steps, fields)
 
     def keep_items(self, items: list[Emission], stride: int, *, decode_all: bool, last: bool = False,
-                    window: tuple[int, int] | None = None) -> np.ndarray:
-        """Row indices (over the concatenated items) to keep in full."""
-        keep, offset = [], 0
-        for e in items:
-            decode, positions = e.phase == "decode", e.data["positions"]
-            n = len(positions)
-            rows = self._keep(positions, stride, every=decode and decode_all, window=None if decode else window)
-            if last and not decode:
-                rows = np.union1d(rows, [n - 1])  # the state at the end of every forward call
-            keep.append(rows + offset)
-            offset += n
-        return np.concatenate(keep)
+                   window: tuple[int, int] | None = None) -> np.ndarray:
+        """Row indices (over the concatenated items) to keep in full (`workbench.recorders.rows.keep_items`)."""
+        self._update_marks()  # segments as they are now (a flush may follow a change no event announced)
+        return pending_rows.keep_items(items, stride, self._marks, decode_all=decode_all, last=last, window=window)
 
     # ---- session events --------------------------------------------------------------------------------
     def _on_event(self, event: str, payload: dict) -> None:
