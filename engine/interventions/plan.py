@@ -41,6 +41,23 @@ def in_ranges(positions: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
     return (p >= ranges[:, 0]) & (p < ranges[:, 1])
 
 
+def in_any_range(positions: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """positions `[N]` int64, ascending -> `[N]` bool: inside some range of `ranges` `[R, 2]` (any order,
+    overlaps and empty padding rows allowed).
+
+    Each range's ends are looked up among the positions (binary search: O(R log N)) and marked +1 / -1 in
+    a difference array whose running sum counts the ranges covering each position (O(N)). The `[N, R]`
+    table `in_ranges` builds cost 37 ms per call for 128 ranges over 128K keys on one CPU thread; this,
+    0.2 ms, whatever R (an attribution mask hides a hundred ranges at once)."""
+    n = positions.shape[0]
+    lo = torch.searchsorted(positions, ranges[:, 0].contiguous())  # first position >= start
+    hi = torch.searchsorted(positions, ranges[:, 1].contiguous())  # first position >= end
+    step = torch.ones_like(lo, dtype=torch.int32)
+    delta = torch.zeros(n + 1, dtype=torch.int32, device=positions.device)
+    delta = delta.index_add(0, lo, step).index_add(0, hi, -step)
+    return delta.cumsum(0)[:n] > 0
+
+
 @dataclass
 class DsaRule:
     """One DSA layer's reads: key ranges hidden from / pinned into its selection (`[R, 2]` or None)."""
@@ -50,14 +67,15 @@ class DsaRule:
 
     def key_masks(self, q_pos: torch.Tensor, key_pos: torch.Tensor
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`[Tq, Tk]` bool masks (hidden, pinned) of the keys `key_pos` for the queries `q_pos`. A query
-        keeps its own key; a pinned key must be visible (at or before the query)."""
+        """`[Tq, Tk]` bool masks (hidden, pinned) of the keys `key_pos` (ascending, as every caller lays the
+        keys out) for the queries `q_pos`. A query keeps its own key; a pinned key must be visible (at or
+        before the query)."""
         before = key_pos.view(1, -1) < q_pos.view(-1, 1)
         hidden = pinned = None
         if self.hide is not None:
-            hidden = in_ranges(key_pos, self.hide).any(-1).view(1, -1) & before
+            hidden = in_any_range(key_pos, self.hide).view(1, -1) & before
         if self.pin is not None:
-            pinned = in_ranges(key_pos, self.pin).any(-1).view(1, -1) & (before | (key_pos.view(1, -1) == q_pos.view(-1, 1)))
+            pinned = in_any_range(key_pos, self.pin).view(1, -1) & (before | (key_pos.view(1, -1) == q_pos.view(-1, 1)))
         return hidden, pinned
 
 
@@ -140,6 +158,7 @@ class InterventionPlan:
         ban: dict[int, list] = {}
         force: dict[int, list] = {}
         far = config.max_position_embeddings
+        self.reach = _reach(self.items, far)
         for i, item in _acting(self.items):
             where = f"intervention {i} ({item.op})"
             kind = item.op.split(".")[0]
@@ -201,6 +220,13 @@ class InterventionPlan:
     def __bool__(self) -> bool:
         return bool(self.items)
 
+    def acts_on(self, start: int, stop: int) -> bool:
+        """Whether any rule can change the forward of positions [start, stop) (host ints): the session
+        hands the layers no plan at all for a call none reaches, so an intervention that is set but not
+        reached (suppressed writes later in the context, an edit already applied) costs a decode step two
+        integer compares, not a rule check per layer (4.5% of a demo decode token)."""
+        return stop > self.reach[0] and start < self.reach[1]
+
     def to_json(self) -> list[dict[str, Any]]:
         return [to_json(item) for item in self.items]
 
@@ -220,6 +246,23 @@ def _acting(items: Sequence[Intervention]) -> list[tuple[int, Intervention]]:
             seen.add(item)
         out.append((i, item))
     return out
+
+
+def _reach(items: Sequence[Intervention], far: int) -> tuple[int, int]:
+    """[first, last) positions whose forward some acting entry can change. A DSA read rule acts on every
+    query after its range's start (the keys stay in the cache), so it reaches to the end; a KDA write or
+    route rule acts over its range; a state edit at its position."""
+    first, last = far, 0
+    for _, item in _acting(items):
+        if isinstance(item, (KdaErase, KdaScale)):
+            lo, hi = item.at, item.at + 1
+        else:
+            span = getattr(item, "positions", None)
+            lo, hi = span if span is not None else (0, far)
+            if isinstance(item, (DsaHide, DsaPin)):
+                hi = far
+        first, last = min(first, lo), max(last, hi)
+    return first, last
 
 
 def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -299,7 +299,9 @@ class Session:
         kda = [s for s in self.state.layers if isinstance(s, KDAState)]
         saved = [(s.recurrent, s.conv) for s in kda]  # layers rebind, never mutate: cheap rollback
         self.model.probe_context.begin(step=self.step, phase=phase)
-        self.model.runtime.interventions = self._interventions
+        plan = self._interventions  # none for a call it cannot reach: the layers then skip every rule check
+        start = self.state.length
+        self.model.runtime.interventions = plan if plan is not None and plan.acts_on(start, start + len(ids)) else None
         try:
             with torch.inference_mode():
                 image_embeds, image_mask = self._image_inputs(self.state.length, len(ids))
