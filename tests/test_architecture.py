@@ -44,6 +44,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # filler, task text and pictures for experiments (nothing below them in workbench)
     ("workbench text", ("workbench.text", "workbench.retrieval_text", "workbench.pictures", "workbench.shape_pictures",
                         "workbench.task_templates")),
+    # the settings a trace's tables carry (trace format): below the store that writes them and the analysis that reads them
+    ("workbench trace format", ("workbench.recorded_settings",)),
     # pure functions over trace arrays (and the recorded settings tables carry); they never open a trace
     ("workbench analysis", ("workbench.analysis",)),
     # the trace store and the signal families, whose tables the store reads and writes

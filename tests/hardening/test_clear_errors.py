@@ -254,7 +254,7 @@ def test_deep_json_in_markers_and_table_metadata_reads_as_absent(tmp_path) -> No
     import pyarrow as pa
 
     from engine.weights.write import MARKER_FILE, is_written_checkpoint
-    from workbench.analysis.recorded import SETTINGS_KEY, settings_of
+    from workbench.recorded_settings import SETTINGS_KEY, settings_of
 
     (tmp_path / MARKER_FILE).write_text(DEEP)
     assert not is_written_checkpoint(tmp_path)

@@ -19,7 +19,8 @@ from workbench.analysis.kda_health import (HEALTH_STATS, decay_timescales, effec
 from workbench.analysis.moe import (expert_imbalance, expert_shares, js_chance, js_divergence, modality_divergence,
                                     rank_load_balance)
 from workbench.analysis.reads import TokenText, segment_name, token_reads
-from workbench.analysis.recorded import check_dsa_layers, recorded_setting, settings_of
+from workbench.analysis.recorded import check_dsa_layers, recorded_setting
+from workbench.recorded_settings import settings_of
 
 __all__ = [
     "PatchReads", "TokenText", "bin_counts", "bin_mean", "carry_forward", "chance_jaccard", "chance_of_hit",

@@ -12,7 +12,7 @@ dsa_sink deltas; no I/O.
   its chance value and an alarm where a layer stops reading the sink once the context passes top-k.
 
 The top-k, the sink size and the DSA layer ids come from the table itself when it is a trace's
-(`trace.table` / `trace.df` carry the recording's settings: `workbench.analysis.recorded`); an explicit
+(`trace.table` / `trace.df` carry the recording's settings: `workbench.recorded_settings`); an explicit
 value that disagrees with the recording raises InputError instead of moving every chance value.
 """
 
@@ -26,7 +26,8 @@ import pandas as pd
 
 from workbench.analysis.chance import chance_of_hit
 from workbench.analysis.common import Frame, column, list_values, to_pandas
-from workbench.analysis.recorded import check_dsa_layers, recorded_setting, settings_of
+from workbench.analysis.recorded import check_dsa_layers, recorded_setting
+from workbench.recorded_settings import settings_of
 
 
 def jaccard(a: Sequence[int], b: Sequence[int]) -> float:

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.io.files import process_alive
-from workbench.analysis.recorded import SETTINGS_KEY, settings_of_session, with_settings
+from workbench.recorded_settings import SETTINGS_KEY, settings_of_session, with_settings
 from workbench import signals
 from workbench.trace import part_checks
 from workbench.trace.aggregates import DenseSums
@@ -118,7 +118,7 @@ class Trace:
     @property
     def settings(self) -> dict:
         """What the recording was made with: topk, dsa_bin_tokens, sink_tokens, dsa_layers, num_experts
-        (`workbench.analysis.recorded`; the tables and frames this trace returns carry them)."""
+        (`workbench.recorded_settings`; the tables and frames this trace returns carry them)."""
         return settings_of_session(self.session)
 
     def refresh(self) -> set[str]:
@@ -382,7 +382,7 @@ class Trace:
     def df(self, name: str, layers: Sequence[int] | None = None, columns: Sequence[str] | None = None,
            **filters) -> pd.DataFrame:
         """`table(...)` as a pandas DataFrame (list columns hold numpy arrays; the recording's settings in
-        `attrs`, as `workbench.analysis.recorded` reads them)."""
+        `attrs`, as `workbench.recorded_settings` reads them)."""
         frame = self.table(name, layers, columns, **filters).to_pandas()
         frame.attrs[SETTINGS_KEY] = self.settings
         return frame
