@@ -19,6 +19,9 @@ Public API:
   log-probability and the per-step KL with and without interventions, from one shared prefix (`Effects`).
 - `attribution(session, segments, continuation=, target=)`: which memory the answer depends on: each
   segment hidden from each DSA layer (KDA writes suppressed, answer experts banned), beside same-size controls.
+- `attribute(session, continuation=task, spans="sentences")`: which spans of the whole context the answer
+  came from: random ablation masks hidden inside the model, a sparse surrogate with its held-out LDS, the
+  top spans checked one by one beside same-size controls (`Attribution`, `workbench.span_attribution`).
 - `check_span(session, span, continuation=task)`: did the answer use this span? It hidden beside random
   same-size controls, with the verdict in one sentence (`workbench.causal`).
 - `run_with_cache(session, names, positions=, layers=)`, `logit_lens(session, positions=)`, `patch(session, clean,
@@ -50,6 +53,7 @@ _EXPORTS = {
     "intervene": "workbench.interventions", "effects": "workbench.causal_effects", "Effects": "workbench.causal_effects",
     "load_intervention_spec": "workbench.interventions",
     "attribution": "workbench.attribution", "check_span": "workbench.causal.check",
+    "attribute": "workbench.span_attribution", "Attribution": "workbench.span_attribution",
     "ConversationTrace": "workbench.conversation_trace",
     "run_with_cache": "workbench.toolkit", "logit_lens": "workbench.toolkit", "patch": "workbench.toolkit",
 }
