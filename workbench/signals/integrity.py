@@ -1,4 +1,4 @@
-"""Integrity in every recording (issue 41 section 1): the health tables, their checks and their reader.
+"""Integrity in every recording: the health tables, their checks and their reader.
 
 The checks ride on the signals the layers already emit: `kda.state` (norms, plus the optional `frozen`
 and `drift`), `dsa.topk` (plus `tie_band` / `tie_cut`) and `moe.route` (plus `logit_sum`, `kth_choice`,

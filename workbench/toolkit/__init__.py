@@ -1,4 +1,4 @@
-"""The researcher's toolkit on the engine (issue 40; docs/hooks.md): named hook points cached within a
+"""The researcher's toolkit on the engine (docs/hooks.md): named hook points cached within a
 memory bound (`run_with_cache`), the AttnRes logit lens (`logit_lens`) and activation patching between a
 clean and a corrupted run (`patch`)."""
 

@@ -1,4 +1,4 @@
-"""Reducer of the dashboard's integrity banner: the recording's health checks in one line (issue 41).
+"""Reducer of the dashboard's integrity banner: the recording's health checks in one line.
 
 `workbench.signals.integrity.summary_line` over the trace's `*_health` tables: the first fault with its
 layer, head and the position and step since when it holds, or "no faults" with the warnings and the
