@@ -1,4 +1,5 @@
-"""Deployment record: what a session ran on and how fast (the fields evaluation reports ask for).
+"""Deployment record: what a session ran on and how fast (the fields evaluation reports ask for), and
+whether a deployment computes the model (`ConformanceLine`, one line per `workbench conformance` run).
 
 model, precision, device and device count, prompt and output lengths, TTFT (time to first token),
 TPOT (time per output token after the first), decode tokens/s, prefill tokens/s and peak memory
@@ -7,6 +8,8 @@ TPOT (time per output token after the first), decode tokens/s, prefill tokens/s 
 
 from __future__ import annotations
 
+import math
+import os
 import platform
 import resource
 import sys
@@ -78,3 +81,42 @@ class DeploymentRecord:
     def from_json(cls, d: dict) -> "DeploymentRecord":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+DEPLOYMENT_LOG = "deployment-record.jsonl"  # one JSON object a line: what was checked about a deployment
+
+
+@dataclass
+class ConformanceLine:
+    """"Does it compute the model": one conformance run against a deployment, as a line of the
+    deployment record (`append_line`), beside the run's timings that `DeploymentRecord` holds."""
+
+    endpoint: str
+    model: str
+    verdict: str                      # conforms | diverges | error
+    max_logprob_diff: float | None    # nats, over every compared generated token
+    first_divergent_layer: int | None
+    first_divergent_position: int | None
+    prompts: int
+    errors: int = 0
+    date: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    kind: str = "conformance"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def append_line(path: "str | os.PathLike[str]", line: ConformanceLine) -> None:
+    """Append `line` to the deployment record file at `path` (JSON Lines, created when absent; one write
+    of a whole line, so concurrent writers never interleave within a line)."""
+    import json
+
+    record = line.to_json()
+    if record["max_logprob_diff"] is not None and not math.isfinite(record["max_logprob_diff"]):
+        record["max_logprob_diff"] = str(record["max_logprob_diff"])  # JSON has no inf: "inf" says it
+    text = json.dumps(record, allow_nan=False) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode("utf-8"))
+    finally:
+        os.close(fd)

@@ -1,10 +1,12 @@
 """`workbench conformance`: does a deployment (vLLM, SGLang, `workbench serve`) compute the model?
 
     workbench conformance --endpoint http://HOST:PORT/v1 --model CHECKPOINT [--prompts FILE | --suite long-context]
-                          [--json OUT.json]
+                          [--json OUT.json] [--parquet OUT.parquet] [--record deployment-record.jsonl]
 
-Prints one line per prompt and the verdict; exits 0 when the endpoint conforms, 1 when it diverges or
-failed (`workbench.conformance` documents the comparison).
+Prints the verdict table (one line per prompt) and the verdict in words; writes OUT.json, the
+self-describing Parquet file and a line in the deployment record when asked (the record defaults to
+`deployment-record.jsonl` beside OUT.json); exits 0 when the endpoint conforms, 1 when it diverges or
+failed (`workbench.conformance` and docs/conformance.md document the comparison).
 """
 
 from __future__ import annotations
@@ -33,12 +35,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 0.1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", type=Path, dest="json_out", help="write the report here")
+    p.add_argument("--parquet", type=Path, help="write the per-prompt table here (default: OUT.json's name with "
+                   ".parquet, when --json is given)")
+    p.add_argument("--record", type=Path, help="append the run's line to this deployment record (JSON Lines; "
+                   "default: deployment-record.jsonl beside OUT.json, when --json is given)")
+    p.add_argument("--no-captures", action="store_true", help="do not ask for routed experts / indexer top-k "
+                   "(for a server that refuses those fields): no layer is named")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="this engine's compute dtype")
     p.set_defaults(func=cmd_conformance)
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from workbench.conformance import DEFAULT_TOLERANCE, conformance, long_context_suite, read_prompts
+    from engine.deployment import DEPLOYMENT_LOG
+    from workbench.conformance import (DEFAULT_TOLERANCE, conformance, long_context_suite, read_prompts, record_line,
+                                       verdict_table, write_parquet)
     from workbench.sessions import load_with_tokenizer
     from workbench.task_templates import card_of
 
@@ -51,14 +61,18 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     report = conformance(args.endpoint, model, tokenizer, prompts, model_id=args.served_model_name or str(args.model),
                          max_tokens=args.max_tokens, timeout=args.timeout, api_key=os.environ.get("K3WB_API_KEY"),
                          tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
-                         open_response=bool(card_of(args.model).tasks))
-    for i, r in enumerate(report.prompts):
-        diff = f"max |d log p| {r.max_logprob_diff:.2e}" if r.max_logprob_diff is not None else ""
-        print(f"prompt {i}: {r.verdict:8s} {r.prompt_tokens:>6} + {r.generated:>3} tokens  {diff}  {r.detail}".rstrip())
-    where = (f" at generated token {report.first_divergent_position}"
-             if report.first_divergent_position is not None else "")
-    print(f"verdict: {report.verdict}{where} ({len(report.prompts)} prompts)")
+                         open_response=bool(card_of(args.model).tasks), captures=not args.no_captures)
+    print(verdict_table(report))
+    parquet, record = args.parquet, args.record
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report.to_json(), indent=1))
         print(f"report written to {args.json_out}", file=sys.stderr)
+        parquet = parquet or args.json_out.with_suffix(".parquet")
+        record = record or args.json_out.parent / DEPLOYMENT_LOG
+    if parquet is not None:
+        write_parquet(report, parquet)
+        print(f"table written to {parquet}", file=sys.stderr)
+    if record is not None:
+        record_line(report, record)
+        print(f"deployment record: a line added to {record}", file=sys.stderr)
     return 0 if report.verdict == "conforms" else 1

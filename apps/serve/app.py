@@ -256,8 +256,7 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
         if first is None:
             return Response(status_code=499)
         if isinstance(first, Failed):
-            return _json_error(RequestError(first.message, status=first.status, param=first.param,
-                                            kind="invalid_request_error" if first.status < 500 else "server_error"))
+            return _failed(first)
         if req.stream:
             return StreamingResponse(_stream(job, events, config.model_id, req.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-store"})
@@ -273,13 +272,13 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                 elif isinstance(event, ReasoningDelta):
                     reasoning.append(event.text)
                 elif isinstance(event, Failed):
-                    return _json_error(RequestError(event.message, status=event.status, param=event.param,
-                                                    kind="server_error"))
+                    return _failed(event)
                 elif isinstance(event, Finished):
                     return JSONResponse(completion_body(
                         request_id, config.model_id, "".join(content), _finish(event.finish_reason),
                         usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
-                        {"k3": _k3_info(event)}, reasoning="".join(reasoning) or None, logprobs=event.logprobs))
+                        {"k3": _k3_info(event), **event.fields[0]}, reasoning="".join(reasoning) or None,
+                        logprobs=event.logprobs, choice_extra=event.fields[1]))
         except BaseException:
             job.cancelled.set()
             raise
@@ -293,6 +292,15 @@ def create_app(worker: EngineWorker, config: AppConfig) -> ASGIApp:
                             Route("/v1/chat/completions", chat, methods=["POST"])],
                     exception_handlers={404: not_found, 405: not_found})
     return Guard(app, config)
+
+
+def _failed(event: Failed) -> JSONResponse:
+    """A failed job's error body; a failure the model's numbers caused says where (`error.k3`)."""
+    body = error_body(RequestError(event.message, status=event.status, param=event.param, code=event.code,
+                                   kind="invalid_request_error" if event.status < 500 else "server_error"))
+    if event.where is not None:
+        body["error"]["k3"] = event.where
+    return JSONResponse(body, status_code=event.status)
 
 
 def _shutting_down() -> RequestError:
@@ -330,7 +338,9 @@ async def _stream(job: Job, events: asyncio.Queue, model_id: str, include_usage:
                 yield _sse(error_body(RequestError(event.message, status=event.status, kind="server_error")))
                 return
             elif isinstance(event, Finished):
-                yield _sse({**chunk_body(rid, model_id, {}, _finish(event.finish_reason)), "k3": _k3_info(event)})
+                last = chunk_body(rid, model_id, {}, _finish(event.finish_reason))
+                last["choices"][0].update(event.fields[1])  # captures and token ids, with the last chunk
+                yield _sse({**last, "k3": _k3_info(event), **event.fields[0]})
                 if include_usage:
                     yield _sse(chunk_body(rid, model_id, {}, usage_=usage(
                         event.prompt_tokens, event.completion_tokens, event.cached_tokens)))

@@ -60,6 +60,9 @@ class Finished:
     trace: str | None = None
     notice: str = ""
     logprobs: list[dict] | None = field(default=None, repr=False)
+    # what the request asked for besides the reply: vLLM's / SGLang's capture and token-id fields, as
+    # (response-level, choice-level) dicts (`apps.serve.captures.response_fields`)
+    fields: tuple[dict[str, Any], dict[str, Any]] = field(default=({}, {}), repr=False)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Failed:
     status: int
     message: str
     param: str | None = None
+    code: str | None = None  # OpenAI's error `code` (e.g. "non_finite_output")
+    where: dict[str, Any] | None = None  # where the model's computation failed (`error.k3` of the body)
 
 
 Event = Started | TextDelta | ReasoningDelta | TokenLogprob | Finished | Failed

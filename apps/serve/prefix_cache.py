@@ -58,6 +58,7 @@ class Conversation:
     turns: int = 0
     nbytes: int = 0
     images: list[tuple[int, int, str]] = field(default_factory=list)
+    captures: Any = None  # apps.serve.captures.CaptureStore: the routes / selections requests asked for
 
     def matches(self, chat: RenderedChat) -> bool:
         """Whether every token of this conversation is an exact prefix of `chat` (ids and pictures)."""

@@ -6,7 +6,9 @@ OpenAI's API does: `{"error": {"message", "type", "param", "code"}}`. Fields the
 use for (`tools`, `response_format`, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer and that the engine cannot honour (`n` > 1,
 penalties, `logit_bias`, a `response_format` other than text) are refused rather than
-silently dropped. `logprobs` / `top_logprobs` (at most 20) are answered the OpenAI way, for every
+silently dropped. `return_routed_experts` / `return_indexer_topk` (SGLang's flags) and `return_token_ids`
+(vLLM's) add the captures and token ids in both engines' response fields (`apps.serve.captures`).
+`logprobs` / `top_logprobs` (at most 20) are answered the OpenAI way, for every
 generated token (the chat tags included: they are tokens the model computed, and a conformance check
 compares them too). `user` (OpenAI's end-user id) keeps that end
 user's conversations apart from everyone else's. Every field is checked here, in the engine's own
@@ -66,6 +68,10 @@ class ChatRequest:
     continue_final: bool = False  # vLLM's continue_final_message: the last assistant message is a response start
     logprobs: bool = False  # each generated token's log-probability (and the `top_logprobs` most likely)
     top_logprobs: int = 0
+    # captures (`apps.serve.captures`): SGLang's request flags; vLLM's `return_token_ids`
+    return_routed_experts: bool = False
+    return_indexer_topk: bool = False
+    return_token_ids: bool = False
 
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters of this request (checked when the request was parsed)."""
@@ -174,7 +180,10 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
                           temperature=temperature, top_p=top_p,
                           max_tokens=limit if limit is not None else min(256, max_tokens_limit),
                           seed=seed, stop=stop, user=user, continue_final=continue_final, logprobs=logprobs,
-                          top_logprobs=top_logprobs)
+                          top_logprobs=top_logprobs,
+                          return_routed_experts=_flag(body, "return_routed_experts", False),
+                          return_indexer_topk=_flag(body, "return_indexer_topk", False),
+                          return_token_ids=_flag(body, "return_token_ids", False))
     try:
         request.sampling()  # the engine's own checks, now rather than after a cached conversation is taken
     except InputError as exc:
@@ -189,7 +198,7 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 def completion_body(request_id: str, model: str, content: str, finish_reason: str, usage_: dict,
                     extra: dict[str, Any], reasoning: str | None = None,
-                    logprobs: list[dict] | None = None) -> dict[str, Any]:
+                    logprobs: list[dict] | None = None, choice_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A whole reply: `content` is the response text only; the thinking (when the model wrote any) is
     `reasoning_content`, as vLLM and SGLang return it for reasoning models."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -197,7 +206,7 @@ def completion_body(request_id: str, model: str, content: str, finish_reason: st
         message["reasoning_content"] = reasoning
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                         "logprobs": {"content": logprobs} if logprobs is not None else None}],
+                         "logprobs": {"content": logprobs} if logprobs is not None else None, **(choice_extra or {})}],
             "usage": usage_, **extra}
 
 

@@ -30,12 +30,13 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from apps.serve.captures import JobCapture, response_fields
 from apps.serve.events import (Event, Failed, Finished, ReasoningDelta, Started, TextDelta,
                                TokenLogprob)
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest, token_logprob
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
-from engine.errors import EngineError, InputError
+from engine.errors import EngineError, InputError, NumericsError
 from engine.session.answer import Answer, generate_answer
 from engine.session.sampling import SamplingParams
 from engine.session.transcript import RenderedChat, append_rendered, render_messages
@@ -91,6 +92,7 @@ class EngineWorker:
         self._conversations = 0
         self._stopping = threading.Event()
         self._running: Conversation | None = None  # the conversation the running job extends
+        self._failed_at: dict | None = None  # where the running job's forward went non-finite
         self._thread = threading.Thread(target=self._loop, name="k3wb-serve-engine", daemon=True)
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -162,6 +164,11 @@ class EngineWorker:
                     if self.channel is not None:
                         self.channel.announce("job", body=job.body, request_id=job.request_id, owner=job.owner)
                     self._run(job)
+            except NumericsError as exc:  # the model's numbers went NaN/inf: say where, for a conformance check
+                print(f"workbench serve: {exc}", file=sys.stderr)
+                job.emit(_non_finite(exc, self._failed_at))
+                if self.channel is not None:
+                    _end_job(self.channel, exc)
             except Exception as exc:  # noqa: BLE001 - one failed request must never stop the server
                 traceback.print_exc(file=sys.stderr)
                 job.emit(Failed(500, f"the engine failed on this request ({type(exc).__name__}); the server "
@@ -246,9 +253,12 @@ class EngineWorker:
             conv = self._new_conversation(job.owner)
         job.emit(Started(len(chat.ids), cached, conv.id))
         self._running = conv
+        self._failed_at = None
         try:
             result = self._generate(job, conv, chat, params, started, cached)
         except BaseException as exc:
+            if isinstance(exc, NumericsError):
+                self._failed_at = nonfinite_state(conv.session)
             self._close(conv, "failed")
             if isinstance(exc, InputError):
                 job.emit(Failed(400, str(exc)))
@@ -270,7 +280,13 @@ class EngineWorker:
             ids = opening + result["ids"] + result["closing"]
             self.replies.remember(chat.ids[:len(chat.ids) - len(opening)], result["content"], ids, job.owner)
         notice = self.options.notice if not job.request.continue_final else ""
-        job.emit(Finished(**result, prompt_tokens=len(chat.ids), completion_tokens=len(result["ids"]),
+        request = job.request
+        top, choice = response_fields(conv.captures, len(chat.ids), len(chat.ids) + len(result["ids"]),
+                                      routes=request.return_routed_experts, selections=request.return_indexer_topk) \
+            if conv.captures is not None and (request.return_routed_experts or request.return_indexer_topk) else ({}, {})
+        if request.return_token_ids:  # vLLM's names
+            top["prompt_token_ids"], choice["token_ids"] = list(chat.ids), list(result["ids"])
+        job.emit(Finished(**result, fields=(top, choice), prompt_tokens=len(chat.ids), completion_tokens=len(result["ids"]),
                           cached_tokens=cached, conversation=conv.id, turn=conv.turns, notice=notice,
                           trace=conv.trace.path.name if conv.trace is not None else None))
 
@@ -300,14 +316,27 @@ class EngineWorker:
             return go_on
 
         turn_ctx = conv.trace.turn(job.request_id) if conv.trace is not None else _NoTurn(job.request_id)
+        request = job.request
+        capture = (JobCapture(self.model, request.return_routed_experts, request.return_indexer_topk)
+                   if request.return_routed_experts or request.return_indexer_topk else None)
         with turn_ctx as turn:
             append_rendered(session, chat, skip=len(session.tokens))
             answer = Answer()
-            if not self._stopping.is_set():
-                answer = generate_answer(session, params, stop_strings=job.request.stop, add_generation_prompt=False,
-                                         on_text=lambda text: job.emit(TextDelta(text)),
-                                         on_thinking=lambda text: job.emit(ReasoningDelta(text)),
-                                         on_token=first_token, keep_going=keep_going)
+            if capture is not None:
+                capture.attach()
+            try:
+                if not self._stopping.is_set():
+                    answer = generate_answer(session, params, stop_strings=job.request.stop,
+                                             add_generation_prompt=False,
+                                             on_text=lambda text: job.emit(TextDelta(text)),
+                                             on_thinking=lambda text: job.emit(ReasoningDelta(text)),
+                                             on_token=first_token, keep_going=keep_going)
+            finally:
+                if capture is not None:
+                    session.deliver_probes()
+                    capture.detach()
+            if capture is not None:
+                conv.captures = capture.store(conv.captures, cached, session.length)
             finish = answer.finish_reason
             if self._stopping.is_set():
                 finish = "shutdown"  # stopped in its prefill or after a token: never a complete reply
@@ -320,6 +349,26 @@ class EngineWorker:
         closing = answer.closing_ids if finish not in ("cancelled", "shutdown") else []
         return {"content": answer.text, "reasoning": answer.thinking, "ids": answer.ids, "closing": closing,
                 "finish_reason": finish, "ttft_s": ttft, "logprobs": logprobs if want_logprobs else None}
+
+
+def nonfinite_state(session: Any) -> dict:
+    """Where a forward that went non-finite started, and which layers' carried state (KDA recurrent and
+    conv state, MLA caches) holds NaN/inf: the session rolled its state back to before that forward, so a
+    layer named here carried the bad values into it."""
+    layers = [i for i, layer in enumerate(session.state.layers)
+              if any(isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+                     for t in vars(layer).values())]
+    return {"position": int(session.length), "layers": layers}
+
+
+def _non_finite(exc: NumericsError, where: dict | None) -> Failed:
+    where = where or {}
+    layers = where.get("layers") or []
+    said = (f"; the state layer(s) {', '.join(map(str, layers))} carried into it hold NaN/inf" if layers
+            else "; no layer's carried state holds NaN/inf (the values went bad inside that forward)")
+    message = (f"the model's output went non-finite in the forward starting at position {where.get('position')}"
+               f"{said} ({str(exc)[:200]})")
+    return Failed(500, message, code="non_finite_output", where=where or None)
 
 
 def _shutting_down(generated: int | None = None) -> Event:

@@ -1,0 +1,107 @@
+"""The first divergent layer: an endpoint's routes and DSA selections against the reference's, beside its ties.
+
+Per position (in order) and per layer (in order) a row of the endpoint is compared with the engine's:
+- routes are compared as sets of experts (router order is not part of the computation's meaning);
+  a differing route that the engine's router decided by a tie (`Reference.routes.tie`) is a `tie`;
+- selections are compared as sets of key positions (-1 slots dropped); a differing selection is a
+  `tie` when the engine's tie band at rank k cut keys (`tie_cut > 0`) and no more keys differ than
+  it cut, or when every key of ours that the endpoint left out scores within `score_margin` of our
+  k-th score (a near tie the running precision can flip).
+Anything else is a divergence. The first divergence is the earliest position, and at that position the
+lowest layer: a fault upstream of a layer reaches it no earlier than that position, so the layer named
+is the first layer whose observable choices (MoE routes, DSA selections) the fault changed: the fault
+is in that layer or a layer before it whose output no route or selection reads (a dense layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from workbench.conformance.reference import LayerRows
+
+DEFAULT_SCORE_MARGIN = 1e-4  # relative: fp32 accumulation-order noise is ~1e-6 of an indexer score
+
+
+@dataclass
+class LayerFinding:
+    """What the captures said for one prompt."""
+
+    compared: int = 0                          # (position, layer) rows compared
+    ties: int = 0                              # rows that differ only inside a tie (not divergences)
+    first_layer: int | None = None
+    first_position: int | None = None
+    family: str | None = None                  # "moe" or "dsa": which signal diverged first
+    detail: str = ""
+    tie_rows: list[tuple[int, int, str]] = field(default_factory=list)  # (position, layer, family), the first few
+
+
+def _selection_tie(ours: np.ndarray, theirs: np.ndarray, tie: bool, scores: np.ndarray | None,
+                   margin: float) -> bool:
+    a, b = set(ours[ours >= 0].tolist()), set(theirs[theirs >= 0].tolist())
+    if tie:
+        return True
+    if scores is None:
+        return False
+    kept = ours >= 0
+    if not kept.any():
+        return False
+    kth = float(np.nanmin(scores[kept]))
+    dropped = [s for key, s in zip(ours.tolist(), scores.tolist()) if key >= 0 and key in (a - b)]
+    return bool(dropped) and len(a - b) == len(b - a) and all(abs(s - kth) <= margin * max(1.0, abs(kth))
+                                                              for s in dropped)
+
+
+def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.ndarray, int] | None,
+                   ref_routes: LayerRows | None, ref_selections: LayerRows | None, *,
+                   score_margin: float = DEFAULT_SCORE_MARGIN, max_tie_rows: int = 20) -> LayerFinding:
+    """`routes` / `selections`: the endpoint's [rows, layers, width] array and its first position."""
+    out = LayerFinding()
+    families = []
+    if routes is not None and ref_routes is not None:
+        families.append(("moe", routes, ref_routes))
+    if selections is not None and ref_selections is not None:
+        families.append(("dsa", selections, ref_selections))
+    if not families:
+        return out
+    candidates: list[tuple[int, int, str]] = []
+    for family, (arr, first), ref in families:
+        stop = min(first + len(arr), len(ref.values))
+        if stop <= first:
+            continue
+        theirs = np.sort(np.asarray(arr[: stop - first], np.int64), -1)
+        ours = np.sort(ref.values[first:stop], -1)
+        differs = (theirs != ours).any(-1)  # [rows, layers]: as sets (ids are distinct within a row)
+        layers = list(ref.layers)
+        out.compared += (stop - first) * len(layers)
+        for row, layer in np.argwhere(differs[:, layers]).tolist():
+            candidates.append((first + row, layers[layer], family))
+    by_family = {family: (arr, first, ref) for family, (arr, first), ref in families}
+    for pos, layer, family in sorted(candidates, key=lambda c: (c[0], c[1], c[2] != "moe")):
+        arr, first, ref = by_family[family]
+        theirs, ours = np.asarray(arr[pos - first, layer], np.int64), ref.values[pos, layer]
+        if family == "moe":
+            tie = bool(ref.tie[pos, layer])
+        else:
+            tie = _selection_tie(ours, theirs, bool(ref.tie[pos, layer]),
+                                 None if ref.scores is None else ref.scores[pos, layer], score_margin)
+        if tie:
+            out.ties += 1
+            if len(out.tie_rows) < max_tie_rows:
+                out.tie_rows.append((pos, layer, family))
+            continue
+        out.first_layer, out.first_position, out.family = layer, pos, family
+        if family == "moe":
+            shown = (sorted(theirs.tolist()), sorted(ours.tolist()))
+            what = "experts"
+        else:
+            a, b = set(ours[ours >= 0].tolist()), set(theirs[theirs >= 0].tolist())
+            shown = (f"{len(b - a)} keys not ours", f"{len(a - b)} of ours left out")
+            what = "selected keys"
+        out.detail = f"layer {layer} position {pos}: {what} {shown[0]} there, {shown[1]} here (no tie at rank k)"
+        return out
+    return out
+
+
+__all__ = ["DEFAULT_SCORE_MARGIN", "LayerFinding", "compare_layers"]
