@@ -5,7 +5,7 @@
   [B, cap, Di] on K3.1's sparse layers. Rows are indexed by sequence position. On the CPU the
   indexer keys are stored key-major ([B, Di, cap] in memory, seen through a transposed view), because
   every decode step scores all of them: BLAS then streams `q [Hi, Di] @ K [Di, cap]` row by row
-  (measured at 147K slots, one thread: 1.6 -> 1.0 ms per layer). CUDA keeps rows contiguous (the
+  (faster at long context: docs/benchmarks.md, 'Kernels and layers (CPU)'). CUDA keeps rows contiguous (the
   Triton scorer reads whole key rows).
 - `ModelState`: one entry per layer and the number of tokens already consumed (`length`).
 

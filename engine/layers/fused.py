@@ -12,9 +12,9 @@ weight stops being such a view (`model.to(...)`, `load_state_dict(assign=True)`)
 check notices and the stack is rebuilt.
 
 The stack is stored input-major (`[in, sum of out]` in memory, read through a transposed view):
-`F.linear` then hands BLAS a plain `x @ W` whose weight rows are read in order, which for a decode
-step's single row ran the same matmuls 1.7x faster on this project's CPU (AVX2; the out-major
-layout measured 6.8 GB/s of weight reads, input-major 12.4 GB/s) and no slower for prefill.
+`F.linear` then hands BLAS a plain `x @ W` whose weight rows are read in order: a decode step's
+single row reads the weights at nearly twice the bandwidth of the out-major layout, and prefill is no
+slower (figures in docs/benchmarks.md, 'Kernels and layers (CPU)').
 The source weights are then strided views (`[out, in]`, strides `(1, sum of out)`). With grad enabled (training) the linears run one by one,
 so gradients reach each parameter as before. Note for writers: the source weights share one
 storage, so safetensors needs them copied apart before saving (`engine.weights.write` does).
@@ -34,8 +34,8 @@ class FusedLinears:
         if any(lin.bias is not None for lin in linears):
             raise ValueError("FusedLinears stacks bias-free linears only")
         self.linears = linears
-        # the modules' parameter dicts: reading a weight through them skips nn.Module.__getattr__, which
-        # made the per-step pointer check of a demo decode step cost ~0.5 ms
+        # the modules' parameter dicts: reading a weight through them skips nn.Module.__getattr__, whose
+        # Python lookups dominated the per-step pointer check of a small model's decode step
         self._params = [lin._parameters for lin in linears]
         self.sizes = [lin.out_features for lin in linears]
         # [sum of out_features, in], a transposed view of an input-major buffer; the sources are views of it

@@ -47,15 +47,15 @@ class ShortConv(nn.Module):
             tail = x.new_zeros(B, D, kernel - 1, dtype=torch.float32)
         if T <= SHORT_CONV_TAPS_MAX_T:
             # decode and short chunks: the taps as a multiply-sum over sliding windows. A depthwise
-            # conv1d call costs ~170 us for one token on CPU (27 of them were a quarter of a decode
-            # step) and stays an opaque extern call in a compiled graph; this fuses to one loop.
+            # conv1d call has a large fixed cost for one token on CPU (a quarter of a small model's
+            # decode step) and stays an opaque extern call in a compiled graph; this fuses to one loop.
             padded = torch.cat((tail.float(), x.float().transpose(1, 2)), dim=-1)  # [B, D, kernel - 1 + T]
             windows = padded.unfold(-1, kernel, 1)  # [B, D, T, kernel]
             out = (windows * self.weight.float()).sum(-1)   # weight [D, 1, kernel] broadcasts over T
             return F.silu(out).transpose(1, 2), padded[:, :, padded.shape[-1] - (kernel - 1):]
         # prefill: the taps as shifted multiply-adds in the [B, T, D] layout. Going through conv1d
-        # needs [B, D, T]: transposing a 4K x 512 chunk into it, and back, cost 15 ms per call against
-        # ~1 ms of arithmetic (a third of a KDA layer's non-matmul time at T = 4096).
+        # needs [B, D, T]: transposing a chunk into it, and back, costs an order of magnitude more than
+        # the arithmetic (figures in docs/benchmarks.md, 'Kernels and layers (CPU)').
         padded = torch.cat((tail.float().transpose(1, 2), x.float()), dim=1)  # [B, kernel - 1 + T, D]
         taps = self.weight.float().view(D, kernel)
         out = padded[:, :T] * taps[:, 0]

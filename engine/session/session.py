@@ -50,8 +50,8 @@ from engine.vision import ImageSource
 from engine.session.images import PreparedImage, image_record, pending_image_inputs, prepare_image
 
 Observer = Callable[[str, dict], None]
-# a prefill this long can take seconds on a CPU (a 5.7K-token quick start waited 19 s in silence when the
-# bar started at 8K): its bar is shown once the prefill has run PROGRESS_DELAY_S, so a fast one prints nothing
+# a prefill this long can take seconds on a CPU, and a user should not wait in silence: its bar is shown
+# once the prefill has run PROGRESS_DELAY_S, so a fast one prints nothing
 PROGRESS_MIN_TOKENS = 2048
 PROGRESS_DELAY_S = 2.0
 

@@ -199,7 +199,7 @@ def _layer_health(layer: int, pos: np.ndarray, stats: dict, plateau: float) -> p
             half_final = np.where(decay[-1] < 1, LN2 / -np.log(np.clip(decay[-1], 1e-12, 1.0)), np.inf)
     else:
         half_final = np.full(n_heads, np.nan)
-    # one frame per layer from whole columns (a dict per head cost ~1 s on 69 x 96 heads)
+    # one frame per layer from whole columns (a dict per head is slow at K3.1 Pro's 69 x 96 heads)
     return pd.DataFrame({
         "layer": np.full(n_heads, layer), "head": np.arange(n_heads), "final_norm": norms[-1],
         "peak_norm": peak, "saturate_position": saturate.astype(np.int64),

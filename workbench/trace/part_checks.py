@@ -184,8 +184,8 @@ def valueless_columns(meta: pq.FileMetaData, spec: TableSpec, columns: Sequence[
     group each of the column's leaves has one level per row and all of them null (a KDA statistic the
     recording policy left out: every row null; a list column of empty lists reads the same).
 
-    Why: decoding such a column still costs as much as a short list per row (0.17 s for each of the
-    five optional KDA statistics of a 1M-token trace); a reader that has the footer needs not decode it."""
+    Why: decoding such a column still costs as much as a short list per row (noticeable for each
+    optional KDA statistic of a 1M-token trace); a reader that has the footer needs not decode it."""
     nullable = [c for c in columns if c in spec.arrow_schema.names and spec.arrow_schema.field(c).nullable]
     if not nullable or meta.num_row_groups == 0:
         return []

@@ -295,8 +295,8 @@ class Trace:
                 lo, hi = filters[col]
                 inside = pc.and_(pc.greater_equal(table[col], lo), pc.less_equal(table[col], hi))
                 mask = inside if mask is None else pc.and_(mask, inside)
-        # a filter copies every kept row, list cells included (the answer's top-k rows of a 1M trace: ~50M
-        # keys, 0.6 s): skipped when every row is kept, as when the parts read hold only the wanted range
+        # a filter copies every kept row, list cells included (the answer's top-k rows of a 1M trace hold
+        # tens of millions of keys): skipped when every row is kept, as when the parts read hold only the wanted range
         if mask is not None and not (mask.null_count == 0 and pc.all(mask).as_py()):
             table = table.filter(mask)
         # the recording's top-k, bin width, sink size and layer ids travel with the rows (statistics read them)

@@ -70,7 +70,7 @@ def masked_indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos
         rank = score_rank(scores, key_pos)
         if k.device.type == "cpu" and cap % 2 == 0 and cap >= 2 * topk:
             # each half's top-k holds every global top-k member in it, and aten's CPU top-k runs the
-            # two halves on two threads (147K slots: 0.70 -> 0.44 ms with 2 threads, the same with 1)
+            # two halves on two threads: faster with two threads, no slower with one (docs/benchmarks.md)
             rank = rank.unflatten(-1, (2, cap // 2)).topk(topk, dim=-1, sorted=False).values.flatten(-2)
         top = rank.topk(topk, dim=-1, sorted=False).values  # [B, Tq, topk]
         pick = (cap - 1) - (top & 0xFFFFFFFF)  # slots = positions
@@ -101,7 +101,8 @@ def pruned_top_slots(scores: torch.Tensor, topk: int, block: int = PRUNE_BLOCK) 
     a slot ranked above that block's best, hence above it: `topk` slots would beat a top-k slot.
     What it saves: a vectorised fp32 max over the buffer and top-ks over cap / block maxima and
     topk * block candidates, instead of an int64 rank of every slot and a top-k over all of them
-    (147K slots, one thread: 1.1 -> 0.4 ms per DSA layer beside the 1 ms scoring matmul)."""
+    (at long context that selection would otherwise cost as much as the scoring matmul; figures in
+    docs/benchmarks.md, 'Kernels and layers (CPU)')."""
     cap = scores.shape[-1]
     n_blocks = cap // block
     maxima = scores.unflatten(-1, (n_blocks, block)).amax(-1)  # [..., n_blocks]
