@@ -1,4 +1,4 @@
-"""Forge Parquet pages that lie about their size, for the page-header tests (issue 42 item 5).
+"""Forge Parquet pages that lie about their size, for the page-header tests.
 
 `forge_page(file, column, ...)` overwrites, in place, the first data page of a column chunk that has
 no dictionary page with a page header of our choosing and a zstd body of `unpacked` zero bytes; the
@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """A Thrift compact-protocol unsigned varint."""
     out = b""
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -25,7 +26,7 @@ def _varint(n: int) -> bytes:
 
 def _i32(field_delta: int, value: int) -> bytes:
     """A compact-protocol i32 field (zigzag varint) `field_delta` ids after the previous one."""
-    return bytes([field_delta << 4 | 5]) + _varint((value << 1) ^ (value >> 31))
+    return bytes([field_delta << 4 | 5]) + varint((value << 1) ^ (value >> 31))
 
 
 def page_header(page_type: int, unpacked: int, stored: int, values: int) -> bytes:
@@ -66,18 +67,18 @@ def forge_page(file: Path, column: str, unpacked: int, values: int = 1, page_typ
 
 
 def _zigzag(value: int) -> bytes:
-    return _varint((value << 1) ^ (value >> 63))
+    return varint((value << 1) ^ (value >> 63))
 
 
 def _list(count: int, kind: int) -> bytes:
-    return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + _varint(count)
+    return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + varint(count)
 
 
 def _column_meta(physical: int, histogram: int) -> bytes:
     """ColumnMetaData of an empty chunk: `physical` type, and a definition level histogram of
     `histogram` entries in its size statistics when > 0."""
     out = bytes([1 << 4 | 5]) + _zigzag(physical) + bytes([1 << 4 | 9]) + _list(1, 5) + _zigzag(0)  # encodings
-    out += bytes([1 << 4 | 9]) + _list(1, 8) + _varint(1) + b"a"  # path_in_schema
+    out += bytes([1 << 4 | 9]) + _list(1, 8) + varint(1) + b"a"  # path_in_schema
     out += bytes([1 << 4 | 5]) + _zigzag(0)  # codec
     out += b"".join(bytes([1 << 4 | 6]) + _zigzag(0) for _ in range(3))  # values, uncompressed, compressed
     out += bytes([2 << 4 | 6]) + _zigzag(4)  # 9: data_page_offset
@@ -96,8 +97,8 @@ def footer_bomb(file: Path, chunks: int, row_groups: int = 1, physical: int | No
     chunk += b"\0"
     group = bytes([1 << 4 | 9]) + _list(chunks, 12) + chunk * chunks + \
         bytes([1 << 4 | 6]) + _zigzag(0) + bytes([1 << 4 | 6]) + _zigzag(0) + b"\0"  # total_byte_size, num_rows
-    root = bytes([4 << 4 | 8]) + _varint(6) + b"schema" + bytes([1 << 4 | 5]) + _zigzag(1) + b"\0"
-    leaf = bytes([1 << 4 | 5]) + _zigzag(1) + bytes([2 << 4 | 5]) + _zigzag(0) + bytes([1 << 4 | 8]) + _varint(1) + \
+    root = bytes([4 << 4 | 8]) + varint(6) + b"schema" + bytes([1 << 4 | 5]) + _zigzag(1) + b"\0"
+    leaf = bytes([1 << 4 | 5]) + _zigzag(1) + bytes([2 << 4 | 5]) + _zigzag(0) + bytes([1 << 4 | 8]) + varint(1) + \
         b"a" + b"\0"
     meta = bytes([1 << 4 | 5]) + _zigzag(1) + bytes([1 << 4 | 9]) + _list(2, 12) + root + leaf + \
         bytes([1 << 4 | 6]) + _zigzag(0) + bytes([1 << 4 | 9]) + _list(row_groups, 12) + group * row_groups + b"\0"

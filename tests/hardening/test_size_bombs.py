@@ -15,6 +15,7 @@ import pytest
 from workbench.trace import summary_cache
 from workbench.trace.arrow_limits import BoundsError, read_bounded
 from tests.hardening.conftest import bounded
+from tests.hardening.parquet_forge import varint
 from workbench.trace import TraceCorruptError, TraceError, TraceWriter, open_trace
 from workbench.trace import part_checks
 from workbench.trace.export import export_trace
@@ -78,22 +79,13 @@ def test_list_items_count_as_decoded_bytes(tmp_path, monkeypatch):
     assert any(str(bad) in p and "decoded bytes, more than the 1,048,576" in p for p in t.problems)
 
 
-def _varint(n: int) -> bytes:
-    out = b""
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out += bytes([byte | (0x80 if n else 0)])
-        if not n:
-            return out
-
-
 def _claim_schema(file, written: pa.Schema, claimed: pa.Schema) -> None:
     """Replace the Arrow schema a Parquet footer stores (a Thrift string, base64) without touching a page."""
     old, new = (base64.b64encode(s.serialize().to_pybytes()) for s in (written, claimed))
     data = file.read_bytes()
-    at = data.index(_varint(len(old)) + old)
-    data = data[:at] + _varint(len(new)) + new + data[at + len(_varint(len(old))) + len(old):]
-    footer = int.from_bytes(data[-8:-4], "little") + len(_varint(len(new)) + new) - len(_varint(len(old)) + old)
+    at = data.index(varint(len(old)) + old)
+    data = data[:at] + varint(len(new)) + new + data[at + len(varint(len(old))) + len(old):]
+    footer = int.from_bytes(data[-8:-4], "little") + len(varint(len(new)) + new) - len(varint(len(old)) + old)
     file.write_bytes(data[:-8] + footer.to_bytes(4, "little") + b"PAR1")
 
 
