@@ -23,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "checkpoint": "model_cmds", "inspect": "model_cmds", "logits": "model_cmds", "run": "run_cmd",
     "plan": "plan_cmd", "demo": "demo_cmd", "dashboard": "dashboard_cmd", "summarize": "summarize_cmd",
     "export": "export_cmd", "compare": "compare_cmd", "questions": "questions_cmd", "import": "import_cmd",
-    "serve": "serve_cmd", "conformance": "conformance_cmd",
+    "serve": "serve_cmd", "conformance": "conformance_cmd", "attribute": "attribute_cmd",
 }
 
 

@@ -149,7 +149,8 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
     Returns:
         `Attribution` (workbench.span_attribution.result): the answer, `target_logprob`, `lds`, `prefill_s`,
         `attribution_s`, and `spans` (`SpanEffect`: start, end, text, effect, control range, verdict, source)
-        ordered by effect, largest drop first. InputError before anything runs for an empty context, no
+        ordered by effect, largest drop first: the spans checked exactly first, then the others by their
+        estimated effect (an unchecked estimate never outranks a measured one). InputError before anything runs for an empty context, no
         target, a span out of range, a model without DSA layers, or bad counts.
     """
     continuation, target = task_scoring(continuation, target)
@@ -248,7 +249,8 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
                                 reads=int(reads[i]), source=UNREAD if unread else ESTIMATED)
     answer, right = _answer(session, continuation, role, max_new_tokens,
                             continuation.expected if isinstance(continuation, TaskPrompt) else None)
-    order = sorted(results.values(), key=lambda s: (s.effect, s.source != CHECKED, s.start))
+    # the checked spans (exact effects) first, then the rest by effect (the surrogate's estimate, or 0 unread)
+    order = sorted(results.values(), key=lambda s: (s.source != CHECKED, s.effect, s.start))
     target_text = target if isinstance(target, str) else (
         session.tokenizer.decode(target_ids) if session.tokenizer is not None else str(target_ids))
     return Attribution(answer=answer, right=right, target=target_text, target_ids=target_ids, target_logprob=plain,

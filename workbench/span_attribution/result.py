@@ -79,7 +79,8 @@ class Attribution:
         prefill_s: seconds of one prefill of the context, measured in this call (None when the session
             came already prefilled); attribution_s: seconds of everything else (reads, masks, surrogate,
             exact checks, answer).
-        spans: every span, ordered by effect, largest drop first.
+        spans: every span, ordered by effect, largest drop first: the checked spans (exact) first, then
+            the others by their estimated effect.
         masks, holdout: ablation masks the surrogate was fitted on / scored on; candidates: spans the masks
             varied (read by some DSA layer, or all with `kda`); runs: continuations (and partial prefills)
             run in all.

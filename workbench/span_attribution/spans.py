@@ -120,7 +120,14 @@ def automatic_spans(session: Any, mode: str, end: int | None = None, max_tokens:
                 boundaries.append(p + 1)
             previous = text or previous
         kind = "sentence" if mode == "sentences" else "paragraph"
-        out += [Span(a, b, seg.name, kind) for a, b in _cut(lo, hi, boundaries, max_tokens)]
+        pieces: list[tuple[int, int]] = []
+        for a, b in _cut(lo, hi, boundaries, max_tokens):
+            # a piece of white space only (a blank line between sentences) joins the span before it
+            if pieces and not "".join(text_of(tokens[p]) for p in range(a, b)).strip():
+                pieces[-1] = (pieces[-1][0], b)
+            else:
+                pieces.append((a, b))
+        out += [Span(a, b, seg.name, kind) for a, b in pieces]
     return out
 
 
