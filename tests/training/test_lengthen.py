@@ -16,15 +16,6 @@ from training import state as state_io
 from training.model_setup import export, trainable_model, trained_demo_config
 
 
-@pytest.fixture()
-def base(tmp_path):
-    """A 'finished' base run: the text model's weights saved as `training.demo_model` saves them."""
-    model = trainable_model(trained_demo_config(64), 0)
-    d = tmp_path / "base"
-    state_io.save(d, 3, model, {}, {"seed": 0, "scale": 1.0, "topk": 64, "commit": "test"})
-    return d
-
-
 def _tiny(scale: float, stages: str = "") -> list[lengthen.Stage]:
     return [lengthen.Stage(1, 1, 256), lengthen.Stage(1, 1, 384)]
 
