@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.io import atomic_dir
 from engine.io.files import parse_json
+from workbench.trace.attribution_file import ATTRIBUTION_FILE
 from workbench.trace.effects_table import EFFECTS_FILE
 from workbench.trace.errors import TraceError
 from workbench.trace.schema import IMAGES_DIR, SESSION_FILE, TABLES, TOKENS_FILE
@@ -31,8 +32,9 @@ def _written_by_us(name: str) -> bool:
     """Whether a trace directory's entry is one a trace writer (or the dashboard's summaries) wrote."""
     return (name in (SESSION_FILE, TOKENS_FILE, IMAGES_DIR, LOCK_FILE) or name in TABLES or name in _DERIVED_DIRS
             or name in (f".{SESSION_FILE}.tmp", f".{TOKENS_FILE}.tmp")
-            # the effects measured on the session (`workbench.trace.effects_table`): they go with it
-            or name in (EFFECTS_FILE, f".{EFFECTS_FILE}.tmp"))
+            # the effects and the attribution measured on the session (`effects_table`, `attribution_file`):
+            # they go with it
+            or name in (EFFECTS_FILE, f".{EFFECTS_FILE}.tmp", ATTRIBUTION_FILE, f".{ATTRIBUTION_FILE}.tmp"))
 
 
 def check_trace_target(path: str | Path, *, overwrite: bool = False) -> None:
