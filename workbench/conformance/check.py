@@ -18,7 +18,8 @@ Positions are sequence positions (0-based over prompt + generated tokens) of the
 the forward at position p consumed token p and computed the routes and selections of p and the
 distribution of token p + 1, so a generated token k's log-probability belongs to position
 prompt_tokens + k - 1. The first divergence of a prompt is its earliest; its layer is the first layer
-whose routes or selections diverged (None when the captures agree or were not returned).
+whose routes or selections diverged anywhere (`layers.compare_layers`; None when the captures agree or
+were not returned).
 
 Suite items (`suite.SuiteItem`) add the run-to-run and concurrency checks: a `repeat` or `concurrent`
 item must give exactly the ids and log-probabilities of the item it repeats (the concurrent ones are
@@ -162,6 +163,7 @@ def compare_reply(model: Any, tokenizer: Any, messages: list[dict], reply: Endpo
     finding = compare_layers(reply.routes, reply.selections, ref.routes, ref.selections, score_margin=score_margin)
     result.compared_rows, result.ties = finding.compared, finding.ties
     if finding.first_layer is not None:
+        assert finding.first_position is not None
         _diverge(result, finding.first_position, finding.detail, finding.first_layer)
         result.first_divergent_layer = finding.first_layer
 

@@ -7,10 +7,13 @@ Per position (in order) and per layer (in order) a row of the endpoint is compar
   `tie` when the engine's tie band at rank k cut keys (`tie_cut > 0`) and no more keys differ than
   it cut, or when every key of ours that the endpoint left out scores within `score_margin` of our
   k-th score (a near tie the running precision can flip).
-Anything else is a divergence. The first divergence is the earliest position, and at that position the
-lowest layer: a fault upstream of a layer reaches it no earlier than that position, so the layer named
-is the first layer whose observable choices (MoE routes, DSA selections) the fault changed: the fault
-is in that layer or a layer before it whose output no route or selection reads (a dense layer).
+Anything else is a divergence. The layer named is the LOWEST layer with a divergent row at any
+position: a fault in layer L changes no layer below L at any position (each layer reads only the
+layers below it, at this and earlier positions), so the fault is in that layer or in a layer before it
+whose output no route or selection of its own shows (a dense layer, or a change too small to flip
+one there). The position named is the earliest divergent row of any layer (a fault's effect can
+surface in a later layer first: a small change that flips no route where it happens flips one
+downstream); the detail gives both.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class LayerFinding:
 
     compared: int = 0                          # (position, layer) rows compared
     ties: int = 0                              # rows that differ only inside a tie (not divergences)
-    first_layer: int | None = None
-    first_position: int | None = None
+    first_layer: int | None = None             # the lowest layer with a divergent row (any position)
+    layer_position: int | None = None          # that layer's first divergent position
+    first_position: int | None = None          # the earliest divergent row's position (any layer)
+    divergent_rows: int = 0
     family: str | None = None                  # "moe" or "dsa": which signal diverged first
     detail: str = ""
     tie_rows: list[tuple[int, int, str]] = field(default_factory=list)  # (position, layer, family), the first few
@@ -78,6 +83,7 @@ def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.n
         for row, layer in np.argwhere(differs[:, layers]).tolist():
             candidates.append((first + row, layers[layer], family))
     by_family = {family: (arr, first, ref) for family, (arr, first), ref in families}
+    first_of_layer: dict[int, tuple[int, str, np.ndarray, np.ndarray]] = {}  # layer -> its first divergence
     for pos, layer, family in sorted(candidates, key=lambda c: (c[0], c[1], c[2] != "moe")):
         arr, first, ref = by_family[family]
         theirs, ours = np.asarray(arr[pos - first, layer], np.int64), ref.values[pos, layer]
@@ -91,16 +97,22 @@ def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.n
             if len(out.tie_rows) < max_tie_rows:
                 out.tie_rows.append((pos, layer, family))
             continue
-        out.first_layer, out.first_position, out.family = layer, pos, family
+        out.divergent_rows += 1
+        if out.first_position is None:
+            out.first_position = pos
+        first_of_layer.setdefault(layer, (pos, family, theirs, ours))
+    if first_of_layer:
+        layer = min(first_of_layer)
+        pos, family, theirs, ours = first_of_layer[layer]
+        out.first_layer, out.family, out.layer_position = layer, family, pos
         if family == "moe":
-            shown = (sorted(theirs.tolist()), sorted(ours.tolist()))
-            what = "experts"
+            what, there, here = "experts", sorted(theirs.tolist()), sorted(ours.tolist())
         else:
             a, b = set(ours[ours >= 0].tolist()), set(theirs[theirs >= 0].tolist())
-            shown = (f"{len(b - a)} keys not ours", f"{len(a - b)} of ours left out")
-            what = "selected keys"
-        out.detail = f"layer {layer} position {pos}: {what} {shown[0]} there, {shown[1]} here (no tie at rank k)"
-        return out
+            what, there, here = "selected keys", f"{len(b - a)} keys not ours", f"{len(a - b)} of ours left out"
+        out.detail = (f"lowest divergent layer {layer}, from position {pos}: {what} {there} there, {here} here "
+                      f"(no tie at rank k); {out.divergent_rows} divergent rows, the earliest at position "
+                      f"{out.first_position}")
     return out
 
 
