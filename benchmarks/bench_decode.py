@@ -10,11 +10,24 @@ indexer scan grows with context (O(T) per token) while KDA and the MoE do not.
 Columns: the eager forward, and the compiled decode step (`engine.decode.step`; its warm-up
 column is the compile at that context's cache capacity, one per capacity), each as wall and as
 CPU ms per token (one torch thread: on a shared machine the CPU column is the one to read).
+
+Trees side by side (a regression hunt): `--trees /tmp/wt-OLD .` runs one worker process per tree
+(PYTHONPATH at that tree, so each imports its own engine; make old trees with `git worktree add
+/tmp/wt-HASH HASH`) and asks them in turn, the order alternating every round, for the same decode
+(`--rounds`, each on a fresh session); prints each tree's best and median CPU ms per token and their
+ratios to the first tree. Only the eager mode is timed this way unless --modes says otherwise.
+
+    python benchmarks/bench_decode.py --trees /tmp/wt-b207398 . --contexts 4096 --tokens 32 --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +124,63 @@ def read_floor_ms(model, context: int) -> tuple[float, float, float]:
     return nbytes / 1e6, 1000 * cached, 1000 * streamed
 
 
+def _worker(model_name: str, threads: int) -> None:
+    """One tree's side of --trees: answer each request line ({"context", "tokens", "mode"}) on stdin with
+    one JSON line of (wall ms, cpu ms, warm-up s) per token, measured on a fresh session."""
+    torch.set_num_threads(threads)
+    model = load_model(model_name)
+    setting = {"eager": False, "static": "static", "compiled": True}
+    import engine
+
+    print(json.dumps({"ready": str(Path(engine.__file__).parents[1])}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        print(json.dumps(decode_ms(model, req["context"], req["tokens"], setting[req["mode"]])), flush=True)
+
+
+def compare_trees(trees: list[str], args) -> None:
+    """Interleaved rounds over worker processes, one per tree (see the module docstring)."""
+    env_base = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    workers = []
+    for tree in trees:
+        root = str(Path(tree).resolve())
+        env = dict(env_base, PYTHONPATH=root)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model,
+                                 "--threads", str(args.threads)], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=root)
+        ready = json.loads(proc.stdout.readline())["ready"]
+        if ready != root:  # an editable install shadowing PYTHONPATH would compare a tree with itself
+            raise SystemExit(f"worker for {root} imported the engine from {ready}")
+        workers.append(proc)
+    cpu = {(t, c, m): [] for t in range(len(trees)) for c in args.contexts for m in args.modes}
+    try:
+        for r in range(args.rounds):
+            order = list(range(len(trees)))
+            if r % 2:
+                order.reverse()
+            for c in args.contexts:
+                for m in args.modes:
+                    for t in order:
+                        workers[t].stdin.write(json.dumps({"context": c, "tokens": args.tokens, "mode": m}) + "\n")
+                        workers[t].stdin.flush()
+                        cpu[t, c, m].append(json.loads(workers[t].stdout.readline())[1])
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for proc in workers:
+            proc.stdin.close()
+            proc.wait()
+    print(f"{'tree':>28} {'context':>8} {'mode':>8} {'best cpu ms/tok':>15} {'median':>8} {'best / tree 1':>13} "
+          f"{'median / tree 1':>15}")
+    for c in args.contexts:
+        for m in args.modes:
+            base = cpu[0, c, m]
+            for t, tree in enumerate(trees):
+                x = cpu[t, c, m]
+                print(f"{tree[-28:]:>28} {c:>8} {m:>8} {min(x):>15.3f} {statistics.median(x):>8.3f} "
+                      f"{min(x) / min(base):>13.4f} {statistics.median(x) / statistics.median(base):>15.4f}")
+    print(f"({args.rounds} interleaved rounds of {args.tokens} tokens, order alternating; process CPU time)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="preset:demo")
@@ -120,7 +190,17 @@ def main() -> None:
                     help="eager forward, the static-shape step run eagerly, the compiled step")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 spinning threads on a shared 2-core "
                     "machine slow torch down many times)")
+    ap.add_argument("--trees", nargs="+", help="source trees to compare side by side (worker processes, "
+                    "interleaved rounds); the first is the baseline")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds with --trees")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return _worker(args.model, args.threads)
+    if args.trees:
+        if "--modes" not in sys.argv:
+            args.modes = ["eager"]
+        return compare_trees(args.trees, args)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     setting = {"eager": False, "static": "static", "compiled": True}

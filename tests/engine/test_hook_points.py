@@ -47,6 +47,22 @@ def test_every_point_of_the_docs_table_exists_and_the_checkpoint_names_are_uncha
     assert all(model.get_submodule(paths[n]) is p for n, p in points.items())
 
 
+def test_points_are_plain_attributes_of_their_owners_and_a_reassigned_point_replaces_both_entries():
+    # bind_points: `self.hook_*` is a dict hit, not nn.Module.__getattr__ (about 150 reads per eager decode step)
+    model = load_model("preset:tiny", seed=3)
+    owners = [m for m in model.modules() if any(isinstance(c, HookPoint) for c in m._modules.values())]
+    assert owners
+    for owner in owners:
+        for name, child in owner._modules.items():
+            if isinstance(child, HookPoint):
+                assert vars(owner)[name] is child, name
+    layer = model.model.layers[0]
+    fresh = HookPoint("blocks.0.hook_resid_pre")
+    layer.hook_resid_pre = fresh
+    assert layer.hook_resid_pre is fresh and layer._modules["hook_resid_pre"] is fresh
+    assert hook_points(model)["blocks.0.hook_resid_pre"] is fresh
+
+
 def test_identity_hooks_leave_logits_bit_identical_and_see_every_position_once(model):
     x = torch.tensor([ids(40)])
     with torch.inference_mode():
