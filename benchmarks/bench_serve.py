@@ -4,7 +4,10 @@
    document, below, `--decode` tokens)
    through `Session.generate` in this process and streamed from the server; per token = the time
    from the first streamed token to the last over the tokens between them. Alternated over
-   `--repeats` rounds, best of each kept, so a busy machine biases both alike.
+   `--repeats` rounds, best of each kept, so a busy machine biases both alike. The same figure for a
+   server that records every conversation (a trace per request) with the integrity checks off
+   (`RecordPolicy(health=False)`) and on (the default policy), in the same rounds: the ratios say
+   what recording and then integrity add to a streamed token.
 2. TTFT of turn 2 with and without prefix reuse: turn 1 asks the find-fact template's question
    (`workbench.task_templates.fact_task`: the trained system line, a `--tokens`-token document
    holding the fact in the trained wording, the trained question), which builtin:demo answers with
@@ -20,7 +23,8 @@ text, a TTFT or per-token time that could not be measured, turn 2 reusing nothin
     python benchmarks/bench_serve.py --tokens 32768 --decode 64     # builtin:demo
     python benchmarks/bench_serve.py --model preset:tiny --tokens 2048 --decode 32 --repeats 2   # a quick check
 
-Nothing is recorded (the server's `--no-record`), so both sides run the same work.
+Apart from the recording variants of figure 1, nothing is recorded (the server's `--no-record`), so
+both sides run the same work. `--no-reuse` skips figure 2 (the long prefills).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import openai
 import torch
@@ -40,6 +46,7 @@ from apps.serve.server import Server
 from apps.serve.worker import ServeOptions
 from engine.session import Session
 from measure import filler_ids
+from workbench.recorders.policy import RecordPolicy
 from workbench.sessions import load_with_tokenizer
 from workbench.task_templates import fact_task
 
@@ -101,9 +108,10 @@ def fact_conversation(tokenizer, tokens: int) -> list[dict]:
             + [{"role": "user", "content": task.question}])
 
 
-def start_server(model, tokenizer, name: str, chunk: int, cache_bytes: int) -> tuple[Server, openai.OpenAI]:
-    server = Server(model, tokenizer, ServeOptions(model_name=name, trace_root=None, cache_bytes=cache_bytes,
-                                                   prefill_chunk=chunk),
+def start_server(model, tokenizer, name: str, chunk: int, cache_bytes: int, trace_root: Path | None = None,
+                 policy: object = "default") -> tuple[Server, openai.OpenAI]:
+    server = Server(model, tokenizer, ServeOptions(model_name=name, trace_root=trace_root, cache_bytes=cache_bytes,
+                                                   prefill_chunk=chunk, policy=policy),
                     AppConfig(model_id=name, hosts=HostPolicy.for_server("127.0.0.1"), max_tokens=1 << 16), port=0)
     server.start_in_thread()
     return server, openai.OpenAI(base_url=server.url, api_key="bench", max_retries=0, timeout=3600)
@@ -126,6 +134,7 @@ def run(argv: list[str] | None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-reuse", action="store_true", help="skip figure 2 (turn 2 with and without prefix reuse)")
     args = ap.parse_args(argv)
     if args.decode < 2 or args.tokens < 1 or args.repeats < 1:
         ap.error("--decode must be at least 2 (a time per token needs two tokens), --tokens and --repeats at least 1")
@@ -133,21 +142,40 @@ def run(argv: list[str] | None) -> None:
     model, tokenizer = load_with_tokenizer(args.model)
     warm, warm_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 64 << 30)
     cold, cold_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 0)
+    traces = tempfile.TemporaryDirectory(prefix="bench_serve_traces_")
+    # recording servers keep no state either: every request is a fresh conversation, recorded into its own trace
+    recorded, recorded_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 0,
+                                             Path(traces.name) / "plain", RecordPolicy(health=False))
+    checked, checked_client = start_server(model, tokenizer, args.model, args.prefill_chunk, 0,
+                                           Path(traces.name) / "health", RecordPolicy())
     try:
-        local, served = [], []
         short = fact_conversation(tokenizer, SHORT_DOCUMENT)
+        variants = {"streamed by workbench serve": cold_client, "streamed, recording (integrity off)": recorded_client,
+                    "streamed, recording + integrity": checked_client}
+        local: list[float] = []
+        served: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             local.append(measured(in_process(model, tokenizer, short, args.decode, args.prefill_chunk) or None,
                                   "the in-process time per token"))
-            # the server keeping no state prefills the question cold each round, like the in-process session
-            served.append(measured(streamed(cold_client, args.model, short, args.decode)["per_token_s"],
-                                   "the streamed time per token (the reply needs two text chunks)"))
-        best_local, best_served = min(local), min(served)
-        print(f"decode per token, best of {args.repeats} ({args.model}, {args.decode} tokens, greedy):")
-        print(f"  Session.generate in process   {best_local * 1e3:8.2f} ms  (median {statistics.median(local) * 1e3:.2f})")
-        print(f"  streamed by workbench serve   {best_served * 1e3:8.2f} ms  (median {statistics.median(served) * 1e3:.2f})")
-        print(f"  server overhead per token     {(best_served - best_local) * 1e3:8.2f} ms "
-              f"({(best_served / best_local - 1) * 100:+.1f}%)")
+            # each server keeping no state prefills the question cold each round, like the in-process session
+            for name, client in variants.items():
+                served[name].append(measured(streamed(client, args.model, short, args.decode)["per_token_s"],
+                                             f"the time per token {name} (the reply needs two text chunks)"))
+        best_local = min(local)
+        print(f"decode per token, best of {args.repeats} ({args.model}, {args.decode} tokens, greedy; rounds "
+              f"interleaved):")
+        print(f"  Session.generate in process          {best_local * 1e3:8.2f} ms  (median "
+              f"{statistics.median(local) * 1e3:.2f})")
+        for name, times in served.items():
+            print(f"  {name:36s} {min(times) * 1e3:8.2f} ms  (median {statistics.median(times) * 1e3:.2f})  "
+                  f"x{min(times) / best_local:.3f} of in-process")
+        plain, rec, health = (min(served[name]) for name in variants)
+        print(f"  server overhead per token            {(plain - best_local) * 1e3:8.2f} ms "
+              f"({(plain / best_local - 1) * 100:+.1f}%)")
+        print(f"  recording's cost per served token    {(rec - plain) * 1e3:8.2f} ms ({(rec / plain - 1) * 100:+.1f}%)")
+        print(f"  integrity's cost per recorded token  {(health - rec) * 1e3:8.2f} ms ({(health / rec - 1) * 100:+.1f}%)")
+        if args.no_reuse:
+            return
 
         turn1 = fact_conversation(tokenizer, args.tokens)
         first = streamed(warm_client, args.model, turn1, REPLY_TOKENS)
@@ -166,8 +194,9 @@ def run(argv: list[str] | None) -> None:
               f"{again['cached']} cached")
         print(f"  speed-up from reuse           {again['ttft_s'] / reused['ttft_s']:8.1f}x")
     finally:
-        warm.stop()
-        cold.stop()
+        for server in (warm, cold, recorded, checked):
+            server.stop()
+        traces.cleanup()
 
 
 if __name__ == "__main__":
