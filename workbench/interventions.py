@@ -88,15 +88,6 @@ def resolve(session: Any, *interventions: Any) -> tuple[Intervention, ...]:
     return items
 
 
-def _publish(session: Any) -> None:
-    """Write the session's intervention record into the trace of the recording watching it, if any."""
-    for observer in session.observers:
-        recorder = getattr(observer, "__self__", None)
-        writer = getattr(recorder, "writer", None)
-        if writer is not None and hasattr(writer, "update_session"):
-            writer.update_session(interventions=list(session.intervention_log))
-
-
 @contextmanager
 def intervene(session: Any, *interventions: Any) -> Iterator[tuple[Intervention, ...]]:
     """Run the block with `interventions` active on `session` (see `resolve` for what they may be),
@@ -107,13 +98,11 @@ def intervene(session: Any, *interventions: Any) -> Iterator[tuple[Intervention,
     """
     items = resolve(session, *interventions)
     previous = session.interventions
-    session.set_interventions(items)
-    _publish(session)
+    session.set_interventions(items)  # a recording watching the session writes the log (its own event)
     try:
         yield items
     finally:
         session.set_interventions(previous)
-        _publish(session)
 
 
 def spec_json(items: Sequence[Intervention]) -> list[dict]:

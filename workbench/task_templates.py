@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -341,11 +340,7 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
     session.append(task.system, role="system", name="system")
     segments = [session.append(text, name=name) for name, text in task.documents]
     spans = task_spans(session.tokenizer, task, [(int(seg.start), session.tokens[seg.start:seg.end]) for seg in segments])
-    try:
-        _RECORDED[session] = {**_RECORDED.get(session, {}), **spans}
-    except TypeError:
-        pass
-    _publish_task(session, task, spans)
+    _publish_task(session, task, {**recorded_spans(session), **spans})
     if task.task == "picture":
         session.append_message("user", task.question, images=list(images), image_names=image_names, name="question")
     elif question:
@@ -354,17 +349,15 @@ def append_task(session, task: TaskPrompt, *, images: Sequence | None = None,
 
 
 FACT = "the fact"
-# the spans each session's task recorded (held weakly: a finished session takes its entry with it)
-_RECORDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
-
-
 def recorded_spans(session: Any) -> dict[str, tuple[int, int]]:
-    """The spans `append_task` recorded on `session` ("the fact", "restatement 1"), by label; {} when none.
-    `workbench.check_span` and `workbench.attribution` take these labels as names of what to hide."""
-    try:
-        return dict(_RECORDED.get(session, {}))
-    except TypeError:  # an object that cannot be weakly referenced recorded nothing
+    """The spans `append_task` recorded on `session` ("the fact", "restatement 1"), by label; {} when none
+    (a fork carries its parent's). `workbench.check_span` and `workbench.attribution` take these labels as
+    names of what to hide."""
+    task = getattr(session, "annotations", {}).get("task")
+    spans = task.get("spans") if isinstance(task, dict) else None
+    if not isinstance(spans, dict):
         return {}
+    return {label: (int(span[0]), int(span[1])) for label, span in spans.items()}
 
 
 def task_spans(tokenizer: Any, task: TaskPrompt, documents: Sequence[tuple[int, Sequence[int]]]
@@ -400,13 +393,10 @@ def _token_span(tokenizer: Any, ids: Sequence[int], byte_start: int, byte_end: i
 
 
 def _publish_task(session: Any, task: TaskPrompt, spans: dict[str, tuple[int, int]]) -> None:
-    """Write the task and where its fact is into the trace of a recording watching `session`, if any."""
-    record = {"task": task.task, "question": task.question, "expected": task.expected,
-              "spans": {label: list(span) for label, span in spans.items()}}
-    for observer in getattr(session, "observers", ()):
-        writer = getattr(getattr(observer, "__self__", None), "writer", None)
-        if writer is not None and hasattr(writer, "update_session"):
-            writer.update_session(task=record)
+    """Say on `session` which task was asked and where its fact is (`Session.annotate`: a recording watching
+    it writes them into its trace's session.json under "task"; `recorded_spans` reads them back)."""
+    session.annotate(task={"task": task.task, "question": task.question, "expected": task.expected,
+                           "spans": {label: list(span) for label, span in spans.items()}})
 
 
 def answer_task(session, task: TaskPrompt, *, max_new_tokens: int = 48, temperature: float = 0.0) -> TaskAnswer:

@@ -94,6 +94,9 @@ class Session:
         # the interventions the model applies to this session's forward calls, and the record of them
         self._interventions: Any = None  # engine.interventions.InterventionPlan
         self.intervention_log: list[dict] = []
+        # what the caller says about this run for its records (e.g. the task asked and where its fact is):
+        # JSON-able fields, announced to observers by `annotate` (a recording writes them into session.json)
+        self.annotations: dict[str, Any] = {}
         # images appended but not yet prefilled: (first position, projector outputs [n, hidden])
         self._pending_images: list[tuple[int, torch.Tensor]] = []
         # segment id -> RGB thumbnail (longest side <= THUMBNAIL_PX); snapshots carry it as a PNG
@@ -280,13 +283,22 @@ class Session:
         """(projector rows, [1, n] mask) of the pending images that fall in positions [start, start + n)."""
         return pending_image_inputs(self._pending_images, start, n, self.device)
 
+    def annotate(self, **fields: Any) -> None:
+        """Add JSON-able `fields` to this run's `annotations` and announce them to observers (event
+        "annotations"): how a caller hands a recording what it knows about the run, without looking for
+        the recording."""
+        self.annotations.update(fields)
+        self._emit("annotations", fields=dict(fields))
+
     # ---- interventions (engine.interventions) -----------------------------------------------
     def set_interventions(self, spec: Any) -> None:
         """Make `spec` (a JSON list, its text, or `engine.interventions` dataclasses; [] = none) the
         interventions of every later forward call of this session, replacing the current ones. Layers,
         heads, experts and positions are checked against the model first (InputError, nothing changes);
-        `intervention_log` records each with the positions consumed while it was active."""
+        `intervention_log` records each with the positions consumed while it was active; observers get an
+        "interventions" event (a recording writes the log into its trace)."""
         self._interventions = activate_interventions(self, spec)
+        self._emit("interventions", log=self.intervention_log)
 
     @property
     def interventions(self) -> tuple:
@@ -524,6 +536,7 @@ class Session:
         other.suppressed_ids = self.suppressed_ids
         other._interventions = self._interventions  # a plan is never modified: share it
         other.intervention_log = copy.deepcopy(self.intervention_log)
+        other.annotations = copy.deepcopy(self.annotations)
         return other
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:

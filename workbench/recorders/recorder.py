@@ -79,6 +79,8 @@ class Recorder:
             self._on_segment(seg, announce=False)
         if self._thumbnails:  # their thumbnails were written just now: name them
             self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments])
+        if self.writer is not None and self.session.annotations:  # said about the run before recording began
+            self.writer.update_session(**self.session.annotations)
 
     def pause(self) -> None:
         """Write what was recorded and let go of the model, keeping the trace open: a server records one
@@ -219,6 +221,10 @@ class Recorder:
             return
         if event == "segment":
             self._on_segment(payload["segment"])
+        elif event == "annotations":  # what the caller said about the run (a task and its fact's spans)
+            self.writer.update_session(**payload["fields"])
+        elif event == "interventions":  # the session's record of its interventions, as session.json shows it
+            self.writer.update_session(interventions=list(payload["log"]))
         elif event == "token":
             tok = payload["token"]
             self._generated += 1
