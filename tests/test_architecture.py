@@ -315,3 +315,12 @@ def test_no_front_door_names_the_signal_families() -> None:
                 if len(names) >= 2 and names <= FAMILY_NAMES:
                     found.append(f"{m}: {node.value!r}")
     assert found == [], found
+
+
+def test_only_the_session_and_its_recorder_touch_observers() -> None:
+    """What a caller knows about a run reaches a recording through the session's events (`annotate`,
+    `set_interventions`), never by searching `session.observers` for a recorder."""
+    touching = sorted(m for m in MODULES if m.startswith(("engine", "workbench", "apps"))
+                      and any(isinstance(node, ast.Attribute) and node.attr == "observers"
+                              for node in ast.walk(ast.parse(MODULES[m].read_text(encoding="utf-8")))))
+    assert touching == ["engine.session.session", "workbench.recorders.recorder"], touching
