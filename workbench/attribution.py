@@ -7,8 +7,9 @@ memory is switched off in turn and the change of the target's log-probability is
 - `dsa.hide`: each segment hidden from each DSA layer (and from all of them at once); controls:
   random spans of the same length hidden from the same layers;
 - `kda.suppress_writes`: each KDA layer's (or head's) writes over each segment suppressed; controls: the
-  same heads' writes over random spans of the same length after the segment's start (so every KDA row
-  of a segment re-runs the context from one fork; with too little room there, anywhere);
+  same heads' writes over random spans of the same length after the segment's start (with too little
+  room there, anywhere); every run continues from the state kept at its own span's start, so a control
+  re-runs only the context after it (the rows of one segment share their controls and those states);
 - `moe.ban`: on each MoE layer, the experts the target's tokens were routed to, banned for the
   continuation; control: as many other experts, drawn at random.
 
@@ -18,7 +19,8 @@ sentence). Control spans never overlap the row's span, the answer's `evidence` o
 too few fit, the row says so and gives no verdict (house rule: a statistic chance could produce is
 shown beside its chance value). Cost: the context is prefilled once; DSA and MoE rows are
 continuations only (question + target tokens). KDA rows change writes inside the context, so each
-re-runs the context from the first suppressed position (a partial prefill per row): off by default.
+re-runs the context from its first suppressed position (a partial prefill per run, from a state kept
+there while the context was prefilled once): off by default.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def attribution(session: Any, segments: Sequence[str | tuple[str, int, int]], *,
                     lambda s, layer=layer, heads=heads: [{"op": "kda.suppress_writes", "positions": list(s),
                                                           "layers": [layer], "heads": heads}],
                     span[1] - span[0], {"segment": name, "layer": layer, "heads": heads, "experts": None},
-                    lambda s, first=span[0]: min(first, s[0]), span, lowest=span[0])
+                    lambda s: s[0], span, lowest=span[0])
     # forks at ascending positions: the context is prefilled once, each branch point kept as a fork
     first = min([r.fork_at for r in runs], default=end)
     if session.length > first:
