@@ -26,6 +26,7 @@ from typing import Any
 import panel as pn
 import param
 
+from apps.dashboard.attribute_panel import AttributePanel
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.task_form import FREE_FORM, TaskForm, sample_picture
@@ -146,6 +147,11 @@ class SessionRunner(pn.viewable.Viewer):
         # effects view shows it now, not after a reload
         self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK, on_written=self._effects_written,
                                    selected=lambda: self.state.position if self.state is not None else None)
+        # "Attribute": which spans of the context the last answer came from (`workbench.attribute` on the same
+        # kept base, under the same lock), written into the trace for the attribution view
+        self._task: Any = None  # the last run's templated question (None: free-form), published with the base
+        self.attribution = AttributePanel(lambda: (self._rerun_base[0], self._task), _RUN_LOCK,
+                                          on_written=self._effects_written)
         self.tasks = TaskForm()
         self.tasks.sample_button.on_click(lambda _: self.add_sample_picture())
         self.tasks.param.watch(self._task_changed, "task")
@@ -321,6 +327,7 @@ class SessionRunner(pn.viewable.Viewer):
         from workbench.task_templates import answer_task, append_task
 
         self._rerun_base = (None, None)
+        self._task = None
         try:
             with recorded_session(model_name, trace, prefill_chunk=chunk, progress=False,
                                   loader=load_cached_model) as run:
@@ -351,6 +358,7 @@ class SessionRunner(pn.viewable.Viewer):
                 tokens = session.tokens[len(base.end.tokens):]
                 base.opening, base.answer = tuple(tokens[:-generated]), tuple(tokens[-generated:])
             # published after the recording closed: a rerun's forward passes are never recorded into it
+            self._task = templated.task if templated is not None else None
             self._rerun_base = (base, session.config) if generated else (None, None)
             self._outcome = ("done", f"recorded {len(session.tokens):,} tokens ({generated} generated) to {trace}"
                                      + (f"; {answer_line}" if answer_line else ""))
@@ -375,6 +383,7 @@ class SessionRunner(pn.viewable.Viewer):
         elif self.running and self._thread is not None and not self._thread.is_alive():
             self.running = False
         self.what_if.poll()
+        self.attribution.poll()
 
     def __panel__(self) -> pn.viewable.Viewable:
         clear = pn.widgets.Button(label="Clear documents", width=140)
@@ -389,5 +398,5 @@ class SessionRunner(pn.viewable.Viewer):
                              f"{self.max_upload_bytes // 1024:,} KB each)"),
             self.dropper, self.doc_list, clear,
             self.tasks.notice, self.tasks.use_template,
-            pn.Row(self.generate_button, self.stop_button), self.alert, self.what_if,
+            pn.Row(self.generate_button, self.stop_button), self.alert, self.what_if, self.attribution,
             sizing_mode="stretch_width", css_classes=["k3-runner"])

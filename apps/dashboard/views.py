@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from apps.dashboard.components.attribution import AttributionView, pick_in_what_if
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.effects import EffectsView
@@ -24,6 +25,7 @@ from apps.dashboard.components.integrity_banner import IntegrityBanner
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from workbench.analysis.views import VIEW_REDUCERS, Reducer
+from workbench.analysis.views.attribution_view import CONTEXT_SPANS, AttributionReducer
 from workbench.analysis.views.effects_view import EffectsReducer
 from workbench.analysis.views.integrity_view import IntegrityReducer
 
@@ -77,5 +79,9 @@ register_view(ViewSpec("health", VIEW_REDUCERS["health"],
                        lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
 register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
 register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state)))
+# a clicked span sets drive mode's What-if range (no runner: it is only marked on the view's DSA map)
+register_view(ViewSpec("attribution", AttributionReducer, lambda dash: AttributionView(
+    state=dash.state, on_pick=(lambda a, b: pick_in_what_if(dash.runner.what_if, a, b)) if dash.runner else None),
+    options={"attribution_context": CONTEXT_SPANS}, notebook=False))
 # drawn as a banner above the session map (`Dashboard.views`), not among the views below it
 register_view(ViewSpec("integrity", IntegrityReducer, lambda dash: IntegrityBanner(state=dash.state), notebook=False))
