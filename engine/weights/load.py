@@ -127,6 +127,24 @@ class CheckpointSource:
     def get_slice(self, spec: TensorSpec, dim: int, start: int, stop: int) -> torch.Tensor:
         return self.files.get_slice(self.mapping[spec.name], dim, start, stop)
 
+    def read_into(self, spec: TensorSpec, dest: torch.Tensor) -> int:
+        """Read a whole float tensor straight into `dest` (`CheckpointFiles.read_into`) and return the
+        file bytes read; 0 when it cannot be (not float, another device, a layout that needs
+        reshaping), and the caller copies instead."""
+        name = self.mapping[spec.name]
+        info = self.files.tensors[name]
+        if (spec.kind != "float" or info.dtype not in FLOAT_DTYPES or dest.device.type != "cpu"
+                or not dest.is_contiguous() or dest.numel() * _itemsize(info.dtype) != info.nbytes):
+            return 0
+        self.files.read_into(name, dest)
+        return info.nbytes
+
+
+def _itemsize(code: str) -> int:
+    from engine.weights.safetensors_io import DTYPES
+
+    return torch.empty((), dtype=DTYPES[code]).element_size()
+
 
 def _read(source: TensorSource, spec: TensorSpec, config: ModelConfig, parallel: ParallelContext) -> torch.Tensor:
     """This rank's part of `spec`: the whole tensor, or the rows/columns the shard table gives it."""
@@ -177,6 +195,9 @@ def fill(model: KimiForCausalLM, source: TensorSource, dtype: torch.dtype, *, pr
                 dest = dest[slot]
             if spec.optional and isinstance(source, CheckpointSource) and spec.name not in source.mapping:
                 dest.zero_()
+            elif (isinstance(source, CheckpointSource) and model.parallel.world == 1 and spec.init != "a_log"
+                  and (nbytes := source.read_into(spec, dest))):
+                bar.update(nbytes)  # read from the file straight into the parameter
             else:
                 t = _read(source, spec, config, model.parallel)
                 bar.update(t.numel() * t.element_size())

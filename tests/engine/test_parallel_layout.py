@@ -122,8 +122,15 @@ def test_each_rank_reads_its_share_of_the_checkpoint(world, checkpoint_dir, monk
         read[name] = read.get(name, 0) + t.numel() * t.element_size()
         return t
 
+    read_into = CheckpointFiles.read_into
+
+    def counting_read_into(self, name, dest):  # a whole tensor read straight into its parameter
+        read_into(self, name, dest)
+        read[name] = read.get(name, 0) + self.tensors[name].nbytes
+
     monkeypatch.setattr(CheckpointFiles, "get", counting_get)
     monkeypatch.setattr(CheckpointFiles, "get_slice", counting_slice)
+    monkeypatch.setattr(CheckpointFiles, "read_into", counting_read_into)
     files = CheckpointFiles.open(ckpt)
     experts_total = sum(i.nbytes for n, i in files.tensors.items() if ".experts." in n)
     split_total = replicated_total = 0
