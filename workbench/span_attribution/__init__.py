@@ -34,8 +34,8 @@ comparisons (ContextCite's own run).
 from __future__ import annotations
 
 from workbench.span_attribution.core import DEFAULT_HOLDOUT, DEFAULT_MASKS, DEFAULT_TOP, attribute
-from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, Attribution, SpanEffect
+from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, UNVARIED, Attribution, SpanEffect
 from workbench.span_attribution.spans import SPAN_MODES, Span, automatic_spans, given_spans
 
 __all__ = ["attribute", "Attribution", "SpanEffect", "Span", "automatic_spans", "given_spans", "SPAN_MODES",
-           "CHECKED", "ESTIMATED", "UNREAD", "DEFAULT_MASKS", "DEFAULT_HOLDOUT", "DEFAULT_TOP"]
+           "CHECKED", "ESTIMATED", "UNREAD", "UNVARIED", "DEFAULT_MASKS", "DEFAULT_HOLDOUT", "DEFAULT_TOP"]

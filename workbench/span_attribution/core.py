@@ -10,7 +10,7 @@ import numpy as np
 from engine.errors import InputError
 from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, control_spans, verdict
 from workbench.span_attribution.reads import reads_in, score_with_reads
-from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, Attribution, SpanEffect
+from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, UNVARIED, Attribution, SpanEffect
 from workbench.span_attribution.spans import automatic_spans, given_spans, span_text
 from workbench.span_attribution.surrogate import fit, random_masks, spearman
 from workbench.causal_effects import Continuation, _continue, _ids, target_logprobs, task_scoring
@@ -237,16 +237,23 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
                                 float(estimate[i]), min(fx, default=np.nan), max(fx, default=np.nan), len(fx),
                                 found.rank, found.p_value, found.sentence, found.label, int(reads[i]), CHECKED)
     lds_words = "not measured" if lds is None else f"{lds:.2f}"
+    varied = set(candidates)
     for i, span in enumerate(made):
         if i in results:
             continue
         unread = not kda and reads[i] == 0
-        sentence = ("no DSA layer read any of its tokens while answering: hiding it alone cannot change the answer"
-                    if unread else f"not checked one by one: the surrogate estimates {estimate[i]:+.3f} nats "
-                    f"(its LDS on held-out masks: {lds_words})")
+        if unread:
+            sentence, source = ("no DSA layer read any of its tokens while answering: hiding it alone cannot change "
+                                "the answer"), UNREAD
+        elif i not in varied:
+            sentence, source = (f"read by only {reads[i]} selection(s): kept in every mask (at most {MAX_CANDIDATES} "
+                                "spans vary), neither estimated nor checked"), UNVARIED
+        else:
+            sentence, source = (f"not checked one by one: the surrogate estimates {estimate[i]:+.3f} nats (its LDS on "
+                                f"held-out masks: {lds_words})"), ESTIMATED
         results[i] = SpanEffect(span.start, span.end, span.label, span.kind, span_text(session, span),
-                                0.0 if unread else float(estimate[i]), float(estimate[i]), verdict=sentence,
-                                reads=int(reads[i]), source=UNREAD if unread else ESTIMATED)
+                                float(estimate[i]), float(estimate[i]), verdict=sentence, reads=int(reads[i]),
+                                source=source)
     answer, right = _answer(session, continuation, role, max_new_tokens,
                             continuation.expected if isinstance(continuation, TaskPrompt) else None)
     # the checked spans (exact effects) first, then the rest by effect (the surrogate's estimate, or 0 unread)

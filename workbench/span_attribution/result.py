@@ -14,6 +14,7 @@ import numpy as np
 CHECKED = "checked"      # hidden alone and scored, beside same-size controls: exact
 ESTIMATED = "estimated"  # the surrogate's weight: an estimate (trust it as far as the LDS says)
 UNREAD = "unread"        # no DSA layer read it while answering: hiding it alone changes nothing (exact, not run)
+UNVARIED = "unvaried"    # read, but among the least read beyond the masks' cap: kept in every mask (effect 0: unknown)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SpanEffect:
         verdict: the sentence ("... the answer depends on ..."), or why there is none.
         label_verdict: `workbench.analysis.causal` label (depends / too small / chance / no verdict).
         reads: (DSA layer, query) selections of the answer that read a key of the span.
-        source: CHECKED, ESTIMATED or UNREAD.
+        source: CHECKED, ESTIMATED, UNREAD or UNVARIED (read, but kept in every mask: its 0 says nothing).
     """
 
     start: int
@@ -153,4 +154,4 @@ class Attribution:
         return "\n".join(lines)
 
 
-__all__ = ["CHECKED", "ESTIMATED", "UNREAD", "SpanEffect", "Attribution"]
+__all__ = ["CHECKED", "ESTIMATED", "UNREAD", "UNVARIED", "SpanEffect", "Attribution"]
