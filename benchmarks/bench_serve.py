@@ -169,6 +169,15 @@ def run(argv: list[str] | None) -> None:
         for name, times in served.items():
             print(f"  {name:36s} {min(times) * 1e3:8.2f} ms  (median {statistics.median(times) * 1e3:.2f})  "
                   f"x{min(times) / best_local:.3f} of in-process")
+        names = list(variants)
+        paired = {name: statistics.median(t / l for t, l in zip(served[name], local)) for name in names}
+        rec_vs_plain = statistics.median(r / p for r, p in zip(served[names[1]], served[names[0]]))
+        health_vs_rec = statistics.median(h / r for h, r in zip(served[names[2]], served[names[1]]))
+        print("  paired per round (median of the rounds' ratios; robust to load that drifts between rounds):")
+        for name in names:
+            print(f"    {name:34s} x{paired[name]:.3f} of in-process")
+        print(f"    recording / not recording          x{rec_vs_plain:.3f}")
+        print(f"    integrity on / off (recording)     x{health_vs_rec:.3f}")
         plain, rec, health = (min(served[name]) for name in variants)
         print(f"  server overhead per token            {(plain - best_local) * 1e3:8.2f} ms "
               f"({(plain / best_local - 1) * 100:+.1f}%)")
