@@ -104,7 +104,7 @@ def _hidden(array: np.ndarray, config: Any, family: str, where: str) -> np.ndarr
         mapping = layer_map(config, family, array.shape[1])
     except InputError as exc:
         raise EndpointError(f"{where}: {exc}") from None
-    out = np.full((array.shape[0], config.num_hidden_layers, array.shape[2]), 0 if family == "moe" else -1, np.int64)
+    out = np.full((array.shape[0], config.num_hidden_layers, array.shape[2]), 0 if family == "moe" else -1, np.int32)
     out[:, list(mapping.layers)] = array[:, list(mapping.entries)]
     return out
 
@@ -117,7 +117,7 @@ def _npy(text: Any, max_rows: int, config: Any, family: str, where: str) -> np.n
                          "expert ids" if family == "moe" else "key positions", where)
     except InputError as exc:
         raise EndpointError(str(exc)) from None
-    return _hidden(rows.read(0, rows.rows).astype(np.int64), config, family, where)
+    return _hidden(rows.read(0, rows.rows).astype(np.int32), config, family, where)
 
 
 def _flat(text: Any, dtype: Any, rows: int, config: Any, family: str, where: str) -> np.ndarray:
@@ -128,7 +128,7 @@ def _flat(text: Any, dtype: Any, rows: int, config: Any, family: str, where: str
                            "expert ids" if family == "moe" else "key positions", where)
     except InputError as exc:
         raise EndpointError(str(exc)) from None
-    return _hidden(array.read(0, array.rows).astype(np.int64), config, family, where)
+    return _hidden(array.read(0, array.rows).astype(np.int32), config, family, where)
 
 
 def read_reply(reply: dict, tokenizer: Any, config: Any) -> EndpointReply:

@@ -75,7 +75,7 @@ def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.n
         stop = min(first + len(arr), len(ref.values))
         if stop <= first:
             continue
-        theirs = np.sort(np.asarray(arr[: stop - first], np.int64), -1)
+        theirs = np.sort(arr[: stop - first], -1)
         ours = np.sort(ref.values[first:stop], -1)
         differs = (theirs != ours).any(-1)  # [rows, layers]: as sets (ids are distinct within a row)
         layers = list(ref.layers)

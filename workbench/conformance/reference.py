@@ -31,7 +31,7 @@ SELECTION_OPTIONAL = frozenset({"tie_band", "tie_cut", "scores"})
 class LayerRows:
     """One family's rows of the reference, [positions, layers, width], with per-row tie facts."""
 
-    values: np.ndarray                       # int64: expert ids (routes) or key positions (selections, -1 empty)
+    values: np.ndarray                       # int32: expert ids (routes) or key positions (selections, -1 empty)
     tie: np.ndarray                          # bool [positions, layers]: a tie decided the row
     margin: np.ndarray                       # float32 [positions, layers]: kth - runner-up (routes); NaN otherwise
     scores: np.ndarray | None = None         # float32 [positions, layers, width] (selections)
@@ -48,7 +48,7 @@ class Reference:
 
 class _Collector:
     def __init__(self, n: int, layers: int, width: int, fill: int, with_scores: bool) -> None:
-        self.values = np.full((n, layers, width), fill, np.int64)
+        self.values = np.full((n, layers, width), fill, np.int32)  # int32: ids and positions fit; half the memory at long contexts
         self.tie = np.zeros((n, layers), bool)
         self.margin = np.full((n, layers), np.nan, np.float32)
         self.scores = np.full((n, layers, width), np.nan, np.float32) if with_scores else None
