@@ -98,8 +98,15 @@ def test_serve_returns_captures_in_vllm_and_sglang_fields(reference) -> None:
         request = urllib.request.Request(srv.url + "/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        streamed = urllib.request.Request(srv.url + "/chat/completions", data=json.dumps(
+            {**json.loads(body), "stream": True}).encode(), headers={"Content-Type": "application/json"})
+        events = [json.loads(line[6:]) for line in urllib.request.urlopen(streamed, timeout=120).read().decode()
+                  .splitlines() if line.startswith("data: {")]
     finally:
         srv.stop()
+    last = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])  # the fields ride on it
+    assert last["prompt_token_ids"] == reply["prompt_token_ids"] and last["choices"][0]["token_ids"] == \
+        reply["choices"][0]["token_ids"] and last["choices"][0]["routed_experts"] == reply["choices"][0]["routed_experts"]
     record = parse_vllm(1, reply, model.config)  # the importer's own reader
     n, total = len(record.prompt), record.total
     assert [(a.rows, end) for a, end in record.routes] == [(n, n), (total - 1 - n, total - 1)]
