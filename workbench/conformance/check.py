@@ -110,8 +110,10 @@ def compare_reply(model: Any, tokenizer: Any, messages: list[dict], reply: Endpo
                   route_margin: float = DEFAULT_ROUTE_MARGIN, score_margin: float = DEFAULT_SCORE_MARGIN) -> None:
     """Fill `result` with the comparison of `reply` to this engine (see the module docstring).
     `restored`: a follow-up's expected prefix (the earlier request's prompt and generated ids)."""
-    rendered = _render(model, tokenizer, messages, open_response) if restored is None or reply.prompt_ids is None \
-        else None
+    if restored is not None and reply.prompt_ids is None:
+        raise EndpointError("the endpoint returned no prompt_token_ids: a follow-up built from its reply cannot be "
+                            "compared token for token (re-encoding the reply's text need not give its ids back)")
+    rendered = _render(model, tokenizer, messages, open_response) if restored is None else None
     prompt = reply.prompt_ids if reply.prompt_ids is not None else rendered
     assert prompt is not None
     result.prompt_tokens, result.generated, result.cached_tokens = len(prompt), len(reply.generated), reply.cached_tokens

@@ -1,9 +1,9 @@
 """Asking an OpenAI-compatible endpoint, and reading what it answered.
 
 One chat-completions request per prompt: greedy (`temperature: 0`), `logprobs` with one top
-alternative, and, unless captures are off, vLLM's `return_token_ids` and SGLang's
-`return_routed_experts` / `return_indexer_topk` (servers ignore fields they do not know; one that refuses
-them answers an HTTP error, reported as an endpoint error). The reply is read into an `EndpointReply`:
+alternative, vLLM's `return_token_ids` and, unless captures are off, SGLang's `return_routed_experts` /
+`return_indexer_topk` (servers ignore fields they do not know; one that refuses them answers an HTTP
+error, reported as an endpoint error). The reply is read into an `EndpointReply`:
 the token ids (vLLM's `prompt_token_ids` / `choices[0].token_ids` when returned, else the generated
 tokens from the bytes of `logprobs`), the per-token log-probabilities, and the captured arrays from
 vLLM's fields (`prompt_routed_experts`, `choices[0].routed_experts`, `choices[0].indexer_topk`) or,
@@ -53,9 +53,9 @@ def ask(endpoint: str, model_id: str, messages: list[dict], max_tokens: int, tim
         api_key: str | None, *, captures: bool = True) -> dict:
     """POST one greedy chat completion; EndpointError for anything but a JSON reply."""
     body: dict[str, Any] = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "logprobs": True, "top_logprobs": 1}
+                            "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
     if captures:
-        body.update(return_token_ids=True, return_routed_experts=True, return_indexer_topk=True)
+        body.update(return_routed_experts=True, return_indexer_topk=True)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
