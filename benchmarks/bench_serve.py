@@ -53,6 +53,7 @@ from workbench.task_templates import fact_task
 FACT_KEY, FACT_VALUE = "vault code", "4719"
 REPLY_TOKENS = 48  # room for the chat scaffold the reply opens with (about 20 tokens), and then its text
 SHORT_DOCUMENT = 64  # tokens of the document of the per-token comparison's prompt
+CPU_PER_TOKEN: list[float] = []  # in_process's process CPU seconds per token, one entry per call
 
 
 class BenchFailure(RuntimeError):
@@ -70,20 +71,22 @@ def in_process(model, tokenizer, messages: list[dict], decode: int, chunk: int) 
     """Seconds per decoded token of `Session.generate` after the same prompt the server gets."""
     session = Session(model, tokenizer, prefill_chunk=chunk, progress=False)
     session.append_messages(messages, add_generation_prompt=True)
-    stamps = [time.perf_counter() for _ in session.generate(decode, temperature=0, add_generation_prompt=False,
-                                                            stop_ids=())]
-    return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+    stamps = [(time.perf_counter(), time.process_time())
+              for _ in session.generate(decode, temperature=0, add_generation_prompt=False, stop_ids=())]
+    CPU_PER_TOKEN.append((stamps[-1][1] - stamps[0][1]) / max(len(stamps) - 1, 1))
+    return (stamps[-1][0] - stamps[0][0]) / max(len(stamps) - 1, 1)
 
 
 def streamed(client: openai.OpenAI, model_id: str, messages: list[dict], max_tokens: int) -> dict:
     """(TTFT, seconds per token after the first, tokens, reply text, cached tokens) of one streamed request;
     BenchFailure when the reply holds no text (there is then no first token to time)."""
     sent = time.perf_counter()
-    stamps, text, usage = [], "", None
+    stamps, cpu, text, usage = [], [], "", None
     for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True, stream_options={"include_usage": True}):
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             usage = chunk.usage
@@ -95,7 +98,11 @@ def streamed(client: openai.OpenAI, model_id: str, messages: list[dict], max_tok
     tokens = usage.completion_tokens
     # between the first and the last text chunk (one a token; the chat scaffold's tokens send none)
     per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return {"ttft_s": stamps[0] - sent, "per_token_s": per_token, "tokens": tokens, "text": text,
+    # process CPU time between the same chunks (server, client and engine share this process): far less
+    # sensitive than wall time to other jobs on a shared machine
+    cpu_per_token = (cpu[-1] - cpu[0]) / (len(cpu) - 1) if len(cpu) > 1 else None
+    return {"ttft_s": stamps[0] - sent, "per_token_s": per_token, "cpu_per_token_s": cpu_per_token, "tokens": tokens,
+            "text": text,
             "cached": usage.prompt_tokens_details.cached_tokens, "prompt": usage.prompt_tokens}
 
 
@@ -154,13 +161,18 @@ def run(argv: list[str] | None) -> None:
                     "streamed, recording + integrity": checked_client}
         local: list[float] = []
         served: dict[str, list[float]] = {name: [] for name in variants}
+        local_cpu: list[float] = []
+        served_cpu: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             local.append(measured(in_process(model, tokenizer, short, args.decode, args.prefill_chunk) or None,
                                   "the in-process time per token"))
             # each server keeping no state prefills the question cold each round, like the in-process session
+            local_cpu.append(CPU_PER_TOKEN[-1])
             for name, client in variants.items():
-                served[name].append(measured(streamed(client, args.model, short, args.decode)["per_token_s"],
+                reply = streamed(client, args.model, short, args.decode)
+                served[name].append(measured(reply["per_token_s"],
                                              f"the time per token {name} (the reply needs two text chunks)"))
+                served_cpu[name].append(measured(reply["cpu_per_token_s"], f"the CPU time per token {name}"))
         best_local = min(local)
         print(f"decode per token, best of {args.repeats} ({args.model}, {args.decode} tokens, greedy; rounds "
               f"interleaved):")
@@ -178,6 +190,14 @@ def run(argv: list[str] | None) -> None:
             print(f"    {name:34s} x{paired[name]:.3f} of in-process")
         print(f"    recording / not recording          x{rec_vs_plain:.3f}")
         print(f"    integrity on / off (recording)     x{health_vs_rec:.3f}")
+        print("  process CPU time per token, paired per round (median of the rounds' ratios; min..max):")
+        for name in names:
+            ratios = [t / l for t, l in zip(served_cpu[name], local_cpu)]
+            print(f"    {name:34s} x{statistics.median(ratios):.3f} of in-process ({min(ratios):.3f}..{max(ratios):.3f})")
+        for label, a, b in (("recording / not recording", names[1], names[0]),
+                            ("integrity on / off (recording)", names[2], names[1])):
+            ratios = [x / y for x, y in zip(served_cpu[a], served_cpu[b])]
+            print(f"    {label:34s} x{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
         plain, rec, health = (min(served[name]) for name in variants)
         print(f"  server overhead per token            {(plain - best_local) * 1e3:8.2f} ms "
               f"({(plain / best_local - 1) * 100:+.1f}%)")
