@@ -88,7 +88,7 @@ DEPLOYMENT_LOG = "deployment-record.jsonl"  # one JSON object a line: what was c
 
 @dataclass
 class ConformanceLine:
-    """"Does it compute the model": one conformance run against a deployment, as a line of the
+    """One conformance run against a deployment ("does it compute the model?"), as a line of the
     deployment record (`append_line`), beside the run's timings that `DeploymentRecord` holds."""
 
     endpoint: str
