@@ -23,8 +23,9 @@ from workbench.sessions import load_with_tokenizer
 def rows(values: np.ndarray, tie: np.ndarray | None = None, scores: np.ndarray | None = None,
          layers: tuple[int, ...] = (1, 2)) -> LayerRows:
     n, l, _ = values.shape
-    return LayerRows(values.astype(np.int32), np.zeros((n, l), bool) if tie is None else tie,
-                     np.full((n, l), np.nan, np.float32), scores, layers)
+    tie = np.zeros((n, l), bool) if tie is None else tie
+    return LayerRows(values.astype(np.int32), tie, np.full((n, l), np.nan, np.float32), scores, layers,
+                     tie.astype(np.int32))  # a band that cut one key where a tie is marked
 
 
 def test_a_route_decided_by_a_tie_is_a_tie_and_router_order_is_not_a_difference() -> None:
@@ -55,6 +56,8 @@ def test_a_selection_that_differs_inside_the_tie_band_is_a_tie() -> None:
     assert compare_layers(None, (theirs, 0), None, rows(ours, tie, scores, (2,))).ties == 1
     # ... or when the key we kept and they left out scores within the margin of our k-th (a near tie)
     assert compare_layers(None, (theirs, 0), None, rows(ours, None, scores, (2,))).ties == 1
+    theirs[1, 2] = [9, 8, 2, 3]        # two keys swapped where the band cut one: not inside the tie
+    assert compare_layers(None, (theirs, 0), None, rows(ours, tie, scores, (2,))).first_layer == 2
     theirs[1, 2] = [9, 1, 2, 3]        # they left out our best key (score 5.0): a divergence
     finding = compare_layers(None, (theirs, 0), None, rows(ours, None, scores, (2,)))
     assert (finding.first_layer, finding.first_position, finding.family) == (2, 1, "dsa")

@@ -4,9 +4,9 @@ Per position (in order) and per layer (in order) a row of the endpoint is compar
 - routes are compared as sets of experts (router order is not part of the computation's meaning);
   a differing route that the engine's router decided by a tie (`Reference.routes.tie`) is a `tie`;
 - selections are compared as sets of key positions (-1 slots dropped); a differing selection is a
-  `tie` when the engine's tie band at rank k cut keys (`tie_cut > 0`) and no more keys differ than
-  it cut, or when every key of ours that the endpoint left out scores within `score_margin` of our
-  k-th score (a near tie the running precision can flip).
+  `tie` when the engine's tie band at rank k cut keys (`tie_cut > 0`) and no more keys are swapped
+  than it cut, or when every key of ours that the endpoint left out scores within `score_margin` of
+  our k-th score (a near tie the running precision can flip).
 Anything else is a divergence. The layer named is the LOWEST layer with a divergent row at any
 position: a fault in layer L changes no layer below L at any position (each layer reads only the
 layers below it, at this and earlier positions), so the fault is in that layer or in a layer before it
@@ -42,20 +42,22 @@ class LayerFinding:
     tie_rows: list[tuple[int, int, str]] = field(default_factory=list)  # (position, layer, family), the first few
 
 
-def _selection_tie(ours: np.ndarray, theirs: np.ndarray, tie: bool, scores: np.ndarray | None,
+def _selection_tie(ours: np.ndarray, theirs: np.ndarray, cut: int, scores: np.ndarray | None,
                    margin: float) -> bool:
+    """Whether two selections differ only by keys swapped inside a tie: at most `cut` keys (the engine's
+    tie band at rank k left that many keys of equal score out), or keys of ours scoring within `margin`
+    (relative) of our k-th score."""
     a, b = set(ours[ours >= 0].tolist()), set(theirs[theirs >= 0].tolist())
-    if tie:
+    if len(a - b) != len(b - a):
+        return False  # a different number of keys: no tie-break gives that
+    if cut > 0 and len(a - b) <= cut:
         return True
-    if scores is None:
+    if scores is None or not a:
         return False
     kept = ours >= 0
-    if not kept.any():
-        return False
     kth = float(np.nanmin(scores[kept]))
     dropped = [s for key, s in zip(ours.tolist(), scores.tolist()) if key >= 0 and key in (a - b)]
-    return bool(dropped) and len(a - b) == len(b - a) and all(abs(s - kth) <= margin * max(1.0, abs(kth))
-                                                              for s in dropped)
+    return bool(dropped) and all(abs(s - kth) <= margin * max(1.0, abs(kth)) for s in dropped)
 
 
 def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.ndarray, int] | None,
@@ -90,8 +92,9 @@ def compare_layers(routes: tuple[np.ndarray, int] | None, selections: tuple[np.n
         if family == "moe":
             tie = bool(ref.tie[pos, layer])
         else:
-            tie = _selection_tie(ours, theirs, bool(ref.tie[pos, layer]),
-                                 None if ref.scores is None else ref.scores[pos, layer], score_margin)
+            cut = int(ref.cut[pos, layer]) if ref.cut is not None else int(ref.tie[pos, layer])
+            tie = _selection_tie(ours, theirs, cut, None if ref.scores is None else ref.scores[pos, layer],
+                                 score_margin)
         if tie:
             out.ties += 1
             if len(out.tie_rows) < max_tie_rows:

@@ -36,6 +36,7 @@ class LayerRows:
     margin: np.ndarray                       # float32 [positions, layers]: kth - runner-up (routes); NaN otherwise
     scores: np.ndarray | None = None         # float32 [positions, layers, width] (selections)
     layers: tuple[int, ...] = ()             # the layers that hold the signal
+    cut: np.ndarray | None = None            # int32 [positions, layers]: keys of the tie band left out (selections)
 
 
 @dataclass
@@ -52,10 +53,11 @@ class _Collector:
         self.tie = np.zeros((n, layers), bool)
         self.margin = np.full((n, layers), np.nan, np.float32)
         self.scores = np.full((n, layers, width), np.nan, np.float32) if with_scores else None
+        self.cut = np.zeros((n, layers), np.int32) if with_scores else None
         self.seen: set[int] = set()
 
     def rows(self) -> LayerRows:
-        return LayerRows(self.values, self.tie, self.margin, self.scores, tuple(sorted(self.seen)))
+        return LayerRows(self.values, self.tie, self.margin, self.scores, tuple(sorted(self.seen)), self.cut)
 
 
 def _route_sink(store: _Collector, margin: float):
@@ -79,7 +81,10 @@ def _selection_sink(store: _Collector):
         idx = d["indices"][0].cpu().numpy()
         store.values[pos, layer, : idx.shape[-1]] = idx
         if "tie_cut" in d:
-            store.tie[pos, layer] = d["tie_cut"][0].cpu().numpy() > 0
+            cut = d["tie_cut"][0].cpu().numpy()
+            store.tie[pos, layer] = cut > 0
+            if store.cut is not None:
+                store.cut[pos, layer] = cut
         if store.scores is not None and "scores" in d:
             store.scores[pos, layer, : idx.shape[-1]] = d["scores"][0].float().cpu().numpy()
     return sink
