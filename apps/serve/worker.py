@@ -36,6 +36,7 @@ from apps.serve.events import (Event, Failed, Finished, ReasoningDelta, Started,
 from apps.serve.prefix_cache import Conversation, PrefixCache, ReplyMemory
 from apps.serve.protocol import ChatRequest, token_logprob
 from apps.serve.ranks import IDLE_SECONDS, RankChannel
+from engine.cache import MLACache
 from engine.errors import EngineError, InputError, NumericsError
 from engine.session.answer import Answer, generate_answer
 from engine.session.sampling import SamplingParams
@@ -355,10 +356,14 @@ def nonfinite_state(session: Any) -> dict:
     """Where a forward that went non-finite started, and which layers' carried state (KDA recurrent and
     conv state, MLA caches) holds NaN/inf: the session rolled its state back to before that forward, so a
     layer named here carried the bad values into it."""
-    layers = [i for i, layer in enumerate(session.state.layers)
-              if any(isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
-                     for t in vars(layer).values())]
-    return {"position": int(session.length), "layers": layers}
+    length = int(session.length)
+    layers = []
+    for i, layer in enumerate(session.state.layers):
+        # an MLA cache's rows past `length` were written by the failed forward itself: not carried into it
+        tensors = layer.to_tensors(length) if isinstance(layer, MLACache) else layer.to_tensors()
+        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
+            layers.append(i)
+    return {"position": length, "layers": layers}
 
 
 def _non_finite(exc: NumericsError, where: dict | None) -> Failed:
