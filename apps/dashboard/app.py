@@ -27,6 +27,7 @@ from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
+from apps.dashboard.components.lens import LensView
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
@@ -133,6 +134,9 @@ class Dashboard(pn.viewable.Viewer):
                                         max_new_tokens=config.new_tokens)
             self.runner.param.model.objects = models
             self.runner.model = models[0]
+        runner = self.runner
+        # the lens reads drive mode's last answer (components/lens.py)
+        self.lens = LensView(lambda: runner.kept_base, runner.model_lock) if runner is not None else None
         self.probe = WidthProbe(sizing_mode="stretch_width", height=1, margin=0)
         self.probe.param.watch(self._width, "px")
         self.alert = AlertText("", alert_type="danger", visible=False, sizing_mode="stretch_width",
@@ -221,6 +225,8 @@ class Dashboard(pn.viewable.Viewer):
         items: list = [pn.pane.Markdown("### Source"), self.source]
         if self.runner is not None:
             items.append(self.runner)
+        if self.lens is not None:
+            items.append(self.lens)
         return items
 
     def views(self) -> list:

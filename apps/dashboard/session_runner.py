@@ -374,6 +374,16 @@ class SessionRunner(pn.viewable.Viewer):
         if self.state is not None and self.state.follower is not None:
             self.state.follower.wake()
 
+    @property
+    def kept_base(self) -> RerunBase | None:
+        """The last session's kept base (its context prefilled, the answer's opening and tokens), or None."""
+        return self._rerun_base[0]
+
+    @property
+    def model_lock(self) -> threading.Lock:
+        """The server's one-model-at-a-time lock (sessions, reruns, attributions, the lens)."""
+        return _RUN_LOCK
+
     def poll(self) -> None:
         """Apply what the recording thread left (event loop only)."""
         outcome, self._outcome = self._outcome, None
