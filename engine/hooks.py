@@ -153,4 +153,5 @@ def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[str, HookFn]] = ()) -> Ite
             point.start = 0
 
 
-__all__ = ["HookPoint", "HookFn", "bind_points", "through", "hook_points", "module_paths", "any_attached", "resolve", "hooks"]
+__all__ = ["HookPoint", "HookFn", "bind_points", "through", "hook_points", "module_paths", "any_attached", "resolve",
+           "hooks"]

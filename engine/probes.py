@@ -112,6 +112,7 @@ class Signal:
         from `positions`. Optional fields must be present exactly when `requested` names them.
         """
         problems = []
+        data = resolved(data)
         expected = {f.name for f in self.fields if not f.optional or f.name in requested}
         if set(data) != expected:
             problems.append(f"{self.name}: fields {sorted(data)}, declared {sorted(expected)}")
@@ -288,6 +289,46 @@ class ProbeContext:
         self.phase = "idle"
 
 
+# rows (tokens) of a call below which a layer may emit integrity fields as `Deferred` (eager decode steps)
+DEFER_MAX_ROWS = 16
+
+
+class Deferred:
+    """An optional field's value, not computed yet: `fn(*inputs)`, each input holding the emission's rows
+    along dim `axis` (and `fn` giving the field's declared shape for them).
+
+    Eager decode steps emit integrity fields this way to sinks that take them (`takes_deferred`: the
+    recorder, which turns decode steps into rows in bulk): computed per step they cost a few small ops
+    per layer, ~4% of an eager demo decode step; the sink concatenates the inputs of many steps along
+    their rows and computes once (`cat_rows`). The inputs are the step's own tensors, kept by reference
+    (never written again), so nothing is copied either. Every other sink receives the value computed."""
+
+    __slots__ = ("fn", "inputs", "axis")
+
+    def __init__(self, fn: Callable[..., "torch.Tensor"], *inputs: "torch.Tensor", axis: int = 1) -> None:
+        self.fn, self.inputs, self.axis = fn, inputs, axis
+
+    def value(self) -> "torch.Tensor":
+        return self.fn(*self.inputs)
+
+
+def resolved(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with every `Deferred` value computed."""
+    return {k: v.value() if isinstance(v, Deferred) else v for k, v in data.items()}
+
+
+def cat_rows(parts: list[Any], axis: int) -> "torch.Tensor":
+    """One field of several emissions concatenated along its rows (dim `axis` of the field); deferred
+    parts of one function are computed once over their concatenated inputs."""
+    import torch
+
+    if all(isinstance(p, Deferred) for p in parts) and len({(p.fn, p.axis) for p in parts}) == 1:
+        first = parts[0]
+        inputs = [torch.cat([p.inputs[i] for p in parts], first.axis) for i in range(len(first.inputs))]
+        return first.fn(*inputs)
+    return torch.cat([p.value() if isinstance(p, Deferred) else p for p in parts], axis)
+
+
 class Emission(NamedTuple):
     """What a sink receives: the point, the context's tags, and the tensors (`point.signal`'s fields).
 
@@ -391,7 +432,7 @@ class ProbePoint:
     """
 
     __slots__ = ("name", "signal", "layer", "path", "sink", "request", "context", "collecting", "collected",
-                 "tape", "_listeners")
+                 "tape", "_listeners", "defers")
 
     def __init__(self, name: str, layer: int) -> None:
         if name not in SIGNALS:
@@ -403,6 +444,7 @@ class ProbePoint:
         self.sink: Sink | None = None
         self.request = ProbeRequest()
         self._listeners: list[tuple[Sink, ProbeRequest]] = []
+        self.defers = False  # every listener takes `Deferred` field values (`takes_deferred`)
         self.context = _UNBOUND
         # inside the compiled decode step emissions are kept here (the graph's outputs) and handed to
         # the sink on the host after it (`engine.decode.step`); one list for the point's lifetime, so
@@ -461,6 +503,7 @@ class ProbePoint:
         return tuple(s for s, _ in self._listeners)
 
     def _rewire(self) -> None:
+        self.defers = bool(self._listeners) and all(getattr(s, "takes_deferred", False) for s, _ in self._listeners)
         if not self._listeners:
             self.sink, self.request = None, ProbeRequest()
         elif len(self._listeners) == 1:  # one listener: it is the sink itself (no fan-out on the path)

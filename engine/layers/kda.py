@@ -19,12 +19,12 @@ from engine.interventions import KdaRule
 from engine.layers.common import GatedRMSNorm, l2norm
 from engine.layers.fused import FusedLinears
 from engine.ops.kda import kda_chunked, kda_recurrent
-from engine.ops.integrity import chunked_vs_recurrent, frozen_channels
+from engine.ops.integrity import chunked_vs_recurrent, frozen_channels, unmeasured_drift
 from engine.ops.kda.state_stats import (interval_half_life, interval_means, state_effective_rank, state_max_abs,
                                        state_norm)
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import ProbePoint
+from engine.probes import DEFER_MAX_ROWS, Deferred, ProbePoint
 from engine.runtime import RuntimeOptions
 
 
@@ -170,14 +170,25 @@ class KimiDeltaAttention(nn.Module):
                     data["mean_decay"] = gather(interval_means(g.exp().mean(-1), ends))  # channel mean [B, T, H]
                 if mean_beta:
                     data["mean_beta"] = gather(interval_means(beta, ends))
+            # an eager decode step (observed at its every token) hands the checks' input over by reference:
+            # the recorder computes them in bulk over many steps (`engine.probes.Deferred`)
+            defer = (point.defers and not point.collecting and len(seen) == g.shape[1] <= DEFER_MAX_ROWS
+                     and not self.parallel.communicates)
             if frozen:  # observed after every token (decode): the per-token counts are the interval means
-                counts = frozen_channels(g)
-                if len(seen) != g.shape[1]:
-                    counts = interval_means(counts, ends_cpu.to(g.device))
-                data["frozen"] = gather(counts)
+                if defer:
+                    data["frozen"] = Deferred(frozen_channels, g)
+                else:
+                    counts = frozen_channels(g)
+                    if len(seen) != g.shape[1]:
+                        counts = interval_means(counts, ends_cpu.to(g.device))
+                    data["frozen"] = gather(counts)
             if drift:  # recurrent calls (decode steps among them) are token by token already: NaN, not measured
-                data["drift"] = gather(torch.stack(drifts, 1).float() if drifts else
-                                       g.new_full((g.shape[0], len(seen), g.shape[2]), float("nan")))
+                if drifts:
+                    data["drift"] = gather(torch.stack(drifts, 1).float())
+                elif defer:
+                    data["drift"] = Deferred(unmeasured_drift, g)
+                else:
+                    data["drift"] = gather(g.new_full((g.shape[0], len(seen), g.shape[2]), float("nan")))
             if rank:
                 data["eff_rank"] = gather(torch.stack(ranks, 1).float())
             if timescales:

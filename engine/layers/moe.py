@@ -26,11 +26,11 @@ from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.fused import FusedLinears
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import ProbePoint
+from engine.probes import DEFER_MAX_ROWS, Deferred, ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
 from engine.ops.moe.weights import dense_bytes, take_range
-from engine.ops.integrity import router_boundary
+from engine.ops.integrity import router_boundary, router_kth_choice, router_logit_sums, router_runner_up
 from engine.ops.router import router_entropy
 
 
@@ -50,10 +50,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, return_scores: bool = False, *, intervention: MoeRule | None = None,
                 positions: torch.Tensor | None = None, rows: tuple[int, ...] | None = None,
-                start: int | torch.Tensor = 0, health: bool = False):
+                start: int | torch.Tensor = 0, health: bool | str = False):
         """x [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64[, sigmoid scores [N, E]][, non-finite
         logit sum [N], k-th choice score [N], best score left out [N]] (the last three with `health`:
-        `engine.ops.integrity.router_boundary`)).
+        `engine.ops.integrity.router_boundary`); with `health="raw"` instead the logits, choice scores, top-k
+        values and ids those three are taken from).
         `intervention` bans (-inf) or forces (+inf) experts' choice scores for the tokens at `positions`
         [N] before the top-k; the weights stay the router's scores of the experts chosen. `rows` ([B, T],
         the tokens' layout) and `start` are what the hook points show."""
@@ -84,6 +85,8 @@ class Router(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         out = (weights * self.scaling, ids) + ((scores,) if return_scores else ())
+        if health == "raw":  # the tensors the checks read, for `engine.probes.Deferred` values
+            return out + (logits, choice, top.values, top.indices)
         return out + (router_boundary(logits, choice, top.values, top.indices) if health else ())
 
 
@@ -210,9 +213,18 @@ class LatentMoE(nn.Module):
             weights, ids = self.gate(flat, **routing)
         else:
             with_entropy, with_health = point.request.wants("entropy"), point.request.wants("logit_sum")
-            weights, ids, *extra = self.gate(flat, return_scores=with_entropy, health=with_health, **routing)
+            # an eager decode step hands its checks' inputs over by reference (computed in bulk later)
+            defer = (with_health and point.defers and not point.collecting and shape[0] == 1
+                     and flat.shape[0] <= DEFER_MAX_ROWS)
+            weights, ids, *extra = self.gate(flat, return_scores=with_entropy, health="raw" if defer else with_health,
+                                             **routing)
             scores = extra[:1] if with_entropy else []
-            health = [t.view(shape[:-1]) for t in extra[-3:]] if with_health else [None, None, None]
+            if defer:
+                logits, choice, top_values, top_ids = extra[-4:]
+                health = [Deferred(router_logit_sums, logits, axis=0), Deferred(router_kth_choice, top_values, axis=0),
+                          Deferred(router_runner_up, choice, top_ids, axis=0)]
+            else:
+                health = [t.view(shape[:-1]) for t in extra[-3:]] if with_health else [None, None, None]
             # collecting (the decode step, `start` a device tensor): the host adds the positions
             positions = None if point.collecting else torch.arange(start, start + shape[-2])
             point.emit(positions=positions, experts=ids.view(*shape[:-1], -1),

@@ -85,6 +85,28 @@ def router_boundary(logits: torch.Tensor, choice: torch.Tensor, top_values: torc
     return logits.sum(-1), top_values[..., -1], runner_up
 
 
+# The same measures over one sequence's rows, from the tensors a step already holds (`engine.probes.Deferred`:
+# eager decode steps hand these over by reference and the recorder computes them once over many steps).
+def unmeasured_drift(g: torch.Tensor) -> torch.Tensor:
+    """Log-decays `[B, n, H, K]` -> `[B, n, H]` NaN: `drift` of token-by-token calls (nothing to compare)."""
+    return g.new_full(g.shape[:3], float("nan"), dtype=torch.float32)
+
+
+def router_logit_sums(logits: torch.Tensor) -> torch.Tensor:
+    """Router logits `[n, E]` of one sequence -> `[1, n]` (`router_boundary`'s logit sum)."""
+    return logits.sum(-1).unsqueeze(0)
+
+
+def router_kth_choice(top_values: torch.Tensor) -> torch.Tensor:
+    """The top-k's sorted values `[n, k]` of one sequence -> `[1, n]` the k-th chosen choice score."""
+    return top_values[:, -1].unsqueeze(0)
+
+
+def router_runner_up(choice: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """Choice scores `[n, E]` and the chosen ids `[n, k]` of one sequence -> `[1, n]` the best score left out."""
+    return choice.scatter(-1, top_ids, float("-inf")).amax(-1).unsqueeze(0)
+
+
 def router_verdicts(logit_sum: torch.Tensor, kth: torch.Tensor, runner_up: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_boundary`'s values -> (a router logit is non-finite, a tie at the top-k boundary decided the

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.errors import InputError
-from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, probe_points
+from engine.probes import OPEN_END, SIGNALS, Emission, Marks, ProbePoint, ProbeRequest, cat_rows, probe_points
 from engine.session import Segment, Session
 from engine.vision.thumbnail import encode_thumbnail
 from workbench.recorders import rows as pending_rows
@@ -39,6 +39,9 @@ from workbench.trace import TraceError, TraceWriter
 
 MODALITIES = ("text", "image")
 DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are turned into rows in bulk at the flush
+# a point's decode payloads held at most: beyond, they become (device) rows at once, which bounds what the
+# `Deferred` integrity inputs of eager steps keep alive between flushes (the flush may wait many seconds)
+DEFER_MAX_ITEMS = 256
 
 
 class Recorder:
@@ -189,9 +192,15 @@ class Recorder:
         if emission.phase == "decode" or len(emission.data["positions"]) <= DEFER_MAX_TOKENS:
             # decode payloads (the decode step's tape, several steps, or one eager step) are turned into
             # rows in bulk at the flush: per-token Python work stays tiny
-            self._deferred[emission.point].append(emission)
+            held = self._deferred[emission.point]
+            held.append(emission)
+            if len(held) >= DEFER_MAX_ITEMS:
+                self._to_rows(emission.point, held)
+                del self._deferred[emission.point]
         else:
             self._to_rows(emission.point, [emission])
+
+    _on_probe.takes_deferred = True  # type: ignore[attr-defined]  # engine.probes.Deferred: see _to_rows
 
     def _to_rows(self, point: ProbePoint, items: list[Emission]) -> None:
         """Turn emissions of one probe point (one prefill call, or many decode steps) into rows.
@@ -204,7 +213,8 @@ class Recorder:
         for f in point.signal.fields:
             if f.name in items[0].data:
                 parts = [e.data[f.name] for e in items]
-                fields[f.name] = torch.cat([t[0] for t in parts] if f.dims[0] == "B" else parts)
+                # integrity fields of eager decode steps come as Deferred: computed here once for all of them
+                fields[f.name] = cat_rows(parts, 1)[0] if f.dims[0] == "B" else cat_rows(parts, 0)
         family = self.families[point.signal.family]
         family.to_rows(self, point.name, point.layer, items[0].rank, items, steps, fields)
 

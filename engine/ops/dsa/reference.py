@@ -140,9 +140,7 @@ def indexer_topk(
     out_idx = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q.device)
     out_score = torch.full((B, Tq, topk), float("-inf"), dtype=torch.float32, device=q.device)
     key_pos = torch.arange(Tk, device=q.device)
-    if ties:
-        out_band = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
-        out_cut = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
+    bands: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # with `ties`: (q0, q1, band, cut) per query block
     for q0 in range(0, Tq, qb):
         q1 = min(Tq, q0 + qb)
         pos = q_pos[q0:q1]
@@ -189,11 +187,17 @@ def indexer_topk(
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
         if ties and dropped is not None:  # None: fewer keys than top-k, every visible key kept, no band
-            out_band[:, q0:q1], out_cut[:, q0:q1] = kept + dropped, dropped
+            bands.append((q0, q1, kept + dropped, dropped))
     if intervention is not None and intervention.hide is not None:
         # hidden keys leave holes among the selected positions: empty slots go last again
         order = torch.where(out_idx < 0, Tk, out_idx).argsort(dim=-1)
         out_idx, out_score = out_idx.gather(-1, order), out_score.gather(-1, order)
-    if ties:
-        return out_idx, out_score, out_band, out_cut
-    return out_idx, out_score
+    if not ties:
+        return out_idx, out_score
+    if len(bands) == 1 and bands[0][:2] == (0, Tq):  # one query block (a decode step): no zeros to fill in
+        return out_idx, out_score, bands[0][2], bands[0][3]
+    out_band = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
+    out_cut = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
+    for q0, q1, band, cut in bands:
+        out_band[:, q0:q1], out_cut[:, q0:q1] = band, cut
+    return out_idx, out_score, out_band, out_cut
