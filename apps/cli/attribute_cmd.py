@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "sentences; image segments are always groups of patch rows)")
     p.add_argument("--kda", action="store_true", help="also suppress KDA writes over hidden spans (each mask re-runs "
                    "the context from its earliest hidden span: much slower)")
-    p.add_argument("--masks", type=int, default=64, help="random ablation masks the surrogate is fitted on (64)")
-    p.add_argument("--holdout", type=int, default=16, help="further masks its LDS is measured on (16)")
+    p.add_argument("--masks", type=int, default=64, help="random ablation masks (64)")
+    p.add_argument("--holdout", type=int, default=16, help="further masks (16): all are fitted, and each is "
+                   "held out once for the LDS (5 folds)")
     p.add_argument("--top", type=int, default=8, help="spans checked exactly one by one (8)")
     p.add_argument("--controls", type=int, default=8, help="disjoint same-size random spans per checked span (8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the masks and controls (deterministic)")

@@ -11,13 +11,14 @@ the `workbench` package).
    rows (`reads.py`). A span no DSA layer read cannot change the answer when hidden from DSA layers
    alone: it is reported with effect 0 ("unread") and never spent a mask on.
 3. Random ablation masks (ContextCite's method): each read span kept with probability 1/2 (`masks`,
-   default 64, seeded); each mask is one `dsa.hide` spec of many ranges on a fork at the end of the
+   default 64 + 16 `holdout`, seeded); each mask is one `dsa.hide` spec of many ranges on a fork at the end of the
    context: only the continuation runs, never the context again. With `kda=True` the KDA writes over
    the hidden spans are suppressed too, and each mask re-runs the context from its earliest hidden
    span, from the latest state kept before it (up to 8 forks kept at span starts).
 4. A sparse linear surrogate (Lasso, cross-validated penalty; `surrogate.py`, numpy) of the target's
-   log-probability on the masks; its LDS (Spearman correlation of prediction vs measurement on
-   `holdout` further masks) tells how far to trust the ranking.
+   log-probability on the masks; its LDS (Spearman correlation of prediction vs measurement on held-out
+   masks: each mask predicted by a surrogate fitted on the other folds, 5 folds over all of them) tells
+   how far to trust the ranking.
 5. The `top` spans with the largest estimated drops are checked exactly, one by one, each beside
    `controls` (8) disjoint random spans of the same length (`workbench.analysis.causal.control_spans`,
    never over the span or the answer's evidence) and judged by `verdict` ("the answer depends on ...").
@@ -27,7 +28,7 @@ The result, `Attribution` (`result.py`): `answer`, `right`, `target`, `target_lo
 text, effect in nats, estimate, control_min / control_max / controls, rank, p_value, verdict, reads,
 source: "checked" exact with controls, "estimated" by the surrogate, "unread" exact 0), ordered by
 effect, largest drop first. `to_json()` is the `workbench attribute --json` schema; the masks and
-their measured log-probabilities (`mask_matrix`, `mask_logprobs`, `candidate_spans`) are kept for
+their measured log-probabilities (`mask_matrix`, `mask_logprobs`, `mask_predictions`, `candidate_spans`) are kept for
 comparisons (ContextCite's own run).
 """
 

@@ -82,14 +82,16 @@ class Attribution:
             exact checks, answer).
         spans: every span, ordered by effect, largest drop first: the checked spans (exact) first, then
             the others by their estimated effect.
-        masks, holdout: ablation masks the surrogate was fitted on / scored on; candidates: spans the masks
+        masks, holdout: ablation masks measured (masks + holdout in all; each held out once for the LDS,
+            all fitted for the ranking); candidates: spans the masks
             varied (read by some DSA layer, or all with `kda`); runs: continuations (and partial prefills)
             run in all.
         kda: whether KDA writes over hidden spans were suppressed too (each mask re-runs the context from
             its earliest hidden span); end: the context's length (the fork point).
-        mask_matrix, mask_logprobs: the masks (`[masks + holdout, candidates]` bool, True = kept) and each
-            mask's measured target log-probability, for a comparison script (`candidate_index`: the
-            column's span index into `spans` before ordering).
+        mask_matrix, mask_logprobs, mask_predictions: the masks (`[masks + holdout, candidates]` bool, True =
+            kept), each mask's measured target log-probability and its held-out prediction (by a surrogate
+            fitted without it: what the LDS correlates), for plots and comparison scripts;
+            candidate_spans: the (start, end) of each mask column.
         notes: what a reader should know (pruned spans, capped candidates, a warning of the scoring).
     """
 
@@ -110,6 +112,7 @@ class Attribution:
     end: int
     mask_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
     mask_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    mask_predictions: np.ndarray = field(default_factory=lambda: np.zeros(0))
     candidate_spans: list[tuple[int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -138,9 +141,9 @@ class Attribution:
         prefill = "" if self.prefill_s is None else f", one prefill of the context {self.prefill_s:.1f} s"
         lines = [f"answer: {self.answer!r}" + ("" if self.right is None else f" ({'right' if self.right else 'wrong'})"),
                  f"target {self.target!r}: log-probability {self.target_logprob:.3f} nats",
-                 f"{len(self.spans)} spans, {self.candidates} varied by {self.masks} random masks (+{self.holdout} "
-                 f"held out): LDS {lds} (Spearman of the surrogate's prediction vs the measured log-probability "
-                 f"on held-out masks; 1 = ranks masks perfectly, 0 = no better than chance)",
+                 f"{len(self.spans)} spans, {self.candidates} varied by {self.masks + self.holdout} random masks: "
+                 f"LDS {lds} (Spearman of the surrogate's prediction vs the measured log-probability on held-out "
+                 f"masks, each predicted by a fit without it; 1 = ranks masks perfectly, 0 = no better than chance)",
                  f"attribution {self.attribution_s:.1f} s, {self.runs} runs{prefill}"]
         for s in self.spans[:top]:
             text = " ".join(s.text.split())
