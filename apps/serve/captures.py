@@ -11,9 +11,12 @@ written for either engine reads it unchanged:
   `[rows, num_hidden_layers, num_experts_per_token]` int32; `choices[0].indexer_topk` follows the
   shape of vllm-project/vllm PR 49555 (not in a release): a base64 `.npy` of
   `[rows, num_hidden_layers, index_topk]` int32 over every forwarded position.
-- SGLang (OpenAI endpoints, PR 17434's `sgl_ext`; the arrays as its native `meta_info` sends them):
-  `choices[0].sgl_ext.routed_experts` / `.indexer_topk`, base64 of the raw row-major int32 bytes of
-  `[rows, num_hidden_layers, width]` over every forwarded position.
+- SGLang (OpenAI endpoints: PR 17434, and its docs' "Returning Routed Experts" in
+  `docs_new/docs/basic_usage/openai_api_completions.ipynb` as of PR 24851): `choices[0].sgl_ext.routed_experts`
+  (and, by the same rule, `.indexer_topk`), base64 of the raw row-major int32 bytes of
+  `[rows, num_hidden_layers, width]` over positions `[routed_experts_start_len, seqlen - 1)`, where the
+  request's `routed_experts_start_len` defaults to 0. This server also names the start it used in
+  `sgl_ext.routed_experts_start_len` (a later start than asked when a restored prefix's rows are not held).
 
 Layers without the signal keep zeros (routes) or -1 (selections), as both capturers leave them; a
 selected key is a sequence position (-1 an empty slot). Rows end where the tokens fed forward end
@@ -126,21 +129,23 @@ class JobCapture:
 
 
 def response_fields(store: CaptureStore, prompt_tokens: int, total: int, *, routes: bool,
-                    selections: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(response-level fields, choice-level fields) of both conventions for rows [store.start, total - 1)."""
+                    selections: bool, sglang_start: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(response-level fields, choice-level fields) of both conventions for rows [store.start, total - 1)
+    (SGLang's from `sglang_start`, the request's `routed_experts_start_len`, when that is later)."""
     top: dict[str, Any] = {}
     choice: dict[str, Any] = {}
     ext: dict[str, Any] = {}
     end = total - 1
+    first = min(max(sglang_start, store.start), end)
     if routes and store.routes is not None:
         split = max(prompt_tokens - store.start, 0)
         top["prompt_routed_experts"] = encode_npy(store.routes[:split])
         choice["routed_experts"] = encode_npy(store.routes[split: end - store.start])
-        ext["routed_experts"] = encode_flat(store.routes[: end - store.start])
-        ext["routed_experts_start_len"] = store.start
+        ext["routed_experts"] = encode_flat(store.routes[first - store.start: end - store.start])
+        ext["routed_experts_start_len"] = first
     if selections and store.selections is not None:
         choice["indexer_topk"] = encode_npy(store.selections[: end - store.start])
-        ext["indexer_topk"] = encode_flat(store.selections[: end - store.start])
+        ext["indexer_topk"] = encode_flat(store.selections[first - store.start: end - store.start])
     if ext:
         choice["sgl_ext"] = ext
     return top, choice

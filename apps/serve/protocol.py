@@ -72,6 +72,7 @@ class ChatRequest:
     return_routed_experts: bool = False
     return_indexer_topk: bool = False
     return_token_ids: bool = False
+    routed_experts_start_len: int = 0  # SGLang's: its arrays start at this position
 
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters of this request (checked when the request was parsed)."""
@@ -183,7 +184,8 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int, image_root: Path | N
                           top_logprobs=top_logprobs,
                           return_routed_experts=_flag(body, "return_routed_experts", False),
                           return_indexer_topk=_flag(body, "return_indexer_topk", False),
-                          return_token_ids=_flag(body, "return_token_ids", False))
+                          return_token_ids=_flag(body, "return_token_ids", False),
+                          routed_experts_start_len=_integer(body, "routed_experts_start_len", 0, 1 << 40) or 0)
     try:
         request.sampling()  # the engine's own checks, now rather than after a cached conversation is taken
     except InputError as exc:

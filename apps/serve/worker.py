@@ -283,7 +283,8 @@ class EngineWorker:
         notice = self.options.notice if not job.request.continue_final else ""
         request = job.request
         top, choice = response_fields(conv.captures, len(chat.ids), len(chat.ids) + len(result["ids"]),
-                                      routes=request.return_routed_experts, selections=request.return_indexer_topk) \
+                                      routes=request.return_routed_experts, selections=request.return_indexer_topk,
+                                      sglang_start=request.routed_experts_start_len) \
             if conv.captures is not None and (request.return_routed_experts or request.return_indexer_topk) else ({}, {})
         if request.return_token_ids:  # vLLM's names
             top["prompt_token_ids"], choice["token_ids"] = list(chat.ids), list(result["ids"])

@@ -98,12 +98,19 @@ def test_serve_returns_captures_in_vllm_and_sglang_fields(reference) -> None:
         request = urllib.request.Request(srv.url + "/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        later = json.loads(urllib.request.urlopen(urllib.request.Request(
+            srv.url + "/chat/completions", data=json.dumps({**json.loads(body), "routed_experts_start_len": 5}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=120).read())
         streamed = urllib.request.Request(srv.url + "/chat/completions", data=json.dumps(
             {**json.loads(body), "stream": True}).encode(), headers={"Content-Type": "application/json"})
         events = [json.loads(line[6:]) for line in urllib.request.urlopen(streamed, timeout=120).read().decode()
                   .splitlines() if line.startswith("data: {")]
     finally:
         srv.stop()
+    assert later["choices"][0]["sgl_ext"]["routed_experts_start_len"] == 5  # SGLang's request field honoured
+    later_routes = base64.b64decode(later["choices"][0]["sgl_ext"]["routed_experts"])
+    assert later_routes == base64.b64decode(reply["choices"][0]["sgl_ext"]["routed_experts"])[5 * len(later_routes) // (
+        len(later["prompt_token_ids"]) + len(later["choices"][0]["token_ids"]) - 1 - 5):]
     last = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])  # the fields ride on it
     assert last["prompt_token_ids"] == reply["prompt_token_ids"] and last["choices"][0]["token_ids"] == \
         reply["choices"][0]["token_ids"] and last["choices"][0]["routed_experts"] == reply["choices"][0]["routed_experts"]
