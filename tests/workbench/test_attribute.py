@@ -162,3 +162,22 @@ def test_bad_input_is_a_clear_error(demo):
     session.prefill()
     with pytest.raises(InputError, match="kda: the session has consumed"):
         workbench.attribute(session, continuation=task, kda=True)
+
+
+def test_an_image_is_cut_into_bands_of_patch_rows():
+    import random
+
+    from workbench.sessions import load_with_tokenizer
+
+    model, tokenizer = load_with_tokenizer("preset:tiny")
+    session = Session(model, tokenizer, progress=False)
+    session.append("A picture follows. Look at it.", name="doc")
+    picture = workbench.draw_shape(random.Random(7), 64, shape="circle", colour="red", position="left")
+    session.append(image=picture.image, name="picture.png", role="user")
+    image = next(s for s in session.segments if s.kind == "image")
+    spans = [s for s in automatic_spans(session, "sentences") if s.label == "picture.png"]
+    patches = [s for s in spans if s.kind == "image patches"]
+    rows, cols, first = image.image["grid_rows"], image.image["grid_cols"], image.image["token_start"]
+    assert 1 <= len(patches) <= 8 and patches[0].start == first and patches[-1].end == first + rows * cols
+    assert all((s.start - first) % cols == 0 and (s.end - s.start) % cols == 0 for s in patches)  # whole rows
+    assert spans[0].start == image.start and spans[-1].end == image.end

@@ -75,16 +75,20 @@ def _cut(start: int, end: int, boundaries: Sequence[int], max_tokens: int) -> li
     return out
 
 
-def _image_groups(seg: Any, groups: int) -> list[tuple[int, int]]:
-    """An image segment's positions in up to `groups` bands of whole patch rows (row-major tokens)."""
+def _image_groups(seg: Any, groups: int) -> list[tuple[int, int, str]]:
+    """An image segment's positions: its patches in up to `groups` bands of whole patch rows (row-major
+    tokens), and the turn's own tokens around them (role tags, image markers) as spans of their own."""
     image = seg.image or {}
     rows, cols = int(image.get("grid_rows") or 0), int(image.get("grid_cols") or 0)
     first = int(image.get("token_start", seg.start))
-    if rows < 1 or cols < 1 or first + rows * cols > seg.end:
-        return [(seg.start, seg.end)]
+    if rows < 1 or cols < 1 or not seg.start <= first or first + rows * cols > seg.end:
+        return [(seg.start, seg.end, "image patches")]
+    last = first + rows * cols
     per = -(-rows // groups)
     cuts = [first + r * cols for r in range(per, rows, per)]
-    return _cut(seg.start, seg.end, cuts, seg.end - seg.start)
+    out = [(seg.start, first, "image turn")] if first > seg.start else []
+    out += [(a, b, "image patches") for a, b in _cut(first, last, cuts, last - first)]
+    return out + ([(last, seg.end, "image turn")] if seg.end > last else [])
 
 
 def automatic_spans(session: Any, mode: str, end: int | None = None, max_tokens: int = MAX_SPAN_TOKENS) -> list[Span]:
@@ -104,7 +108,7 @@ def automatic_spans(session: Any, mode: str, end: int | None = None, max_tokens:
         if hi <= lo:
             continue
         if seg.kind == "image":
-            out += [Span(a, b, seg.name, "image patches") for a, b in _image_groups(seg, IMAGE_GROUPS) if b <= end]
+            out += [Span(a, b, seg.name, kind) for a, b, kind in _image_groups(seg, IMAGE_GROUPS) if b <= end]
             continue
         if mode == "segments":
             out += [Span(a, b, seg.name, "segment") for a, b in _cut(lo, hi, (), max(max_tokens, hi - lo))]
