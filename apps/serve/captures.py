@@ -27,7 +27,7 @@ reads them). docs/captures.md names where each field was read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,29 +50,44 @@ class CaptureStore:
         return len(arrays[0]) if arrays else 0
 
 
-@dataclass
 class _Rows:
-    """One family's emissions of one job: position -> [layers, width] row, filled as layers emit."""
+    """One family's emissions of one job: a [positions, layers, width] int32 array grown by doubling from
+    the job's first position, and which positions some layer wrote (a missing one: not computed here)."""
 
-    layers: int
-    width: int
-    fill: int
-    by_position: dict[int, np.ndarray] = field(default_factory=dict)
+    def __init__(self, layers: int, width: int, fill: int) -> None:
+        self.layers, self.width, self.fill = layers, width, fill
+        self.base: int | None = None
+        self.values = np.full((0, layers, width), fill, np.int32)
+        self.written = np.zeros(0, bool)
+
+    def _reach(self, last: int) -> None:
+        need = last - self.base + 1  # type: ignore[operator]
+        if need > len(self.values):
+            size = max(need, 2 * len(self.values), 256)
+            grown = np.full((size, self.layers, self.width), self.fill, np.int32)
+            grown[: len(self.values)] = self.values
+            written = np.zeros(size, bool)
+            written[: len(self.written)] = self.written
+            self.values, self.written = grown, written
 
     def put(self, layer: int, positions: np.ndarray, values: np.ndarray) -> None:
-        for pos, row in zip(positions.tolist(), values):
-            slot = self.by_position.get(pos)
-            if slot is None:
-                slot = self.by_position[pos] = np.full((self.layers, self.width), self.fill, np.int32)
-            slot[layer, : len(row)] = row
+        if len(positions) == 0:
+            return
+        if self.base is None:
+            self.base = int(positions.min())
+        self._reach(int(positions.max()))
+        rows = positions - self.base
+        self.values[rows, layer, : values.shape[-1]] = values
+        self.written[rows] = True
 
     def array(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) or None when a position is missing (it was not computed in this job)."""
-        if any(p not in self.by_position for p in range(start, end)):
-            return None
         if end <= start:
             return np.zeros((0, self.layers, self.width), np.int32)
-        return np.stack([self.by_position[p] for p in range(start, end)])
+        if self.base is None or start < self.base or end - self.base > len(self.written) \
+                or not self.written[start - self.base: end - self.base].all():
+            return None
+        return self.values[start - self.base: end - self.base].copy()
 
 
 class JobCapture:
