@@ -39,6 +39,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine weights", ("engine.weights",)),
     # per-sequence running: prefill/decode, sampling, snapshots (file I/O), batches
     ("engine session", ("engine.session",)),
+    # the `hf` extra: transformers / nnsight / ContextCite interfaces over the model, its loader and tokenizer
+    ("engine hf", ("engine.hf",)),
     # the package's lazy public names (`from engine import load_model, Session`)
     ("engine package", ("engine",)),
     # filler, task text and pictures for experiments (nothing below them in workbench)
