@@ -102,7 +102,9 @@ def test_attribute_writes_the_trace_and_a_reload_shows_the_fact_first(attributed
     assert data.shown == data.spans == len(rows) == len(record["spans"])
     assert sorted((r.start, r.end) for r in rows) == sorted((s["start"], s["end"]) for s in record["spans"])
     assert all(-1.0 <= r.shade <= 1.0 for r in rows) and all(r.shade == 0 for r in rows if r.source == "unread")
-    assert min(r.shade for r in rows) == -1.0 or data.scale == 0.0   # the largest checked drop is full red
+    # full colour: the largest checked effect, but never a change too small to matter (< 0.1 nats)
+    assert data.scale == max(0.1, max(abs(r.effect) for r in rows if r.source == "checked"))
+    assert all(r.shade == max(-1.0, min(1.0, r.effect / data.scale)) for r in rows if r.source != "unread")
     assert {(a, b) for a, b, _ in data.marks} == {(r.start, r.end) for r in rows if r.source == "checked"}
 
 

@@ -24,6 +24,7 @@ from panel.custom import JSComponent
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure
 from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
+from workbench.analysis.causal import MIN_EFFECT_NATS
 from workbench.analysis.views.attribution_view import (CONTEXT_SPANS, MAX_CONTEXT_SPANS, AttributionData, Piece,
                                                        SpanRow)
 
@@ -210,7 +211,8 @@ class AttributionView(ViewComponent):
                                f"{html.escape(data.lds_line)}</div><div style='font-size:12px;color:#555'>Shading: "
                                f"the change of the answer's log-probability with the span hidden from every DSA layer, "
                                f"red = fell, blue = rose, full colour = {data.scale:.3f} nats "
-                               f"({'the largest checked effect' if data.marks else 'the largest estimate'}); "
+                               f"({'the largest checked effect' if data.marks else 'the largest estimate'}, at least "
+                               f"{MIN_EFFECT_NATS} nats: a smaller change is too small to matter); "
                                f"outlined = checked one by one beside same-size random controls; faint = the "
                                f"surrogate's estimate, unchecked; plain = never read while answering. "
                                f"Click a span to mark it on the DSA map"

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.analysis.causal import MIN_EFFECT_NATS
 from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.trace import TraceError
 from workbench.trace.attribution_file import ATTRIBUTION_FILE, read_attribution
@@ -137,13 +138,15 @@ def span_tooltip(span: dict, lds_line: str) -> str:
 
 
 def shade_scale(spans: list[dict]) -> float:
-    """Nats a full shade stands for: the largest exact effect (a checked span's), else the largest estimate.
-    A surrogate fitted on few masks can give estimates far larger than any measured effect; scaled to
-    those, the measured drops would be drawn blank, so estimates beyond the scale are drawn full."""
+    """Nats a full shade stands for: the largest exact effect (a checked span's), else the largest estimate,
+    and never less than MIN_EFFECT_NATS (a change the verdicts call too small to matter is never drawn in
+    full colour). A surrogate fitted on few masks can give estimates far larger than any measured
+    effect; scaled to those, the measured drops would be drawn blank, so estimates beyond it are drawn full."""
     checked = [abs(_num(s.get("effect")) or 0.0) for s in spans if s.get("source") == CHECKED]
     if max(checked, default=0.0) > 0:
-        return max(checked)
-    return max((abs(_num(s.get("effect")) or 0.0) for s in spans if s.get("source") == ESTIMATED), default=0.0)
+        return max(max(checked), MIN_EFFECT_NATS)
+    estimated = [abs(_num(s.get("effect")) or 0.0) for s in spans if s.get("source") == ESTIMATED]
+    return max(max(estimated, default=0.0), MIN_EFFECT_NATS)
 
 
 def span_rows(record: dict, lds_line: str) -> list[SpanRow]:
