@@ -143,6 +143,13 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         model.generation_config = _generation_config(config, directory)
         return model
 
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+        """Refused: a checkpoint is the engine's directory format (MXFP4 experts, the K3.1 config.json), which
+        transformers' writer does not produce; copy the checkpoint directory the model was loaded from."""
+        raise InputError("K3ForCausalLM does not write checkpoints: copy the directory it was loaded from "
+                         f"({self.config._name_or_path or 'none: random weights'}), or write one with "
+                         "`workbench checkpoint` (engine.weights.write)")
+
     def new_cache(self) -> K3Cache:
         """An empty cache for one sequence, on the model's device and in its dtype."""
         param = next(self.parameters())

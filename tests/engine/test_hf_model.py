@@ -25,8 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa:
 from apps.cli import main  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.builtin import model_dir  # noqa: E402
+from engine.config_io import config_to_hf  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.hooks import module_paths  # noqa: E402
+from engine.presets import get_preset  # noqa: E402
 from engine.session import Session  # noqa: E402
 from engine.tokenizer import Message, Tokenizer  # noqa: E402
 
@@ -142,6 +144,18 @@ def test_hook_points_are_modules(demo, tokenizer) -> None:
     assert seen == [torch.Size([1, 40, 128])]
     assert not torch.allclose(clean, edited)
     torch.testing.assert_close(demo(ids).logits, clean, rtol=0, atol=0)
+
+
+def test_from_config_is_the_engines_seeded_random_model(tmp_path) -> None:
+    raw = config_to_hf(get_preset("tiny", None))
+    config = hf.K3Config(checkpoint_config=raw)
+    assert hf.K3Config.from_dict(config.to_dict()).checkpoint_config == raw
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, load_model("preset:tiny")(ids), rtol=0, atol=0)
+    with pytest.raises(InputError, match="does not write checkpoints"):
+        model.save_pretrained(tmp_path)
 
 
 def test_kimi_linear_directory_stays_transformers_own(checkpoint_dir) -> None:
