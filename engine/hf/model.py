@@ -223,10 +223,10 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             for s in range(0, n, chunk):
                 ids = input_ids[:, s:s + chunk]
                 outputs: list[torch.Tensor] | None = [] if with_hidden else None
-                last = last_only and s + chunk < n  # an earlier chunk's logits are not kept at all
+                skipped = last_only and s + chunk < n  # only the last chunk's last row is wanted
                 logits = self.engine_model(ids, state, last_only=last_only, layer_outputs=outputs)
                 state.length += ids.shape[1]
-                if not last:
+                if not skipped:
                     pieces.append(logits)
                 if outputs is not None:
                     layer_pieces.append(outputs)
