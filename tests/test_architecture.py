@@ -59,7 +59,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the public API: `workbench.record`, `open_trace`, `recorded_session`
     ("workbench package", ("workbench", "workbench.sessions", "workbench.compare", "workbench.questions", "workbench.inline",
                            "workbench.interventions", "workbench.causal_effects",
-                           "workbench.attribution", "workbench.causal",
+                           "workbench.attribution", "workbench.causal", "workbench.span_attribution",
                            "workbench.__main__", "workbench.conversation_trace", "workbench.conformance", "workbench.toolkit")),
     # who may talk to a local web server (Host / Origin), shared by the dashboard and `workbench serve`
     ("apps web guard", ("apps.web_guard",)),

@@ -80,13 +80,12 @@ def cmd_attribute(args: argparse.Namespace) -> int:
     if not text.strip():
         raise InputError(f"--prompt-file {args.prompt_file}: the document is empty (nothing to attribute to)")
     import workbench
-    from engine.session import Session
     from workbench.retrieval_text import answer_style_of
-    from workbench.sessions import load_with_tokenizer
+    from workbench.sessions import load_with_tokenizer, open_session
     from workbench.task_templates import append_task, fact_task
 
     model, tokenizer = load_with_tokenizer(args.model)
-    session = Session(model, tokenizer, progress=False)
+    session = open_session(model, tokenizer, model_name=args.model, progress=False)
     if args.task == "find-fact":
         task = fact_task([(args.prompt_file.name, text)], args.key, args.value, depth=args.depth,
                          style=answer_style_of(args.model), restate=args.restate)
