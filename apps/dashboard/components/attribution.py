@@ -17,16 +17,19 @@ import html
 import math
 from typing import Any, Callable
 
+import numpy as np
 import panel as pn
 import param
+from bokeh.models import ColumnDataSource, HoverTool, Quad, Range1d, Span
+from bokeh.plotting import figure
 from panel.custom import JSComponent
 
 from apps.dashboard.components.base import ViewComponent
-from apps.dashboard.components.figures import HeatFigure
+from apps.dashboard.components.figures import HeatFigure, position_format, trim
 from apps.dashboard.components.panes import HTMLText, html_table, set_text, text_pane
 from workbench.analysis.causal import MIN_EFFECT_NATS
 from workbench.analysis.views.attribution_view import (CONTEXT_SPANS, MAX_CONTEXT_SPANS, AttributionData, Piece,
-                                                       SpanRow)
+                                                       SpanRow, SpanTrack)
 
 TEXT_HEIGHT = 420  # pixels: the text scrolls inside, so the page does not grow with the context
 
@@ -133,6 +136,24 @@ export function render({ model, el }) {
 """
 
 
+_DROP, _RISE, _READ = "#d62728", "#1f77b4", "#9e9e9e"
+
+
+def track_data(track: SpanTrack | None) -> dict:
+    """The span track's columns: per span a grey bar above the axis (its share of the most-read span's DSA
+    reads by the answer) and a bar below it (|effect| over the scale; red a drop, blue a rise, faint an
+    estimate, none unread)."""
+    if track is None or not len(track.start):
+        return {k: [] for k in ("left", "right", "read", "effect", "colour", "alpha", "reads", "nats", "source")}
+    share = track.reads / max(int(track.reads.max()), 1)
+    colour = np.where(track.shade < 0, _DROP, _RISE)
+    alpha = np.array([0.9 if s == "checked" else 0.45 if s == "estimated" else 0.0 for s in track.source])
+    return {"left": track.start.astype(np.float64), "right": track.end.astype(np.float64),
+            "read": share.astype(np.float64), "effect": -np.abs(track.shade).astype(np.float64),
+            "colour": colour.tolist(), "alpha": alpha, "reads": track.reads, "nats": track.effect.astype(np.float64),
+            "source": list(track.source)}
+
+
 def _fmt(value: float | None, spec: str = "+.3f") -> str:
     return "" if value is None or not math.isfinite(value) else format(value, spec)
 
@@ -183,6 +204,24 @@ class AttributionView(ViewComponent):
         self.heat = HeatFigure("What the DSA layers read (all queries) · checked spans marked", "key position",
                                "DSA layer", "selections", palette="inferno", log_scale=True,
                                chance_label="chance (random top-k)", height=300)
+        # per span, along the same positions (the x range is shared): read by the answer above, effect below
+        self.track_source = ColumnDataSource(track_data(None))
+        self.track = figure(title="Per span: read by the answer (grey) · effect (below: red drop, blue rise)",
+                            height=170, sizing_mode="stretch_width",
+                            x_range=self.heat.figure.x_range, y_range=Range1d(-1.05, 1.05), tools="xpan,xwheel_zoom,reset",
+                            toolbar_location="above", x_axis_label="key position")
+        reads = self.track.add_glyph(self.track_source, Quad(left="left", right="right", bottom=0, top="read",
+                                                             fill_color=_READ, line_color=None))
+        effects = self.track.add_glyph(self.track_source, Quad(left="left", right="right", bottom="effect", top=0,
+                                                               fill_color="colour", fill_alpha="alpha", line_color=None))
+        self.track.add_layout(Span(location=0, dimension="width", line_color="#555", line_width=1))
+        self.track.add_tools(HoverTool(renderers=[reads, effects], tooltips=[
+            ("tokens", "@left{0,0}–@right{0,0}"), ("read by the answer", "@reads{0,0} selections"),
+            ("effect", "@nats{+0.000} nats (@source)")]))
+        self.track.xaxis.formatter = position_format()
+        self.track.yaxis.visible = False
+        self.track.grid.visible = False
+        trim(self.track)
         self._heat_shown: Any = None
         self._marks: tuple[tuple[int, int, str], ...] = ()
         self.redraw()
@@ -198,6 +237,7 @@ class AttributionView(ViewComponent):
             self.lds.object = ""
             self.top.object = ""
             self.text.pieces = []
+            self.track_source.data = track_data(None)
             self._set_marks(())
             return
         if {"check", "summary", "notes", "shown", "spans"} & changed:
@@ -223,6 +263,10 @@ class AttributionView(ViewComponent):
             self.text.pieces = piece_rows(data.pieces)
         if "marks" in changed:
             self._set_marks(data.marks)
+        if "track" in changed:
+            self.track_source.data = track_data(data.track)
+            if self._heat_shown is None:  # no DSA heat (yet): the shared axis spans the context
+                self.heat.figure.x_range.update(start=0, end=max(data.extent, 1))
         self._sync_heat()
 
     def _set_marks(self, marks: tuple[tuple[int, int, str], ...]) -> None:
@@ -261,7 +305,7 @@ class AttributionView(ViewComponent):
                          pn.widgets.IntInput.from_param(self.param.context, label="Spans around each top span",
                                                         width=200),
                          self.text, self.picked, sizing_mode="stretch_width")
-        right = pn.Column(self.heat.figure, sizing_mode="stretch_width")
+        right = pn.Column(self.heat.figure, self.track, sizing_mode="stretch_width")
         return pn.Card(self.summary, pn.Row(left, right, sizing_mode="stretch_width"), self.drawn_marker,
                        title="Attribution: which spans the answer depended on, beside what DSA read",
                        sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-attribution"])

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from workbench.analysis.causal import MIN_EFFECT_NATS
 from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.trace import TraceError
@@ -78,6 +80,26 @@ class Piece:
 
 
 @dataclass(frozen=True, eq=False)
+class SpanTrack:
+    """Every span along the position axis, for the track under the DSA map (arrays in position order):
+    `reads` the answer's DSA selections of its keys, `shade` its effect over the scale (0 unread)."""
+
+    start: np.ndarray   # int64 [spans]
+    end: np.ndarray     # int64 [spans]
+    reads: np.ndarray   # int64 [spans]
+    shade: np.ndarray   # float32 [spans], in [-1, 1]
+    effect: np.ndarray  # float32 [spans], nats
+    source: tuple[str, ...]
+
+
+def span_track(rows: list[SpanRow]) -> SpanTrack:
+    ordered = sorted(rows, key=lambda r: (r.start, r.end))
+    return SpanTrack(np.array([r.start for r in ordered], np.int64), np.array([r.end for r in ordered], np.int64),
+                     np.array([r.reads for r in ordered], np.int64), np.array([r.shade for r in ordered], np.float32),
+                     np.array([r.effect for r in ordered], np.float32), tuple(r.source for r in ordered))
+
+
+@dataclass(frozen=True, eq=False)
 class AttributionData:
     check: str = ""             # what was attributed ("the fact: greenhouse alarm")
     summary: str = ""           # the answer, the target and its log-probability, masks and runs
@@ -90,6 +112,7 @@ class AttributionData:
     shown: int = 0              # spans sent to the page
     scale: float = 0.0          # nats a full shade stands for (`shade_scale`)
     marks: tuple[tuple[int, int, str], ...] = ()  # the checked spans' ranges (drawn on the DSA map)
+    track: SpanTrack | None = None  # every span's reads and effect along the position axis
     extent: int = 0             # the context's length (tokens)
     notes: tuple[str, ...] = ()
     note: str = ""              # why there is nothing to show ("" when there is)
@@ -221,13 +244,15 @@ def attribution_data(record: dict, context: int = CONTEXT_SPANS) -> dict[str, An
     summary = (f"answer {_short(record['answer'])!r}{right}; target {record['target']!r}: log-probability "
                f"{record['target_logprob']:.3f} nats without intervention. {len(rows):,} spans, "
                f"{record['candidates']:,} varied by {record['masks']} random masks, {record['runs']:,} runs in "
-               f"{float(record.get('attribution_s') or 0):.1f} s" + (" (KDA writes suppressed too)" if record.get("kda") else ""))
+               f"{float(record.get('attribution_s') or 0):.1f} s"
+               + (" (KDA writes suppressed too)" if record.get("kda") else ""))
     top = tuple(SpanRow(**{**r.__dict__, "text": _short(r.text)}) for r in focus)
     return {"check": str(record["check"]), "summary": summary, "lds": _num(record.get("lds")), "lds_line": line,
             "trusted": trusted, "top": top, "pieces": tuple(pieces), "spans": len(rows),
             "shown": sum(p.kind == "span" for p in pieces), "scale": shade_scale(record["spans"]),
             "marks": tuple((r.start, r.end, f"checked {r.start}–{r.end}") for r in rows if r.source == CHECKED),
-            "extent": int(record["context_tokens"]), "notes": tuple(record.get("notes") or ()), "note": ""}
+            "track": span_track(rows), "extent": int(record["context_tokens"]),
+            "notes": tuple(record.get("notes") or ()), "note": ""}
 
 
 def _empty(note: str) -> dict[str, Any]:
@@ -268,5 +293,5 @@ class AttributionReducer(Reducer[AttributionData]):
         return attribution_data(record, context)
 
 
-__all__ = ["AttributionData", "AttributionReducer", "Piece", "SpanRow", "attribution_data", "lds_words",
-           "span_tooltip", "text_pieces", "CONTEXT_SPANS", "MAX_SHOWN_SPANS", "SHOW_ALL_SPANS"]
+__all__ = ["AttributionData", "AttributionReducer", "Piece", "SpanRow", "SpanTrack", "attribution_data", "lds_words",
+           "span_tooltip", "span_track", "text_pieces", "CONTEXT_SPANS", "MAX_SHOWN_SPANS", "SHOW_ALL_SPANS"]
