@@ -24,7 +24,8 @@ constant layout, `decode_forward_probed`) and are kept after it, with positions 
 a step whose listener asks for a field declared `eager` (measured with host decisions inside the
 layer: the KDA effective rank, half-lives) runs the eager forward.
 Before each step it also rebuilds any stacked projection weight whose sources moved
-(`engine.layers.fused`: the graph reads the stacks as they are). `BACKEND` is the compiler
+(`engine.layers.fused`: the graph reads the stacks as they are) and keeps the lm_head and the
+one-row output projections input-major (`engine.decode.layouts`). `BACKEND` is the compiler
 (tests trace with "aot_eager" in seconds instead of inductor's minutes).
 """
 
@@ -42,6 +43,7 @@ from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
 from engine.numerics import all_finite, nonfinite_error
 from engine.parallel import comm
+from engine.decode.layouts import InputMajorWeights
 from engine.decode.probe_tape import Layout, ProbeTape, collected_payloads
 from engine.probes import ProbePoint
 
@@ -149,6 +151,7 @@ class DecodeStep:
         self.tape = ProbeTape(self._points, finishers)
         self._listener_sets: dict[tuple[int, ...], tuple[ProbePoint, ...]] = {}  # ids -> the tuple passed
         self._fused = fused_groups(model)
+        self._input_major = InputMajorWeights(model)  # one-row matmuls over input-major weights
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._hook_points = tuple(hook_points(model).values())  # a hooked step runs eagerly (engine.hooks)
         self._fns: dict[str, Callable] = {}  # compiled step per backend (BACKEND)
@@ -205,7 +208,8 @@ class DecodeStep:
                        for t in (layer.latent, layer.k_rope, layer.index_keys) if t is not None)
         kda = tuple((layer.recurrent.dtype, layer.recurrent.shape) for layer in state.layers
                     if not isinstance(layer, MLACache))
-        stacks = (tuple(group.pointers for group in self._fused), tuple(m.kept() for m in self._experts))
+        stacks = (tuple(group.pointers for group in self._fused), tuple(m.kept() for m in self._experts),
+                  self._input_major.pointers)
         # interventions: which rules exist and their table sizes (positions and factors are the graph's inputs)
         plan = runtime.interventions
         options = (runtime.dsa_force_dense, runtime.dsa_dense_layers, runtime.mxfp8_activations, runtime.kernels,
@@ -241,6 +245,7 @@ class DecodeStep:
         x = torch.tensor(ids, dtype=torch.long).view(-1, 1).to(device)
         start = torch.tensor(state.length, dtype=torch.long).to(device)
         refresh_fused(self._fused)  # the compiled graph reads the stacked weights as they are
+        self._input_major.refresh()  # and these weights input-major (`engine.decode.layouts`)
         listening = self._listeners()
         for point in listening:
             point.collecting = True
