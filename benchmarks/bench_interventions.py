@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pandas as pd  # noqa: E402
+import torch  # noqa: E402
 
 import workbench  # noqa: E402
 from apps.cli.demo_cmd import PASSCODE, build_documents, wording  # noqa: E402
@@ -72,6 +73,27 @@ def decode_switch_cost(session: Session, ask, steps: int, repeats: int) -> dict[
     return {label: min(spent) for label, spent in times.items()}
 
 
+def key_mask_cost(keys: int, counts: list[int], repeats: int) -> list[tuple[int, float, float]]:
+    """(ranges, ms of the `[Tk, R]` range table, ms of `in_any_range`) for one DSA key mask over `keys`
+    keys, interleaved best of `repeats`: what a mask of many hidden ranges costs each layer per call."""
+    from engine.interventions.plan import in_any_range, in_ranges
+
+    positions = torch.arange(keys)
+    out = []
+    for count in counts:
+        starts = torch.sort(torch.randperm(keys // 64)[:count] * 64).values
+        ranges = torch.stack([starts, starts + 32], 1)
+        assert torch.equal(in_ranges(positions, ranges).any(-1), in_any_range(positions, ranges))
+        best = [float("inf"), float("inf")]
+        for _ in range(repeats):
+            for i, fn in enumerate((lambda: in_ranges(positions, ranges).any(-1), lambda: in_any_range(positions, ranges))):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        out.append((count, 1e3 * best[0], 1e3 * best[1]))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:demo")
@@ -80,10 +102,17 @@ def main() -> int:
     p.add_argument("--kda", choices=("heads", "layers", "none"), default="heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the rows here")
-    p.add_argument("--only", choices=("decode", "sweep"), help="run only the decode-step timing or only the sweep")
+    p.add_argument("--only", choices=("decode", "sweep", "masks"), help="run only the decode-step timing, only the "
+                   "sweep, or only the key-mask cost of many hidden ranges (no model)")
     p.add_argument("--decode-steps", type=int, default=32, help="decode tokens per branch when timing the switch")
     p.add_argument("--decode-repeats", type=int, default=5, help="interleaved repeats when timing the switch")
     args = p.parse_args()
+    if args.only == "masks":
+        torch.set_num_threads(1)
+        for count, table, search in key_mask_cost(args.tokens, [4, 16, 128, 512], 7):
+            print(f"{count:4d} ranges over {args.tokens} keys: range table {table:.2f} ms, in_any_range {search:.2f} ms "
+                  f"(ratio {search / table:.3f}; best of 7 interleaved, one thread)")
+        return 0
 
     model, tokenizer = load_with_tokenizer(args.model)
     style = answer_style_of(args.model)
