@@ -39,6 +39,7 @@ one, the source distribution of the installed llama-cpp-python version is fetche
 
     python benchmarks/bench_vs_llamacpp.py                       # T = 4096, 32 decode tokens, 2 rounds
     python benchmarks/bench_vs_llamacpp.py --tokens 1024 --rounds 1 --impls engine-compiled llama-f32-fa
+    python benchmarks/bench_vs_llamacpp.py --engine-trees /tmp/wt-OLD .   # before/after in one run
 """
 
 from __future__ import annotations
@@ -170,12 +171,12 @@ def engine_worker(ckpt: Path, options: dict, tokens: int, decode: int, out: Path
     model.runtime.compile = options.get("compile", False)
     session = Session(model, prefill_chunk=tokens)
     session.append(ids=_ids(tokens))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = session.prefill(return_logits=True)  # every position's logits, as llama.cpp's logits_all
-    prefill_s = time.perf_counter() - t0
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     last = logits[-1].double().tolist()
     del logits
-    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s}
+    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s}
     if decode:
         t0 = time.perf_counter()
         list(session.generate(3, temperature=0, stop_ids=()))  # warm-up (the compile, on its first run)
@@ -201,11 +202,11 @@ def llama_worker(gguf: Path, options: dict, tokens: int, decode: int, out: Path)
     llm = Llama(model_path=str(gguf), n_ctx=tokens + decode + 8, n_batch=512, n_ubatch=512, n_threads=1,
                 n_threads_batch=1, logits_all=True, flash_attn=options["flash_attn"], verbose=False)
     load_s, rss_loaded = time.perf_counter() - t0, status_kb("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.eval(_ids(tokens))  # every position's logits kept (logits_all)
-    prefill_s = time.perf_counter() - t0
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     last = np.asarray(llm.scores[tokens - 1], dtype=np.float64).tolist()
-    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s}
+    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s}
     if decode:
         for _ in range(3):  # warm-up, as the engine's
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -219,13 +220,28 @@ def llama_worker(gguf: Path, options: dict, tokens: int, decode: int, out: Path)
     return result
 
 
-def run_worker(name: str, options: dict, work: Path, args: argparse.Namespace, decode: int) -> dict:
+def run_worker(name: str, options: dict, work: Path, args: argparse.Namespace, decode: int,
+               tree: Path = HERE.parent) -> dict:
+    """One fresh process; an engine worker imports the engine of `tree` (PYTHONPATH, so an editable
+    install elsewhere does not shadow it)."""
     out = work / f"{name}.json"
     cmd = [sys.executable, __file__, "--worker", name, "--work", str(work), "--tokens", str(args.tokens),
            "--decode", str(decode), "--options", json.dumps(options), "--result", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env, cwd=HERE.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
+    subprocess.run(cmd, check=True, env=env, cwd=tree)
     return json.loads(out.read_text())
+
+
+def tree_label(tree: Path) -> str:
+    """The tree's commit (short hash, '+' when it has uncommitted changes), else its directory name."""
+    try:
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--", "engine"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return tree.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +256,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="directory for the checkpoint and GGUF files (kept; reused when there)")
     ap.add_argument("--llama-cpp-src", type=Path, help="llama.cpp source tree holding convert_hf_to_gguf.py")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-trees", type=Path, nargs="+", default=[HERE.parent],
+                    help="source trees whose engines run side by side (before/after: `git worktree add DIR HASH`)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--options", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -275,35 +293,41 @@ def main() -> None:
             print(f"converting with llama.cpp's converter ({src}) to {outtype} ...", flush=True)
             convert(ckpt, src, outtype, gguf)
 
-    results: dict[str, list[dict]] = {name: [] for name in args.impls}
+    # (label, impl, tree): every engine implementation once per tree, llama.cpp's once
+    trees = [t.resolve() for t in args.engine_trees]
+    labels = {t: tree_label(t) for t in trees}
+    runs = [(f"{name}@{labels[t]}" if len(trees) > 1 and IMPLS[name][0] == "engine" else name, name, t)
+            for name in args.impls for t in (trees if IMPLS[name][0] == "engine" else trees[:1])]
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     for r in range(args.rounds):
-        order = args.impls if r % 2 == 0 else args.impls[::-1]
-        for name in order:
-            results[name].append(run_worker(name, IMPLS[name][1], work, args, args.decode))
+        for label, name, tree in (runs if r % 2 == 0 else runs[::-1]):
+            results[label].append(run_worker(label, IMPLS[name][1], work, args, args.decode, tree))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
-    # the engine with llama.cpp's KDA L2 epsilon: prefill logits only
-    eps_run = run_worker("engine-l2eps", {"kda_l2_eps": LLAMA_KDA_L2_EPS}, work, args, 0)
+    # the engine (the last tree's) with llama.cpp's KDA L2 epsilon: prefill logits only
+    eps_run = run_worker("engine-l2eps", {"kda_l2_eps": LLAMA_KDA_L2_EPS}, work, args, 0, trees[-1])
 
     print(f"\nllama.cpp {llama_cpp.__version__} (llama-cpp-python) vs this engine; Kimi-Linear, hidden "
           f"{CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers (MLA at "
           f"{CONFIG['linear_attn_config']['full_attn_layers']}), {CONFIG['num_attention_heads']} heads, "
           f"{CONFIG['num_local_experts']} experts top-{CONFIG['num_experts_per_tok']}; T = {args.tokens}, one thread, "
-          f"best of {args.rounds} interleaved rounds (fresh process each)")
-    print(f"{'implementation':<16} {'prefill tok/s':>13} {'decode ms/tok':>13} {'decode cpu ms':>13} "
-          f"{'RSS loaded MB':>13} {'peak RSS MB':>11}")
+          f"best of {args.rounds} interleaved rounds (fresh process each); '@' names an engine tree")
+    width = max(16, *(len(label) for label in results))
+    print(f"{'implementation':<{width}} {'prefill tok/s':>13} {'(CPU time)':>10} {'decode ms/tok':>13} "
+          f"{'decode cpu ms':>13} {'RSS loaded MB':>13} {'peak RSS MB':>11}")
     best = {}
-    for name, runs in results.items():
-        b = {"prefill": max(args.tokens / x["prefill_s"] for x in runs),
-             "decode": min(x["decode_ms"] for x in runs), "decode_cpu": min(x["decode_cpu_ms"] for x in runs),
-             "loaded": min(x["rss_loaded_kb"] for x in runs) / 1024, "peak": min(x["peak_kb"] for x in runs) / 1024}
+    for name, rows in results.items():
+        b = {"prefill": max(args.tokens / x["prefill_s"] for x in rows),
+             "prefill_cpu": max(args.tokens / x["prefill_cpu_s"] for x in rows),
+             "decode": min(x["decode_ms"] for x in rows), "decode_cpu": min(x["decode_cpu_ms"] for x in rows),
+             "loaded": min(x["rss_loaded_kb"] for x in rows) / 1024, "peak": min(x["peak_kb"] for x in rows) / 1024}
         best[name] = b
-        print(f"{name:<16} {b['prefill']:>13.0f} {b['decode']:>13.2f} {b['decode_cpu']:>13.2f} {b['loaded']:>13.0f} "
-              f"{b['peak']:>11.0f}")
+        print(f"{name:<{width}} {b['prefill']:>13.0f} {b['prefill_cpu']:>10.0f} {b['decode']:>13.2f} "
+              f"{b['decode_cpu']:>13.2f} {b['loaded']:>13.0f} {b['peak']:>11.0f}")
     engines = [n for n in best if n.startswith("engine")]
     llamas = [n for n in best if n.startswith("llama")]
     for e in engines:
         for ll in llamas:
-            print(f"{e} vs {ll}: prefill {best[e]['prefill'] / best[ll]['prefill']:.2f}x, decode cpu ms "
+            print(f"{e} vs {ll}: prefill (CPU time) {best[e]['prefill_cpu'] / best[ll]['prefill_cpu']:.2f}x, decode cpu ms "
                   f"{best[e]['decode_cpu'] / best[ll]['decode_cpu']:.2f}x, peak RSS {best[e]['peak'] / best[ll]['peak']:.2f}x")
 
     import numpy as np
@@ -312,7 +336,7 @@ def main() -> None:
         return np.array(json.loads((work / f"{name}.logits.json").read_text()))
 
     ref = next((n for n in llamas if n.startswith("llama-f32")), None)
-    eng = next((n for n in engines), None)
+    eng = next((n for n in reversed(engines) if n.startswith("engine-compiled")), engines[-1] if engines else None)
     if ref and eng:
         lr = logits(ref)
 
