@@ -181,3 +181,9 @@ def test_an_image_is_cut_into_bands_of_patch_rows():
     assert 1 <= len(patches) <= 8 and patches[0].start == first and patches[-1].end == first + rows * cols
     assert all((s.start - first) % cols == 0 and (s.end - s.start) % cols == 0 for s in patches)  # whole rows
     assert spans[0].start == image.start and spans[-1].end == image.end
+
+
+def test_bad_evidence_names_itself(demo):
+    session, task, _ = _fact_session(demo, tokens=300)
+    with pytest.raises(InputError, match="evidence"):
+        workbench.attribute(session, continuation=task, evidence=[(5, 10**9)])

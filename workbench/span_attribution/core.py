@@ -153,8 +153,9 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         `Attribution` (workbench.span_attribution.result): the answer, `target_logprob`, `lds`, `prefill_s`,
         `attribution_s`, and `spans` (`SpanEffect`: start, end, text, effect, control range, verdict, source)
         ordered by effect, largest drop first: the spans checked exactly first, then the others by their
-        estimated effect (an unchecked estimate never outranks a measured one). InputError before anything runs for an empty context, no
-        target, a span out of range, a model without DSA layers, or bad counts.
+        estimated effect (an unchecked estimate never outranks a measured one). InputError before anything
+        runs for an empty context, no target, a span or evidence out of range, a model without DSA layers,
+        or bad counts.
     """
     continuation, target = task_scoring(continuation, target)
     end = len(session.tokens)
@@ -184,7 +185,10 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         raise InputError("no span to attribute: the context holds no tokens in any segment")
     if evidence is None:
         evidence = list(recorded_spans(session).values())
-    evidence = [(int(a), int(b)) for a, b in evidence]
+    try:
+        evidence = [(s.start, s.end) for s in given_spans(list(evidence), end)] if evidence else []
+    except (InputError, TypeError) as exc:
+        raise InputError(f"evidence (spans no control may touch): {exc}") from None
     if kda and session.length > min(s.start for s in made):
         raise InputError(f"kda: the session has consumed {session.length} tokens, past the first span's start "
                          f"({min(s.start for s in made)}); KDA writes there can only be suppressed from a session "
