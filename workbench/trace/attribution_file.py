@@ -31,7 +31,8 @@ FORMAT = "k3wb.attribution/1"
 MAX_ATTRIBUTION_BYTES = 64 << 20
 MAX_SPANS = 200_000
 _NUMBERS = ("effect", "estimate", "control_min", "control_max", "p_value")
-_SOURCES = ("checked", "estimated", "unread")
+# workbench.span_attribution.result's sources ("unvaried": read, but beyond the masks' cap of 384 spans)
+_SOURCES = ("checked", "estimated", "unread", "unvaried")
 
 
 def _path(trace: Any) -> Path:
