@@ -22,6 +22,7 @@ import panel as pn
 import param
 
 from apps.dashboard import host_guard, page_bundle
+from apps.dashboard.components.base import PlacedWhenReady
 from apps.dashboard.components.dsa_diff import DSADiffView
 from apps.dashboard.components.dsa_map import DSAMemoryMap
 from apps.dashboard.components.experts import ExpertsView
@@ -95,7 +96,8 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
     Attaching adds one root per template area and Panel's helpers walk the whole graph for each
     (remove from an earlier document, add, recompute the document's model index): frozen, the
     index is recomputed once at the end instead of once per root (about a third of the page build).
-    The served page is bundled without MathJax (`page_bundle`: no pane of the dashboard renders TeX).
+    The served page is bundled without MathJax (`page_bundle`: no pane of the dashboard renders TeX), and its
+    panes share one stylesheet model per CSS file (`page_bundle.share_stylesheets`).
     """
 
     def server_doc(self, doc: Any = None, title: str | None = None, location: Any = True) -> Any:
@@ -104,7 +106,11 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
             return super().server_doc(doc, title, location)
         page_bundle.without_mathjax(document)
         with document.models.freeze():
-            return super().server_doc(document, title, location)
+            served = super().server_doc(document, title, location)
+        # once the index is current (after that freeze), in a freeze of its own: one re-index for all the sets
+        with document.models.freeze():
+            page_bundle.share_stylesheets(document)
+        return served
 
 
 class Dashboard(pn.viewable.Viewer):
@@ -125,6 +131,7 @@ class Dashboard(pn.viewable.Viewer):
                                               reducers=view_reducers(), view_options=view_options(), **bins),
                          **params)
         self._views: dict[str, Any] = {}
+        self._places: dict[str, PlacedWhenReady] = {}  # lazy views' places on the page (`views.ViewSpec.lazy`)
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -238,8 +245,19 @@ class Dashboard(pn.viewable.Viewer):
         and sent after the page loaded) costs a round trip and several separate property messages
         per view, and a relayout of the whole page for each (benchmarks/bench_dashboard.py).
         """
-        lower = [self.view(n) for n in VIEWS if n != "integrity"]
+        lower = [self._placed(n) for n in VIEWS if n != "integrity"]
         return [self.probe, self.alert, self.view("integrity"), self.session_map, *lower]
+
+    def _placed(self, name: str) -> Any:
+        """The view `name`, or for a lazy view without content yet its empty place (`PlacedWhenReady`)."""
+        component = self.view(name)
+        frame = self.state.frame
+        data = frame.view(name)
+        if not VIEWS[name].lazy or (data is not None and component.has_data(data, frame.session)):
+            return component
+        if name not in self._places:
+            self._places[name] = PlacedWhenReady(component, name, self.state)
+        return self._places[name]
 
     def __panel__(self) -> pn.viewable.Viewable:
         self.start(sync=True)

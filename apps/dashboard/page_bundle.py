@@ -45,3 +45,28 @@ def install() -> None:
 
     bundle_resources._k3wb_wrapped = True  # type: ignore[attr-defined]
     panel_server.bundle_resources = bundle_resources
+
+
+def share_stylesheets(document: Any) -> int:
+    """One `ImportedStyleSheet` model per URL in `document` (returns how many copies were dropped).
+
+    Panel gives every pane and widget its own stylesheet models for the same few CSS files (a dashboard
+    page held 178 of them for 12 URLs, a quarter of its models: `loading.css` alone 111 times); each is a
+    model the server builds and serialises and the browser builds, on every page open. BokehJS makes a
+    fresh `<link>` from the model for every view that lists it (`ImportedStyleSheet.underlying`), so views
+    sharing one model are styled as before. Models added later (a view filled in, a widget restyled)
+    get Panel's own copies again."""
+    from bokeh.models import ImportedStyleSheet
+
+    canonical: dict[str, Any] = {}
+    dropped = 0
+    for model in list(document.models):
+        sheets = getattr(model, "stylesheets", None)
+        if not sheets:
+            continue
+        shared = [canonical.setdefault(s.url, s) if type(s) is ImportedStyleSheet else s for s in sheets]
+        same = sum(a is b for a, b in zip(shared, sheets))
+        if same != len(sheets):
+            dropped += len(sheets) - same
+            model.stylesheets = shared
+    return dropped

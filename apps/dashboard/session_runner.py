@@ -145,6 +145,9 @@ class SessionRunner(pn.viewable.Viewer):
         self._rerun_base: tuple[RerunBase | None, Any] = (None, None)
         # a rerun writes the trace's effects table after the recording finished: wake the follower so the
         # effects view shows it now, not after a reload
+        # what-if and attribute act on a driven session's answer: they join the page with the first one
+        # (before it they can do nothing, and their ~100 models would cost every page's first paint)
+        self.answer_tools = pn.Column(sizing_mode="stretch_width", margin=0, css_classes=["k3-answer-tools"])
         self.what_if = WhatIfPanel(lambda: self._rerun_base, _RUN_LOCK, on_written=self._effects_written,
                                    selected=lambda: self.state.position if self.state is not None else None)
         # "Attribute": which spans of the context the last answer came from (`workbench.attribute` on the same
@@ -392,6 +395,8 @@ class SessionRunner(pn.viewable.Viewer):
             self.running = False
         elif self.running and self._thread is not None and not self._thread.is_alive():
             self.running = False
+        if self._rerun_base[0] is not None and not self.answer_tools.objects:
+            self.answer_tools.objects = [self.what_if, self.attribution]
         self.what_if.poll()
         self.attribution.poll()
 
@@ -408,5 +413,5 @@ class SessionRunner(pn.viewable.Viewer):
                              f"{self.max_upload_bytes // 1024:,} KB each)"),
             self.dropper, self.doc_list, clear,
             self.tasks.notice, self.tasks.use_template,
-            pn.Row(self.generate_button, self.stop_button), self.alert, self.what_if, self.attribution,
+            pn.Row(self.generate_button, self.stop_button), self.alert, self.answer_tools,
             sizing_mode="stretch_width", css_classes=["k3-runner"])

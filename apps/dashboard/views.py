@@ -34,13 +34,16 @@ from workbench.analysis.views.integrity_view import IntegrityReducer
 class ViewSpec:
     """One view. `component(dashboard)` builds its component for one dashboard (it may use the
     dashboard's state and session map); `options` are the view's own options with their defaults;
-    `notebook` says whether `workbench.show()` shows it when no views are named."""
+    `notebook` says whether `workbench.show()` shows it when no views are named; `lazy`, that the served
+    page shows only its note until it has data (`components.base.PlacedWhenReady`): a view that is empty
+    until the user acts costs the first paint one line (its models are built and sent when data comes)."""
 
     name: str
     reducer: type[Reducer]
     component: Callable[[Any], ViewComponent]
     options: Mapping[str, Any] = field(default_factory=dict)
     notebook: bool = True
+    lazy: bool = False
 
 
 VIEWS: dict[str, ViewSpec] = {}
@@ -78,10 +81,10 @@ register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(st
 register_view(ViewSpec("health", VIEW_REDUCERS["health"],
                        lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
 register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
-register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state)))
+register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state), lazy=True))
 # a clicked span sets drive mode's What-if range (no runner: it is only marked on the view's DSA map)
 register_view(ViewSpec("attribution", AttributionReducer, lambda dash: AttributionView(
     state=dash.state, on_pick=(lambda a, b: pick_in_what_if(dash.runner.what_if, a, b)) if dash.runner else None),
-    options={"attribution_context": CONTEXT_SPANS}, notebook=False))
+    options={"attribution_context": CONTEXT_SPANS}, notebook=False, lazy=True))
 # drawn as a banner above the session map (`Dashboard.views`), not among the views below it
 register_view(ViewSpec("integrity", IntegrityReducer, lambda dash: IntegrityBanner(state=dash.state), notebook=False))

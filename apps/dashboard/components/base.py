@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import panel as pn
 import param
 
-from apps.dashboard.components.panes import HTMLText
+from apps.dashboard.components.panes import HTMLText, pre
 from workbench.analysis.views.base import same
 from apps.dashboard.follower import DashboardState
 
@@ -31,6 +31,38 @@ def changed_fields(shown: Any, data: Any) -> set[str]:
     if shown is data:
         return set()
     return {f.name for f in fields(data) if not same(getattr(shown, f.name), getattr(data, f.name))}
+
+
+class PlacedWhenReady(pn.viewable.Viewer):
+    """A place on the page for a view that has nothing to show until the user acts (a what-if rerun, an
+    attribution): until a frame gives the view data (`ViewComponent.has_data`) it holds one line, the
+    view's own note on why there is none, so the first paint neither builds nor sends the view's models;
+    then the view takes its place, once."""
+
+    def __init__(self, component: "ViewComponent", name: str, state: DashboardState) -> None:
+        super().__init__()
+        self.component, self.view_name, self.state = component, name, state
+        self.note = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-pending-note"])
+        self.holder = pn.Column(self.note, sizing_mode="stretch_width", margin=0, css_classes=[f"k3-pending-{name}"])
+        self._watcher = state.param.watch(self._check, "frame")
+        self._check()
+
+    def _check(self, _event: Any = None) -> None:
+        if self._watcher is None:
+            return
+        frame = self.state.frame
+        data = frame.view(self.view_name)
+        if data is not None and self.component.has_data(data, frame.session):
+            self.state.param.unwatch(self._watcher)
+            self._watcher = None
+            self.holder.objects = [self.component]
+            return
+        note = getattr(data, "note", "") or ""
+        if self.note.object != pre(note):
+            self.note.object = pre(note) if note else ""
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return self.holder
 
 
 class ViewComponent(pn.viewable.Viewer):
