@@ -96,15 +96,19 @@ def test_attribute_writes_the_trace_and_a_reload_shows_the_fact_first(attributed
     assert first.verdict.startswith("hiding tokens") and "8 random spans of the same size" in first.verdict
     assert first.controls == 8 and first.rank is not None and f"p = {first.p_value:.2f}" in first.tooltip
     assert "random same-size disjoint spans changed it by" in first.tooltip
-    assert data.lds_line.startswith(f"LDS {record['lds']:.2f} on 8 held-out masks (a random ranking scores 0 ± 0.38")
+    # 16 + 8 masks, each predicted by a fit without it: a random ranking's Spearman is 0 ± 1/sqrt(23)
+    assert data.lds_line.startswith(f"LDS {record['lds']:.2f} on 24 masks, each predicted by a surrogate fitted "
+                                    "without it (a random ranking scores 0 ± 0.21 on 24 masks)"), data.lds_line
     # a short context is shown whole, each span once, shaded in [-1, 1]; unread spans plain
     rows = [p.row for p in data.pieces if p.kind == "span"]
     assert data.shown == data.spans == len(rows) == len(record["spans"])
     assert sorted((r.start, r.end) for r in rows) == sorted((s["start"], s["end"]) for s in record["spans"])
-    assert all(-1.0 <= r.shade <= 1.0 for r in rows) and all(r.shade == 0 for r in rows if r.source == "unread")
+    assert all(-1.0 <= r.shade <= 1.0 for r in rows) and all(r.shade == 0 for r in rows
+                                                             if r.source not in ("checked", "estimated"))
     # full colour: the largest checked effect, but never a change too small to matter (< 0.1 nats)
     assert data.scale == max(0.1, max(abs(r.effect) for r in rows if r.source == "checked"))
-    assert all(r.shade == max(-1.0, min(1.0, r.effect / data.scale)) for r in rows if r.source != "unread")
+    assert all(r.shade == max(-1.0, min(1.0, r.effect / data.scale)) for r in rows
+               if r.source in ("checked", "estimated"))
     assert {(a, b) for a, b, _ in data.marks} == {(r.start, r.end) for r in rows if r.source == "checked"}
 
 
@@ -152,7 +156,8 @@ def synthetic_record(spans: int = 10_000, tokens: int = 131_072, checked: tuple[
                      "verdict": "the answer depends on it" if i in checked else "", "label": f"doc{i // 2500}",
                      "kind": "sentence", "rank": 1 if i in checked else None,
                      "p_value": 1 / 9 if i in checked else None, "reads": 3,
-                     "source": "checked" if i in checked else "unread" if i % 3 == 0 else "estimated"})
+                     "source": "checked" if i in checked else "unread" if i % 3 == 0 else
+                     "unvaried" if i % 11 == 0 else "estimated"})
     rows.sort(key=lambda r: (r["source"] != "checked", r["effect"]))
     return {"format": FORMAT, "check": "synthetic", "answer": "7", "right": True, "target": "7", "target_logprob": -0.2,
             "lds": 0.8, "prefill_s": None, "attribution_s": 1.0, "masks": 64, "holdout": 16, "candidates": 384,
@@ -169,6 +174,8 @@ def test_a_128k_attribution_sends_only_windows_around_its_top_spans() -> None:
     assert all((r.start, r.end) in shown for r in data["top"])        # every top span has its window
     assert [r.source for r in data["top"][:2]] == ["checked", "checked"]
     assert len(json.dumps(piece_rows(data["pieces"]))) < 200_000      # what the page receives, not the context
+    unvaried = [p.row for p in spans if p.row.source == "unvaried"]    # kept in every mask: no effect known
+    assert unvaried and all(r.shade == 0 and "No effect known (unvaried)" in r.tooltip for r in unvaried)
     wider = attribution_data(synthetic_record(), context=50)
     assert data["shown"] < wider["shown"] <= MAX_SHOWN_SPANS
 

@@ -71,6 +71,7 @@ export function render({ model, el }) {
     ' .k3-attr-span.k3-checked { outline: 2px solid #333; outline-offset: 1px; }' +
     ' .k3-attr-span.k3-unread { color: #777; }' +
     ' .k3-attr-span.k3-selected { box-shadow: 0 0 0 3px #00e5ff; }' +
+    ' .k3-attr-tag { color: #aaa; font: 10px ui-monospace, monospace; }' +
     ' .k3-attr-heading { display: block; font: bold 12px ui-sans-serif, sans-serif; color: #555; margin: 6px 0 2px; }' +
     ' .k3-attr-more { display: block; font: italic 12px ui-sans-serif, sans-serif; color: #888; margin: 4px 0;' +
     ' text-align: center; }';
@@ -78,6 +79,7 @@ export function render({ model, el }) {
   box.className = 'k3-attr-text';
   el.append(sheet, box);
   let shown = null;
+  const TAG = /(<\\|[A-Za-z0-9_:\\-]{1,40}\\|>)/;
   // an estimate (the surrogate's, unchecked) is drawn at half strength: it is a guess, a checked effect is measured
   const colour = (shade, source) => {
     if (!shade) { return ''; }
@@ -109,12 +111,22 @@ export function render({ model, el }) {
     for (const [kind, start, end, text, shade, source, tooltip, hidden] of pieces) {
       const s = document.createElement('span');
       if (kind === 'span') {
-        s.className = 'k3-attr-span' + (source === 'checked' ? ' k3-checked' : source === 'unread' ? ' k3-unread' : '');
+        // checked: outlined; estimated: shaded faint; unread and anything else (no effect known): plain
+        s.className = 'k3-attr-span' + (source === 'checked' ? ' k3-checked' : source === 'estimated' ? '' : ' k3-unread');
         s.dataset.start = start; s.dataset.end = end; s.dataset.source = source;
-        const bg = source === 'unread' ? '' : colour(shade, source);
+        const bg = source === 'checked' || source === 'estimated' ? colour(shade, source) : '';
         if (bg) { s.style.background = bg; }
         s.title = tooltip;        // a property: text, never parsed as HTML
-        s.textContent = text;
+        // the chat format's control tags (<|open|>, <|sep|>, ...) in small grey, so the sentence reads as text
+        text.split(TAG).forEach((part, i) => {
+          if (!part) { return; }
+          if (i % 2) {
+            const t = document.createElement('span');
+            t.className = 'k3-attr-tag';
+            t.textContent = part;
+            s.append(t);
+          } else { s.append(document.createTextNode(part)); }
+        });
       } else if (kind === 'heading') {
         s.className = 'k3-attr-heading';
         s.textContent = text;
@@ -254,7 +266,8 @@ class AttributionView(ViewComponent):
                                f"({'the largest checked effect' if data.marks else 'the largest estimate'}, at least "
                                f"{MIN_EFFECT_NATS} nats: a smaller change is too small to matter); "
                                f"outlined = checked one by one beside same-size random controls; faint = the "
-                               f"surrogate's estimate, unchecked; plain = never read while answering. "
+                               f"surrogate's estimate, unchecked; plain = never read while answering (or kept in every mask: "
+                               f"no effect known). "
                                f"Click a span to mark it on the DSA map"
                                f"{' and set the What-if range' if self._on_pick else ''}.</div>")
         if "top" in changed:

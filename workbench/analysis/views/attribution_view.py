@@ -29,7 +29,9 @@ from workbench.analysis.views.base import Reducer, ViewOptions
 from workbench.trace import TraceError
 from workbench.trace.attribution_file import ATTRIBUTION_FILE, read_attribution
 
-CHECKED, ESTIMATED, UNREAD = "checked", "estimated", "unread"
+# a span's source (`workbench.span_attribution.result`); any other (UNVARIED: read, but kept in every mask
+# beyond the masks' cap) has no effect known: drawn plain like an unread span, its record's verdict says why
+CHECKED, ESTIMATED, UNREAD, UNVARIED = "checked", "estimated", "unread", "unvaried"
 # spans shown on each side of a top span (the view's option "attribution_context" changes it)
 CONTEXT_SPANS = 3
 MAX_CONTEXT_SPANS = 50
@@ -118,21 +120,23 @@ class AttributionData:
     note: str = ""              # why there is nothing to show ("" when there is)
 
 
-def lds_words(lds: float | None, holdout: int) -> tuple[str, bool]:
-    """The LDS in one line, beside a random ranking's spread on `holdout` masks, and whether it is trusted."""
+def lds_words(lds: float | None, masks: int) -> tuple[str, bool]:
+    """The LDS in one line, beside a random ranking's spread on the `masks` it was measured on (each
+    predicted by a surrogate fitted without it), and whether it is trusted."""
     if lds is None:
-        why = "fewer than 3 held-out masks" if holdout < 3 else "the held-out masks all scored alike"
-        return f"LDS not measured ({why}): trust the checked spans' verdicts, not the estimates' order", False
-    spread = 1.0 / math.sqrt(max(holdout - 1, 1))
+        return ("LDS not measured (the masks all scored alike, or no span was varied): trust the checked spans' "
+                "verdicts, not the estimates' order"), False
+    spread = 1.0 / math.sqrt(max(masks - 1, 1))
     trusted = lds >= TRUSTED_LDS and lds >= 2 * spread
-    chance = f"a random ranking scores 0 ± {spread:.2f} on {holdout} masks"
+    chance = f"a random ranking scores 0 ± {spread:.2f} on {masks} masks"
     if trusted:
         meaning = "the ranking is trustworthy"
     elif lds >= TRUSTED_LDS:
         meaning = "weak: too few held-out masks to tell it from a lucky random ranking"
     else:
         meaning = "the ranking is weak: trust the checked spans' verdicts, not the estimates' order"
-    return (f"LDS {lds:.2f} on {holdout} held-out masks ({chance}): {meaning}", trusted)
+    return (f"LDS {lds:.2f} on {masks} masks, each predicted by a surrogate fitted without it ({chance}): {meaning}",
+            trusted)
 
 
 def _num(value: Any) -> float | None:
@@ -150,6 +154,8 @@ def span_tooltip(span: dict, lds_line: str) -> str:
     if source == ESTIMATED:
         return (f"{where}. Estimated effect {effect:+.3f} nats (the surrogate's weight, not run alone, no controls; "
                 f"{lds_line}).")
+    if source != CHECKED:
+        return f"{where}. No effect known ({source}): {span.get('verdict') or 'neither estimated nor checked'}."
     n = int(span.get("controls") or 0)
     low, high = _num(span.get("control_min")), _num(span.get("control_max"))
     controls = (f"{n} random same-size disjoint spans changed it by {low:+.3f} to {high:+.3f}"
@@ -178,7 +184,8 @@ def span_rows(record: dict, lds_line: str) -> list[SpanRow]:
     scale = shade_scale(record["spans"])
     for s in record["spans"]:
         effect = _num(s.get("effect")) or 0.0
-        shade = 0.0 if s.get("source") == UNREAD or scale <= 0 else max(-1.0, min(1.0, effect / scale))
+        known = s.get("source") in (CHECKED, ESTIMATED)
+        shade = max(-1.0, min(1.0, effect / scale)) if known and scale > 0 else 0.0
         rows.append(SpanRow(int(s["start"]), int(s["end"]), str(s.get("label") or ""), str(s.get("text") or ""),
                             effect, str(s["source"]), shade, int(s.get("controls") or 0), _num(s.get("control_min")),
                             _num(s.get("control_max")), s.get("rank"), _num(s.get("p_value")),
@@ -236,7 +243,7 @@ def _short(text: str) -> str:
 
 def attribution_data(record: dict, context: int = CONTEXT_SPANS) -> dict[str, Any]:
     """The view's fields from an attribution record (`read_attribution`)."""
-    line, trusted = lds_words(_num(record.get("lds")), int(record["holdout"]))
+    line, trusted = lds_words(_num(record.get("lds")), int(record["masks"]) + int(record["holdout"]))
     rows = span_rows(record, line)
     focus = focus_rows(rows)
     pieces = text_pieces(rows, focus, max(0, min(int(context), MAX_CONTEXT_SPANS)))
