@@ -8,14 +8,17 @@
 - A flat Kimi-Linear directory (`kimi_linear`) stays transformers' own `KimiLinearForCausalLM` under
   the auto classes; `K3ForCausalLM.from_pretrained(dir)` loads it through the engine.
 
-`K3Tokenizer` wraps `engine.tokenizer.Tokenizer` as a transformers tokenizer (chat template, char
-offsets); `engine.hf.context_cite` runs ContextCite with a sentence splitter of our own. The engine
+`K3Tokenizer.from_pretrained(dir)` wraps `engine.tokenizer.Tokenizer` as a transformers tokenizer (the
+K3 chat template, the model's eos, char offsets). It is not registered with `AutoTokenizer`: a
+checkpoint's tokenizer_config.json names its own `tokenizer_class` (TikTokenTokenizer), from which
+transformers builds a converted tokenizer with the same text ids but no chat template and `[EOS]` as eos.
+`engine.hf.context_cite` runs ContextCite with a sentence splitter of our own. The engine
 never needs this package: nothing outside it imports transformers' model classes.
 """
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from engine.hf.cache import K3Cache
@@ -29,11 +32,9 @@ def _register() -> None:
     if MODEL_TYPE not in CONFIG_MAPPING:
         AutoConfig.register(MODEL_TYPE, K3Config)
         AutoModelForCausalLM.register(K3Config, K3ForCausalLM)
-        AutoTokenizer.register(K3Config, slow_tokenizer_class=K3Tokenizer)
     if CHECKPOINT_MODEL_TYPE not in CONFIG_MAPPING:  # never shadow a kimi_k3 transformers ships itself
         AutoConfig.register(CHECKPOINT_MODEL_TYPE, K3CheckpointConfig)
         AutoModelForCausalLM.register(K3CheckpointConfig, K3CheckpointForCausalLM)
-        AutoTokenizer.register(K3CheckpointConfig, slow_tokenizer_class=K3Tokenizer)
 
 
 _register()

@@ -86,8 +86,6 @@ class K3Tokenizer(PythonBackend):
             raise InputError(f"{directory}: this checkpoint ships no tokenizer files (tiktoken.model)")
         eos = config.special_token_id("eos_token_id")
         kwargs.setdefault("eos_token", engine_tokenizer.piece(eos) if eos is not None else None)
-        for name in ("padding_side", "model_max_length"):
-            kwargs.pop(name, None) if kwargs.get(name) is None else None
         return cls(engine_tokenizer, **kwargs)
 
     @property
