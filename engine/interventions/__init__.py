@@ -32,7 +32,8 @@ Semantics (what the layers do with it, `InterventionPlan`):
 
 The plan holds small device tensors per layer (ranges padded to a fixed count), so a new
 intervention of the same shape is new data for the compiled decode step, not a new graph; with
-none set the layers pay one `is None` check.
+none set the layers pay one `is None` check, and so they do for a forward call the plan cannot reach
+(`InterventionPlan.acts_on`: the session hands them no plan then).
 
 A spec holds at most `MAX_INTERVENTIONS` entries naming at most `MAX_SPEC_IDS` layer, head and expert ids
 in all; repeated entries count once; `moe.ban` / `moe.force` entries that together leave a token fewer
