@@ -187,3 +187,22 @@ def test_bad_evidence_names_itself(demo):
     session, task, _ = _fact_session(demo, tokens=300)
     with pytest.raises(InputError, match="evidence"):
         workbench.attribute(session, continuation=task, evidence=[(5, 10**9)])
+
+
+def test_kda_masks_rerun_from_kept_states_as_from_the_start(demo):
+    """With kda=True a mask re-runs the context from the latest state kept before its first hidden span: the
+    same log-probability as suppressing those writes from an unprefilled session (float rounding only: the
+    context is prefilled in other pieces)."""
+    from workbench.span_attribution.core import _spec
+
+    session, task, fact = _fact_session(demo, tokens=500)
+    fresh = session.fork()
+    result = workbench.attribute(session, continuation=task, kda=True, masks=8, holdout=2, top=1, controls=1,
+                                 spans="paragraphs")
+    assert result.kda and result.candidates == len(result.spans)
+    target = session.tokenizer.encode("7142")
+    for row, measured in list(zip(result.mask_matrix, result.mask_logprobs))[:3]:
+        hidden = [span for span, kept in zip(result.candidate_spans, row) if not kept]
+        direct = target_logprobs(fresh, _spec(hidden, kda=True), task, target).sum() if hidden else None
+        if direct is not None:
+            assert measured == pytest.approx(float(direct), abs=2e-3)
