@@ -71,7 +71,8 @@ def test_attribute_shows_the_fact_first_with_its_verdict(tmp_path: Path, artifac
             first = rows.nth(1).inner_text()
             assert "greenhouse alarm is 3-8-2-5" in first, first
             assert "hiding tokens" in first and "8 random spans of the same size" in first, first
-            assert "held-out masks" in " ".join(view.locator(".k3-attr-lds div").all_inner_texts())
+            assert "each predicted by a surrogate fitted without it" in " ".join(
+                view.locator(".k3-attr-lds div").all_inner_texts())
             fact = view.locator(".k3-attr-span.k3-checked", has_text="greenhouse alarm is 3-8-2-5").first
             tip = fact.get_attribute("title")
             assert "Hidden alone" in tip and "8 random same-size disjoint spans changed it by" in tip, tip
