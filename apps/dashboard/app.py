@@ -142,8 +142,10 @@ class Dashboard(pn.viewable.Viewer):
             self.runner.param.model.objects = models
             self.runner.model = models[0]
         runner = self.runner
-        # the lens reads drive mode's last answer (components/lens.py)
+        # the lens reads drive mode's last answer (components/lens.py); like the what-if and attribute panels it
+        # joins the sidebar with the first answer, so the first paint carries none of its models
         self.lens = LensView(lambda: runner.kept_base, runner.model_lock) if runner is not None else None
+        self.lens_place = pn.Column(sizing_mode="stretch_width", margin=0, css_classes=["k3-lens-place"])
         self.probe = WidthProbe(sizing_mode="stretch_width", height=1, margin=0)
         self.probe.param.watch(self._width, "px")
         self.alert = AlertText("", alert_type="danger", visible=False, sizing_mode="stretch_width",
@@ -221,6 +223,12 @@ class Dashboard(pn.viewable.Viewer):
         self.state.poll()
         if self.runner is not None:
             self.runner.poll()
+            self.place_lens()
+
+    def place_lens(self) -> None:
+        """Put the lens in the sidebar once drive mode has an answer to read."""
+        if self.lens is not None and not self.lens_place.objects and self.runner.kept_base is not None:
+            self.lens_place.objects = [self.lens]
 
     def close(self) -> None:
         if self._callback is not None:
@@ -233,7 +241,7 @@ class Dashboard(pn.viewable.Viewer):
         if self.runner is not None:
             items.append(self.runner)
         if self.lens is not None:
-            items.append(self.lens)
+            items.append(self.lens_place)
         return items
 
     def views(self) -> list:

@@ -3,7 +3,7 @@
 token at every layer and position; the output row equals the model's own ranks (the answer was
 greedy: rank 0 at every answer position), a typed target is followed everywhere, the grid's text is
 escaped, and a busy model lock or no session is a message. The dashboard puts the view in drive mode's
-sidebar."""
+sidebar with the first answer."""
 
 from __future__ import annotations
 
@@ -84,8 +84,13 @@ def test_grid_text_is_escaped() -> None:
 
 def test_drive_mode_has_the_lens(tmp_path: Path) -> None:
     dash = Dashboard(DashboardConfig(root=tmp_path, drive=True, model="preset:tiny"))
-    assert isinstance(dash.lens, LensView) and dash.lens in dash.sidebar()
+    assert isinstance(dash.lens, LensView) and dash.lens_place in dash.sidebar()
     assert not dash.lens.read() and "drive a session first" in dash.lens.message
+    dash.place_lens()
+    assert not dash.lens_place.objects  # no answer yet: not on the page
+    dash.runner._rerun_base = (object(), None)  # what the runner publishes after an answer
+    dash.place_lens()
+    assert [o.css_classes for o in dash.lens_place.objects] == [["k3-lens"]]
     dash.close()
     plain = Dashboard(DashboardConfig(root=tmp_path, drive=False))
     assert plain.lens is None
