@@ -13,7 +13,8 @@ from workbench.span_attribution.reads import reads_in, score_with_reads
 from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, UNVARIED, Attribution, SpanEffect
 from workbench.span_attribution.spans import automatic_spans, given_spans, span_text
 from workbench.span_attribution.surrogate import fit, held_out_predictions, random_masks, spearman
-from workbench.causal_effects import Continuation, _continue, _ids, target_logprobs, task_scoring
+from workbench.causal_effects import (Continuation, _continue, _ids, _scaffold_warning, target_logprobs,
+                                      task_scoring)
 from workbench.interventions import check_continuation, check_seed
 from workbench.task_templates import TaskPrompt, recorded_spans
 
@@ -77,8 +78,9 @@ class _Runner:
 
 
 def _answer(base: Any, continuation: Any, role: str, max_new_tokens: int, expected: str | None
-            ) -> tuple[str, bool | None]:
-    """The plain answer (greedy, up to the response's close tag) and whether it holds the expected value."""
+            ) -> tuple[str, bool | None, list[int]]:
+    """The plain answer (greedy, up to the response's close tag), whether it holds the expected value, and
+    its ids."""
     branch = base.fork()
     branch.progress = False
     _continue(branch, continuation, role)
@@ -95,8 +97,8 @@ def _answer(base: Any, continuation: Any, role: str, max_new_tokens: int, expect
 
         text = continuation.prefix + text
         right = None if expected is None else response_value(text, continuation.style) == expected
-        return text, right
-    return text, None
+        return text, right, ids
+    return text, None, ids
 
 
 def _keep_states(session: Any, starts: Sequence[int], count: int) -> tuple[dict[int, Any], float]:
@@ -269,8 +271,11 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         results[i] = SpanEffect(span.start, span.end, span.label, span.kind, span_text(session, span),
                                 float(estimate[i]), float(estimate[i]), verdict=sentence, reads=int(reads[i]),
                                 source=source)
-    answer, right = _answer(session, continuation, role, max_new_tokens,
-                            continuation.expected if isinstance(continuation, TaskPrompt) else None)
+    answer, right, answer_ids = _answer(session, continuation, role, max_new_tokens,
+                                        continuation.expected if isinstance(continuation, TaskPrompt) else None)
+    scaffold = _scaffold_warning(session.tokenizer, answer_ids, target_ids)
+    if scaffold:  # the figures then say nothing about the answer (docs/interventions.md)
+        notes.append(scaffold)
     # the checked spans (exact effects) first, then the rest by effect (the surrogate's estimate, or 0 unread)
     order = sorted(results.values(), key=lambda s: (s.source != CHECKED, s.effect, s.start))
     target_text = target if isinstance(target, str) else (
