@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import panel as pn
 import param
+from panel.io.state import set_curdoc
 
 from apps.dashboard import host_guard, page_bundle
 from apps.dashboard.components.base import PlacedWhenReady
@@ -97,7 +98,7 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
     (remove from an earlier document, add, recompute the document's model index): frozen, the
     index is recomputed once at the end instead of once per root (about a third of the page build).
     The served page is bundled without MathJax (`page_bundle`: no pane of the dashboard renders TeX), and its
-    panes share one stylesheet model per CSS file (`page_bundle.share_stylesheets`).
+    panes share one stylesheet model per CSS file (`page_bundle.cache_stylesheets`, `share_stylesheets`).
     """
 
     def server_doc(self, doc: Any = None, title: str | None = None, location: Any = True) -> Any:
@@ -105,7 +106,8 @@ class DashboardTemplate(pn.template.BootstrapTemplate):
         if document is None:
             return super().server_doc(doc, title, location)
         page_bundle.without_mathjax(document)
-        with document.models.freeze():
+        page_bundle.cache_stylesheets(document)
+        with set_curdoc(document), document.models.freeze():
             served = super().server_doc(document, title, location)
         # once the index is current (after that freeze), in a freeze of its own: one re-index for all the sets
         with document.models.freeze():

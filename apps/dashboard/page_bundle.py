@@ -47,6 +47,20 @@ def install() -> None:
     panel_server.bundle_resources = bundle_resources
 
 
+def cache_stylesheets(document: Any) -> None:
+    """Let Panel build one `ImportedStyleSheet` per CSS file while it builds `document`'s models.
+
+    Panel keeps a per-document cache of them (`state._stylesheets`, read where a pane's properties are
+    made) but fills it only when a theme is applied, after the models exist: building a dashboard page
+    made 178 stylesheet models for 12 files, ~0.4 s of the server's page build under load. An entry
+    made before the build is used from the first pane on (`tests/apps/test_first_paint.py` checks it,
+    so a Panel upgrade that moves the cache shows)."""
+    from panel.io.state import state
+
+    if document not in state._stylesheets:
+        state._stylesheets[document] = {}
+
+
 def share_stylesheets(document: Any) -> int:
     """One `ImportedStyleSheet` model per URL in `document` (returns how many copies were dropped).
 

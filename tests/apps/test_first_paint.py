@@ -32,9 +32,16 @@ def served(trace: Path):
     return page, document
 
 
-def test_the_page_shares_stylesheets_and_stays_within_its_model_budget(small_trace: Path) -> None:
+def test_the_page_shares_stylesheets_and_stays_within_its_model_budget(small_trace: Path, monkeypatch) -> None:
+    from apps.dashboard import page_bundle
+
+    dropped = []
+    share = page_bundle.share_stylesheets
+    monkeypatch.setattr(page_bundle, "share_stylesheets", lambda doc: dropped.append(share(doc)) or dropped[-1])
     page, document = served(small_trace)
     try:
+        # Panel's own per-document cache made them shared as they were built (the pass after finds few)
+        assert dropped and dropped[0] <= 20, dropped
         models = list(document.models)
         sheets = Counter(m.url for m in models if type(m) is ImportedStyleSheet)
         assert sheets and max(sheets.values()) == 1, sheets.most_common(3)
