@@ -19,6 +19,12 @@
 3. Browser memory during a live session: a 128K trace replayed as if recorded (`TraceReplay`) for
    --live-seconds; JS heap after a forced GC and DOM node count every --sample-seconds.
 
+Trees side by side (`--trees OLD NEW ...`, each a source tree such as `git worktree add /tmp/wt-HASH HASH`):
+one dashboard server per tree (a subprocess importing that tree) on the same 128K trace and an empty
+page in this process, opened in turn (a fresh browser each, the order alternating every round) for
+--repeats rounds; prints each tree's median first paint, its ratio to the first tree's, and what it adds
+to the empty page measured in the same rounds. On a loaded machine this is the figure to read.
+
 The summary cache lives in a fresh temporary directory unless --summary-cache names one, so every
 figure but a --reopen-1m one is a first open of the trace (the first repeat of (1) opens it on a fresh
 server; later repeats are reloads, answered from the server's shared reducers).
@@ -33,6 +39,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -213,6 +220,95 @@ def as_recorded(trace: Path, work: Path) -> dict:
     return out
 
 
+def _serve_tree(tree: Path, trace: Path, cache: Path) -> tuple[subprocess.Popen, str]:
+    """A dashboard server of `trace` run by the code of `tree` (its own process); returns it and its URL."""
+    import socket
+
+    from k3testing.browser import free_port
+
+    port = free_port()
+    code = ("from pathlib import Path; from apps.dashboard.app import DashboardConfig, serve; "
+            f"serve(DashboardConfig(trace=Path({str(trace)!r}), root=Path({str(trace.parent)!r}), port={port}))")
+    env = dict(os.environ, PYTHONPATH=str(tree), K3WB_DASHBOARD_CACHE=str(cache))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"http://127.0.0.1:{port}/"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"the dashboard of {tree} did not start")
+
+
+def _open(address: str, wait_for: str | None = None) -> dict:
+    """One page open in a fresh browser: seconds to the session map drawn, its data, every view, every view
+    with data (None where the tree's views carry no data markers); `wait_for`: only that selector."""
+    with Browser() as browser:
+        start = time.perf_counter()
+        browser.page.goto(address, wait_until="commit", timeout=600_000)
+        if wait_for:
+            browser.page.locator(wait_for).first.wait_for(state="visible", timeout=120_000)
+            return {"first_view_s": time.perf_counter() - start}
+        browser.page.locator(".k3-view-session canvas").first.wait_for(state="visible", timeout=120_000)
+        out = {"first_view_s": time.perf_counter() - start}
+        browser.page.get_by_text("complete").first.wait_for(timeout=120_000)
+        out["session_data_s"] = time.perf_counter() - start
+        browser.wait_views(120_000)
+        out["all_views_s"] = time.perf_counter() - start
+        try:
+            for selector in VIEW_SELECTORS.values():
+                browser.page.locator(f"{selector} .k3-has-data").first.wait_for(state="attached", timeout=30_000)
+            out["all_views_with_data_s"] = time.perf_counter() - start
+        except Exception:  # a tree without the markers
+            out["all_views_with_data_s"] = None
+        return out
+
+
+def compare_trees(trees: list[Path], trace: Path, repeats: int, work: Path) -> dict:
+    """First paint of `trace` served by each tree, interleaved with an empty page (see the module docstring)."""
+    import panel as pn
+
+    from k3testing.browser import free_port
+
+    port = free_port()
+    empty = pn.serve({"/": lambda: pn.template.BootstrapTemplate(title="empty", main=[pn.pane.HTML(
+        "<p>empty page</p>", css_classes=["k3-empty"])])}, port=port, address="127.0.0.1", show=False, threaded=True,
+        websocket_origin=[f"127.0.0.1:{port}"])
+    servers = [_serve_tree(tree, trace, work / f"cache-{i}") for i, tree in enumerate(trees)]
+    runs: dict[str, list[dict]] = {"empty": [], **{str(t): [] for t in trees}}
+    try:
+        time.sleep(1.0)
+        for _, address in servers:  # each server's first open reduces the trace: not timed
+            _open(address)
+        for r in range(repeats):
+            order = list(range(len(trees)))
+            order = order if r % 2 == 0 else order[::-1]
+            runs["empty"].append(_open(f"http://127.0.0.1:{port}/", wait_for=".k3-empty"))
+            for i in order:
+                runs[str(trees[i])].append(_open(servers[i][1]))
+            print(json.dumps({"round": r + 1, **{k: round(v[-1]["first_view_s"], 2) for k, v in runs.items()}}),
+                  flush=True)
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(30)
+        empty.stop()
+    empty_s = statistics.median(x["first_view_s"] for x in runs["empty"])
+    out: dict = {"empty_page_s": round(empty_s, 2), "rounds": repeats, "trees": {}}
+    base: dict = {}
+    for tree in map(str, trees):
+        med = {k: round(statistics.median(x[k] for x in runs[tree]), 2) for k in runs[tree][0]
+               if all(x[k] is not None for x in runs[tree])}
+        base = base or med
+        out["trees"][tree] = {"median": med, "over_empty_page_s": {k: round(v - empty_s, 2) for k, v in med.items()},
+                              "ratio_to_first_tree": {k: round(v / base[k], 3) for k, v in med.items() if k in base},
+                              "runs": runs[tree]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace-128k", type=Path, help="reuse a 128K trace instead of writing one")
@@ -229,9 +325,22 @@ def main() -> None:
                          "of the trace) on a fresh server with an empty user cache")
     ap.add_argument("--summary-cache", type=Path, help="the dashboard's summary cache (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench_dashboard.json"))
+    ap.add_argument("--trees", type=Path, nargs="+", help="source trees whose dashboards open the 128K trace "
+                    "side by side, interleaved (the first is the baseline); nothing else is measured")
     args = ap.parse_args()
     if not chromium_available():
         raise SystemExit("needs /usr/bin/chromium (apt-get install chromium)")
+    if args.trees:
+        with tempfile.TemporaryDirectory(prefix="k3wb-bench-") as tmp:
+            t128 = _trace(args.trace_128k, Path(tmp), "demo-128k", 131072, Dims.demo())
+            result = compare_trees([t.resolve() for t in args.trees], t128, args.repeats, Path(tmp))
+        for tree, r in result["trees"].items():
+            print(json.dumps({"tree": tree, "median": r["median"], "over_empty_page_s": r["over_empty_page_s"],
+                              "ratio_to_first_tree": r["ratio_to_first_tree"]}))
+        print(json.dumps({"empty_page_s": result["empty_page_s"], "rounds": result["rounds"]}))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        return
     with tempfile.TemporaryDirectory(prefix="k3wb-bench-") as tmp:
         work = Path(tmp)
         os.environ["K3WB_DASHBOARD_CACHE"] = str(args.summary_cache or work / "summary-cache")
