@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import ColumnDataSource, HoverTool, Quad, Range1d, Span
+from bokeh.models import ColumnDataSource, HoverTool, Quad, Range1d, Scatter, Span
 from bokeh.plotting import figure
 from panel.custom import JSComponent
 
@@ -166,6 +166,20 @@ def track_data(track: SpanTrack | None) -> dict:
             "source": list(track.source)}
 
 
+def checked_marks(track: SpanTrack | None) -> dict:
+    """A marker under each checked span (at its effect's depth): at 128K a sentence is narrower than a pixel,
+    so its bar alone would vanish from the zoomed-out track."""
+    if track is None:
+        return {"x": [], "y": [], "colour": [], "left": [], "right": [], "reads": [], "nats": [], "source": []}
+    keep = np.array([s == "checked" for s in track.source], bool)
+    shade = track.shade[keep].astype(np.float64)
+    return {"x": ((track.start[keep] + track.end[keep]) / 2).astype(np.float64),
+            "y": -np.maximum(np.abs(shade), 0.05), "colour": np.where(shade < 0, _DROP, _RISE).tolist(),
+            "left": track.start[keep].astype(np.float64), "right": track.end[keep].astype(np.float64),
+            "reads": track.reads[keep], "nats": track.effect[keep].astype(np.float64),
+            "source": ["checked"] * int(keep.sum())}
+
+
 def _fmt(value: float | None, spec: str = "+.3f") -> str:
     return "" if value is None or not math.isfinite(value) else format(value, spec)
 
@@ -226,8 +240,11 @@ class AttributionView(ViewComponent):
                                                              fill_color=_READ, line_color=None))
         effects = self.track.add_glyph(self.track_source, Quad(left="left", right="right", bottom="effect", top=0,
                                                                fill_color="colour", fill_alpha="alpha", line_color=None))
+        self.checked_source = ColumnDataSource(checked_marks(None))
+        checked = self.track.add_glyph(self.checked_source, Scatter(x="x", y="y", marker="inverted_triangle", size=10,
+                                                                    fill_color="colour", line_color="#333"))
         self.track.add_layout(Span(location=0, dimension="width", line_color="#555", line_width=1))
-        self.track.add_tools(HoverTool(renderers=[reads, effects], tooltips=[
+        self.track.add_tools(HoverTool(renderers=[reads, effects, checked], tooltips=[
             ("tokens", "@left{0,0}–@right{0,0}"), ("read by the answer", "@reads{0,0} selections"),
             ("effect", "@nats{+0.000} nats (@source)")]))
         self.track.xaxis.formatter = position_format()
@@ -250,6 +267,7 @@ class AttributionView(ViewComponent):
             self.top.object = ""
             self.text.pieces = []
             self.track_source.data = track_data(None)
+            self.checked_source.data = checked_marks(None)
             self._set_marks(())
             return
         if {"check", "summary", "notes", "shown", "spans"} & changed:
@@ -278,6 +296,7 @@ class AttributionView(ViewComponent):
             self._set_marks(data.marks)
         if "track" in changed:
             self.track_source.data = track_data(data.track)
+            self.checked_source.data = checked_marks(data.track)
             if self._heat_shown is None:  # no DSA heat (yet): the shared axis spans the context
                 self.heat.figure.x_range.update(start=0, end=max(data.extent, 1))
         self._sync_heat()
