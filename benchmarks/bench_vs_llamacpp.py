@@ -105,7 +105,7 @@ def llama_cpp_source(given: Path | None) -> Path:
         return cache
     print(f"fetching the llama-cpp-python {ver} source distribution for llama.cpp's converter ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                         f"llama-cpp-python=={ver}", "-d", tmp], check=True, stdout=subprocess.DEVNULL)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
