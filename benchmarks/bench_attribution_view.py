@@ -4,6 +4,12 @@ context, and how long the reducer takes, measured side by side in one run.
     python benchmarks/bench_attribution_view.py                         # synthetic: 10,000 spans over 128K tokens
     python benchmarks/bench_attribution_view.py --trace traces/long     # a trace holding attribution.json
     python benchmarks/bench_attribution_view.py --trace traces/long --browser   # + first paint in Chromium
+    python benchmarks/bench_attribution_view.py --drive 131072 --browser        # drive mode first (~15 min)
+
+0. With --drive N: drive mode records a find-fact question about a document of about N tokens on
+   builtin:demo (the fact in its middle, restated at its end by the template) and presses Attribute
+   with --masks/--holdout/--top/--controls; the seconds of each and the answer are printed, and the
+   figures below are taken on that trace.
 
 1. Layout (`attribution_view.attribution_data`: read the file's record, shade, pick windows) beside the
    same record laid out whole (every span a piece, what a page without windows would get), interleaved,
@@ -28,6 +34,55 @@ from apps.dashboard.components.attribution import piece_rows  # noqa: E402
 from workbench.analysis.views.attribution_view import (Piece, attribution_data, focus_rows, lds_words,  # noqa: E402
                                                        span_rows)
 from workbench.trace.attribution_file import read_attribution  # noqa: E402
+
+
+SENTENCES = ["We left the village early, before the fog had lifted from the fields.",
+             "The path to the river is muddy after rain, so everyone wears boots.",
+             "A heron stood in the shallow water and did not move for an hour.",
+             "Somebody left a blue umbrella on the bench by the station.",
+             "The children built a raft from planks and empty barrels."]
+
+
+def drive(tokens: int, root: Path, masks: int, holdout: int, top: int, controls: int) -> tuple[Path, dict]:
+    """Drive mode on builtin:demo: a find-fact question about ~`tokens` tokens of prose, then Attribute."""
+    import random
+
+    from apps.dashboard.follower import DashboardState
+    from apps.dashboard.session_runner import SessionRunner
+
+    rng = random.Random(0)
+    parts: list[str] = []
+    while sum(len(p) + 1 for p in parts) < tokens - 600:  # the demo tokenizer: about a token per character
+        parts.append(rng.choice(SENTENCES))
+    parts.insert(len(parts) // 2, "Remember: the alarm code for the greenhouse is 3-8-2-5.")
+    runner = SessionRunner(state=DashboardState(None), runs_dir=str(root), prefill_chunk=4096)
+    runner.param.model.objects = ["builtin:demo"]
+    runner.model = "builtin:demo"
+    runner.dropper.value = {"notes.txt": " ".join(parts)}
+    runner.tasks.fact = "greenhouse alarm: 3-8-2-5 (notes.txt)"
+
+    def wait() -> None:
+        while runner.running or runner.attribution.running:
+            runner.poll()
+            time.sleep(0.2)
+        runner.poll()
+
+    t0 = time.perf_counter()
+    trace = runner.generate()
+    if trace is None:
+        raise SystemExit(runner.message)
+    wait()
+    recorded = time.perf_counter() - t0
+    panel = runner.attribution
+    panel.masks, panel.holdout, panel.top, panel.controls = masks, holdout, top, controls
+    runner.poll()
+    if not panel.attribute():
+        raise SystemExit(panel.message)
+    t0 = time.perf_counter()
+    wait()
+    runner.state.close()
+    return trace, {"recorded_s": recorded, "session": runner.message, "attribute_s": time.perf_counter() - t0,
+                   "attribute": panel.message}
 
 
 def synthetic_record(spans: int = 10_000, tokens: int = 131_072) -> dict:
@@ -98,11 +153,23 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="a trace directory holding attribution.json (default: synthetic)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--browser", action="store_true", help="also open the trace in headless Chromium")
+    parser.add_argument("--drive", type=int, metavar="TOKENS", help="record and attribute a session of this size first")
+    parser.add_argument("--root", type=Path, default=Path("traces/bench-attribution"), help="where --drive records")
+    parser.add_argument("--masks", type=int, default=16)
+    parser.add_argument("--holdout", type=int, default=8)
+    parser.add_argument("--top", type=int, default=2)
+    parser.add_argument("--controls", type=int, default=8)
     args = parser.parse_args()
+    driven = {}
+    if args.drive:
+        import torch
+
+        torch.set_num_threads(1)
+        args.trace, driven = drive(args.drive, args.root, args.masks, args.holdout, args.top, args.controls)
     record = read_attribution(args.trace) if args.trace else synthetic_record()
     if record is None:
         raise SystemExit(f"{args.trace}: no attribution.json (press Attribute in drive mode first)")
-    out = {"source": str(args.trace or "synthetic"), **layout(record, args.repeats)}
+    out = {"source": str(args.trace or "synthetic"), **driven, **layout(record, args.repeats)}
     if args.browser:
         if args.trace is None:
             raise SystemExit("--browser needs --trace (a recorded trace: the page also draws its DSA map)")
