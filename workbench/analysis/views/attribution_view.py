@@ -44,6 +44,9 @@ MAX_SHOWN_SPANS = 600
 # an LDS below this is weak whatever the number of held-out masks
 TRUSTED_LDS = 0.6
 TEXT_CHARS = 90  # of a top span's text in the list
+# what a span may bring to the page at most (workbench.attribute cuts a span's text to 400 characters; a file
+# from elsewhere may not): text, verdict and label
+SPAN_CHARS, VERDICT_CHARS, LABEL_CHARS = 400, 600, 80
 
 
 @dataclass(frozen=True)
@@ -186,10 +189,12 @@ def span_rows(record: dict, lds_line: str) -> list[SpanRow]:
         effect = _num(s.get("effect")) or 0.0
         known = s.get("source") in (CHECKED, ESTIMATED)
         shade = max(-1.0, min(1.0, effect / scale)) if known and scale > 0 else 0.0
-        rows.append(SpanRow(int(s["start"]), int(s["end"]), str(s.get("label") or ""), str(s.get("text") or ""),
+        rows.append(SpanRow(int(s["start"]), int(s["end"]), str(s.get("label") or "")[:LABEL_CHARS],
+                            str(s.get("text") or "")[:SPAN_CHARS],
                             effect, str(s["source"]), shade, int(s.get("controls") or 0), _num(s.get("control_min")),
                             _num(s.get("control_max")), s.get("rank"), _num(s.get("p_value")),
-                            int(s.get("reads") or 0), str(s.get("verdict") or ""), span_tooltip(s, lds_line)))
+                            int(s.get("reads") or 0), str(s.get("verdict") or "")[:VERDICT_CHARS],
+                            span_tooltip(s, lds_line)[:VERDICT_CHARS + 400]))
     return rows
 
 
@@ -236,9 +241,9 @@ def text_pieces(rows: list[SpanRow], focus: list[SpanRow], context: int) -> list
     return pieces
 
 
-def _short(text: str) -> str:
+def _short(text: str, chars: int = TEXT_CHARS) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS - 1] + "…"
+    return text if len(text) <= chars else text[:chars - 1] + "…"
 
 
 def attribution_data(record: dict, context: int = CONTEXT_SPANS) -> dict[str, Any]:
@@ -248,18 +253,18 @@ def attribution_data(record: dict, context: int = CONTEXT_SPANS) -> dict[str, An
     focus = focus_rows(rows)
     pieces = text_pieces(rows, focus, max(0, min(int(context), MAX_CONTEXT_SPANS)))
     right = {True: " (right)", False: " (wrong)"}.get(record.get("right"), "")
-    summary = (f"answer {_short(record['answer'])!r}{right}; target {record['target']!r}: log-probability "
+    summary = (f"answer {_short(record['answer'])!r}{right}; target {_short(record['target'])!r}: log-probability "
                f"{record['target_logprob']:.3f} nats without intervention. {len(rows):,} spans, "
                f"{record['candidates']:,} varied by {record['masks']} random masks, {record['runs']:,} runs in "
                f"{float(record.get('attribution_s') or 0):.1f} s"
                + (" (KDA writes suppressed too)" if record.get("kda") else ""))
     top = tuple(SpanRow(**{**r.__dict__, "text": _short(r.text)}) for r in focus)
-    return {"check": str(record["check"]), "summary": summary, "lds": _num(record.get("lds")), "lds_line": line,
+    return {"check": _short(str(record["check"]), 200), "summary": summary, "lds": _num(record.get("lds")), "lds_line": line,
             "trusted": trusted, "top": top, "pieces": tuple(pieces), "spans": len(rows),
             "shown": sum(p.kind == "span" for p in pieces), "scale": shade_scale(record["spans"]),
             "marks": tuple((r.start, r.end, f"checked {r.start}–{r.end}") for r in rows if r.source == CHECKED),
             "track": span_track(rows), "extent": int(record["context_tokens"]),
-            "notes": tuple(record.get("notes") or ()), "note": ""}
+            "notes": tuple(_short(n, 400) for n in (record.get("notes") or ())[:8]), "note": ""}
 
 
 def _empty(note: str) -> dict[str, Any]:
