@@ -147,6 +147,35 @@ def gather_back(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> 
     return (routed * weights.float().unsqueeze(-1)).sum(1)
 
 
+def _reads_in_place(h: torch.Tensor, w1: ExpertMatrix, w3: ExpertMatrix, w2: ExpertMatrix, mxfp8: bool) -> bool:
+    """Whether `gathered_experts` may read each selected expert's matrices in place: eager (not traced),
+    on the CPU, dense weights, no gradient wanted. The gather copies every selected matrix before its
+    batched matmul reads it again; in an eager CPU decode step that copy was most of the step (a
+    random Kimi-Linear checkpoint at 4K: 4 experts x 3 matrices x 0.5 MB in each of 7 layers, ~60% of
+    the step's CPU time). A compiled step fuses the gather into its matmul, and a GPU step must not
+    read the slots on the host, so both keep the gather."""
+    return (h.device.type == "cpu" and not mxfp8 and not torch.compiler.is_compiling()
+            and all(isinstance(w, torch.Tensor) for w in (w1, w3, w2))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (h, w1, w3, w2))))  # type: ignore[union-attr]
+
+
+def _experts_in_place(h: torch.Tensor, k: int, slots: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                      w2: torch.Tensor, act: Activation) -> torch.Tensor:
+    """`[R, D]` outputs of each route (row r is token r // k through expert slots[r]; zeros where the
+    slot is -1), each expert's matrices read as views of its stack, once per expert over its rows."""
+    routes: dict[int, list[int]] = {}
+    for r, slot in enumerate(slots.tolist()):  # a host read: eager CPU only (`_reads_in_place`)
+        if slot >= 0:
+            routes.setdefault(slot, []).append(r)
+    y = h.new_zeros(slots.shape[0], w2.shape[1])
+    for slot, rows in routes.items():
+        x = h[[r // k for r in rows]]  # [n, D]
+        gate = torch.nn.functional.linear(x, w1[slot].to(h.dtype))
+        up = torch.nn.functional.linear(x, w3[slot].to(h.dtype))
+        y[rows] = torch.nn.functional.linear(act(gate, up), w2[slot].to(h.dtype))
+    return y
+
+
 def gathered_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                      w1: ExpertMatrix, w3: ExpertMatrix, w2: ExpertMatrix, act: Activation,
                      mxfp8: bool = False) -> torch.Tensor:
@@ -157,11 +186,14 @@ def gathered_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     safe = slots.clamp_min(0)
     if mxfp8:
         h = mxfp4.fake_quantize_mxfp8(h)
-    x = h.unsqueeze(1).expand(N, k, h.shape[-1]).reshape(N * k, h.shape[-1], 1)  # [R, D, 1]
-    inner = act(torch.bmm(take(w1, safe, h.dtype), x), torch.bmm(take(w3, safe, h.dtype), x))  # [R, F, 1]
-    if mxfp8:
-        inner = mxfp4.fake_quantize_mxfp8(inner.squeeze(-1)).unsqueeze(-1)
-    y = torch.bmm(take(w2, safe, h.dtype), inner).squeeze(-1).float()  # [R, D]
+    if _reads_in_place(h, w1, w3, w2, mxfp8):
+        y = _experts_in_place(h, k, slots, w1, w3, w2, act).float()  # type: ignore[arg-type]
+    else:
+        x = h.unsqueeze(1).expand(N, k, h.shape[-1]).reshape(N * k, h.shape[-1], 1)  # [R, D, 1]
+        inner = act(torch.bmm(take(w1, safe, h.dtype), x), torch.bmm(take(w3, safe, h.dtype), x))  # [R, F, 1]
+        if mxfp8:
+            inner = mxfp4.fake_quantize_mxfp8(inner.squeeze(-1)).unsqueeze(-1)
+        y = torch.bmm(take(w2, safe, h.dtype), inner).squeeze(-1).float()  # [R, D]
     y = torch.where(local.unsqueeze(-1), y * weights.flatten().float().unsqueeze(-1), 0)
     return y.view(N, k, -1).sum(1)
 
