@@ -165,20 +165,17 @@ def sparse_attention_latent(
     K = idx.shape[-1]
     Dr = k_r.shape[-1]
     qb = q_block or max(1, min(Tq, _BLOCK_BUDGET // max(1, B * K * (R + Dr))))
-    q_l = q_lat.float() * scale  # [B, Tq, H, R]
-    q_r = q_rope.float() * scale  # [B, Tq, H, Dr]
+    q_all = torch.cat((q_lat.float(), q_rope.float()), dim=-1) * scale  # [B, Tq, H, R + Dr]
     out = q_lat.new_empty((B, Tq, H, R), dtype=torch.float32)
     batch = torch.arange(B, device=c.device)[:, None, None]
     for q0 in range(0, Tq, qb):
         q1 = min(Tq, q0 + qb)
         sel = idx[:, q0:q1]  # [B, qb, K]
         safe = sel.clamp_min(0)
-        # gather only the selected rows (never copy the whole cache), each part scored by its own
-        # matmul: concatenating the gathered parts copied them once more
-        rows = c[batch, safe].float()  # [B, qb, K, R]
-        s = q_l[:, q0:q1] @ rows.transpose(-1, -2)  # [B, qb, H, K]
-        s += q_r[:, q0:q1] @ k_r[batch, safe].float().transpose(-1, -2)
+        # gather only the selected rows (never copy the whole cache): [B, qb, K, R + Dr]
+        rows = torch.cat((c[batch, safe].float(), k_r[batch, safe].float()), dim=-1)
+        s = q_all[:, q0:q1] @ rows.transpose(-1, -2)  # [B, qb, H, K]
         # a large finite mask: a padding query with no selected key gets a finite (ignored) output
         s = s.masked_fill((sel < 0).unsqueeze(2), -1e30)
-        out[:, q0:q1] = torch.softmax(s, dim=-1) @ rows
+        out[:, q0:q1] = torch.softmax(s, dim=-1) @ rows[..., :R]
     return out
