@@ -207,7 +207,8 @@ ATTN_CASES = [
     (1, 1, None),
     (37, 37, None),
     (70, 70, 16),
-    (3, 130, 64),
+    (3, 130, 64),  # a 2-key tail joins the block before it
+    (1, 141, 64),  # a 13-key tail (over an eighth of a block) stays a block of its own
 ]
 
 
@@ -228,6 +229,21 @@ def test_dense_latent_equals_expanded_equals_naive(Tq: int, Tk: int, key_block: 
     assert_close(expanded, expected, "expanded vs naive")
     assert_close(latent, expected, "latent vs naive")
     assert_close(latent, expanded, "latent vs expanded")
+
+
+def test_dense_latent_reads_a_view_of_a_larger_cache_as_its_copy() -> None:
+    """The decode step passes `cache.latent[:, :end]`, a strided view of a larger buffer (B > 1); BLAS may
+    take another path over strided rows, so fp32 tolerance rather than bit equality."""
+    x = mla_inputs(2, 2, 150)
+    pad = lambda t: torch.cat((t, torch.randn(t.shape[0], 9, t.shape[-1])), dim=1)[:, : t.shape[1]]  # noqa: E731
+    c_view, k_r_view = pad(x["c"]), pad(x["k_r"])
+    assert not c_view.is_contiguous()
+    q_pos, scale = torch.arange(148, 150), 18 ** -0.5
+    args = (latent_query(x), x["q_rope"])
+    got = dense_attention_latent(*args, c_view, k_r_view, q_pos, scale, key_block=64, key_start=torch.tensor([0, 5]))
+    want = dense_attention_latent(*args, x["c"].clone(), x["k_r"].clone(), q_pos, scale, key_block=64,
+                                  key_start=torch.tensor([0, 5]))
+    assert_close(got, want, "strided view vs contiguous copy")
 
 
 @pytest.mark.parametrize("q_block", [1, 7, None], ids=["qb1", "qb7", "qb-auto"])
