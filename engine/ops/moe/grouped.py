@@ -3,6 +3,8 @@
 - `gathered_experts` (decode: few routes): gather the selected experts' matrices (dequantising only
   those when they are MXFP4) and run one batched matmul per matrix. No sort, no host sync, static
   shapes: routes to experts held elsewhere (slot -1) compute against slot 0 and are masked out.
+  Eager on the CPU with dense weights and no gradient, it instead reads each selected expert's
+  matrices in place (the slots read on the host): the gather's copy cost more than the matmuls.
 - `grouped_experts` (prefill: many routes): sort the routes by local slot once, then one grouped
   GEMM per matrix (`torch.nn.functional.grouped_mm`, offsets = cumulative route counts). Routes to
   experts held elsewhere sort after every local group, so the GEMM never computes them. MXFP4
