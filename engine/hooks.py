@@ -30,8 +30,8 @@ from engine.errors import InputError
 HookFn = Callable[[nn.Module, tuple, Any], Any]
 
 # hooks attached to any HookPoint in this process through `register_forward_hook` / `register_forward_pre_hook`
-# (minus those removed by their handles): 0 lets the decode step skip looking at its points (~13 us per step
-# at demo size, 0.05 us this way); above 0 it looks at each point, so a stale count is only slower, never wrong
+# (minus those removed by their handles): 0 lets the decode step skip looking at its points (one integer
+# check instead of a scan of every point); above 0 it looks at each point, so a stale count is only slower, never wrong
 _LIVE = [0]
 
 
@@ -89,8 +89,8 @@ def bind_points(root: nn.Module) -> None:
     """Make each hook point under `root` a plain attribute of its owner as well as a registered submodule.
 
     A layer reads its points as `self.hook_*` on every call, attached or not; through
-    `nn.Module.__getattr__` (the fallback after a failed lookup) that costs about 1 us each, ~150 times
-    per eager demo decode step (1-2% of it). In the owner's `__dict__` the read is a dict hit. Dynamo
+    `nn.Module.__getattr__` (the fallback after a failed lookup), ~150 times per eager demo decode step
+    (a percent or two of it). In the owner's `__dict__` the read is a dict hit. Dynamo
     resolves the attribute to the same object either way (its lookup tries `__dict__` before
     `_modules`), so the compiled step's graph is unchanged. Assigning a new module to the attribute
     replaces both entries (`nn.Module.__setattr__` drops the `__dict__` one); the points are never

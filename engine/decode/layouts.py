@@ -3,10 +3,9 @@
 A decode step multiplies one row by each weight. With the weight stored `[out, in]` (nn.Linear's
 layout) BLAS runs a transposed matrix-vector product; stored input-major (`[in, out]` in memory,
 read through a transposed view, as `engine.layers.fused` stores its stacks) it runs a plain
-`x @ W` over rows in order. Measured on this project's CPU, one thread, cache cold: the lm_head
-of a 8K x 512 vocabulary 1.69 -> 0.82 ms, a 512 x 512 output projection 0.136 -> 0.113 ms, a
-512 x 128 one 0.073 -> 0.049 ms; a 512 x 1536 down projection got slower (0.25 -> 0.30 ms), hence
-the rule below: only weights with at least as many outputs as inputs.
+`x @ W` over rows in order: faster for the lm_head and for projections with at least as many outputs
+as inputs, slower for a wide-input down projection (figures in docs/benchmarks.md), hence the rule
+below: only weights with at least as many outputs as inputs.
 
 `InputMajorWeights(model)` picks the lm_head and the projections that only their own `forward`
 reads (`NAMES`: output, gate and down projections; not `kv_b_proj`, whose weight MLA splits per

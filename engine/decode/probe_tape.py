@@ -5,8 +5,8 @@ traced function packs all of them into one buffer per dtype (`collected_payloads
 in the graph), with a layout that is a constant of the compiled graph (the same object at every
 replay) naming where each field lies. After the step the host keeps the one or two buffers with the
 step's start position and tags: one list append per step whatever the number of listening points
-(`benchmarks/bench_probe_tape.py`, host time per step with K3.1 Pro's 185 points: ~70 us, delivery
-included, against ~560 us for a backlog kept per point). Every `BACKLOG_STEPS` steps, before any
+(`benchmarks/bench_probe_tape.py`: with K3.1 Pro's 185 points, about an eighth of the host time of a
+backlog kept per point; docs/benchmarks.md). Every `BACKLOG_STEPS` steps, before any
 other forward, when a generation ends, when a listener detaches and at a recorder's flush,
 `ProbeTape.deliver` stacks the steps' buffers and cuts them into one emission per point (views of
 the stacked block), its rows tagged with their steps (`Emission.steps`), so each sink sees its
@@ -130,7 +130,7 @@ class ProbeTape:
         ctx = points[layout[0][0]].context
         for point, finish, fields in self._finishing_entries(layout, points):
             # a finisher measures the steps its listener samples (`ProbeRequest.decode_every`): asked
-            # first, so the other steps cost one check (24 dense-mass layers: ~76 -> ~2 us per step)
+            # first, so the other steps cost one check per point instead of a measurement
             if point.request.measures_step(ctx.step):
                 finish(point, _Fields(buffers, fields), start, layers[point.layer])
         self.steps.append(_Step(start, ctx.step, ctx.phase, ctx.rank, buffers, layout, points))

@@ -108,10 +108,10 @@ BACKEND = "inductor"
 
 def compile_options(device: torch.device) -> dict:
     """Inductor options of the decode step. The generated wrapper's size, stride and alignment
-    asserts on every input (~400: each weight, cache and state) cost ~1 ms per CPU step and
+    asserts on every input (each weight, cache and state) cost a visible share of a CPU step and
     check what dynamo's guards on the same tensors already checked. On CPU the wrapper that calls
-    the step's ~300 kernels is generated as C++ (`cpp_wrapper`) instead of Python: measured on the
-    demo preset at 1K, 13.3 -> 10.2 ms per token. On CUDA the step is a CUDA graph (what
+    the step's ~300 kernels is generated as C++ (`cpp_wrapper`) instead of Python, a quarter less
+    time per token on the demo preset (docs/benchmarks.md). On CUDA the step is a CUDA graph (what
     `mode="reduce-overhead"` sets), which replays the kernels without any wrapper."""
     options: dict = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
     if device.type == "cuda":
@@ -193,7 +193,7 @@ class DecodeStep:
             layer.grow_to(cap)
             for t in (layer.latent, layer.k_rope, layer.index_keys):
                 # marks are attributes of the tensor: only a buffer new since the last step (grown, or
-                # set from a snapshot) needs them, and marking again cost ~50 us per demo step
+                # set from a snapshot) needs them, and marking again every step is measurable at demo size
                 if t is None or 1 in getattr(t, "_dynamo_dynamic_indices", ()):
                     continue
                 torch._dynamo.mark_dynamic(t, 1)  # one graph for every capacity (a flag on the tensor)
@@ -286,7 +286,7 @@ class DecodeStep:
              compiled: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Layout]:
         # only the listening points are passed: with none, the step's input is an empty tuple, which tells
         # its graph from the listening ones by one length check (passing every point made dynamo tell
-        # them apart by full guard evaluation, ~1 ms per unrecorded step once a recorded graph existed)
+        # them apart by full guard evaluation, a large share of an unrecorded step once a recorded graph existed)
         if not compiled:
             return decode_forward_probed(self.model, x, state, start, listening)
         fn = self._compiled(x.device)

@@ -47,8 +47,8 @@ def in_any_range(positions: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
 
     Each range's ends are looked up among the positions (binary search: O(R log N)) and marked +1 / -1 in
     a difference array whose running sum counts the ranges covering each position (O(N)). The `[N, R]`
-    table `in_ranges` builds cost 37 ms per call for 128 ranges over 128K keys on one CPU thread; this,
-    0.2 ms, whatever R (an attribution mask hides a hundred ranges at once)."""
+    table `in_ranges` builds grows with R, and an attribution mask hides hundreds of ranges at once
+    (figures: `bench_interventions.py --only masks`, docs/benchmarks.md)."""
     n = positions.shape[0]
     lo = torch.searchsorted(positions, ranges[:, 0].contiguous())  # first position >= start
     hi = torch.searchsorted(positions, ranges[:, 1].contiguous())  # first position >= end

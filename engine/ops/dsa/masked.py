@@ -10,8 +10,8 @@ going to the earliest positions. The reference repairs only the rows where a tie
 k-th place (a host branch). Here one top-k over a 64-bit rank does it for every row: the high half
 is an order-preserving integer image of the fp32 score, the low half `cap - 1 - position`, so the
 largest ranks are the largest scores, earliest first among equal ones. One pass over the buffer
-instead of two top-ks and a `where` (at 147K slots, one thread: 3.7 -> 1.8 ms per layer with the
-key-major buffer of `engine.cache`).
+instead of two top-ks and a `where` (about twice as fast with the key-major buffer of `engine.cache`;
+docs/benchmarks.md, 'Kernels and layers (CPU)').
 
 On long buffers (at least PRUNE_MIN_RATIO * topk * PRUNE_BLOCK slots: 65,536 for top-256) the top-k
 is taken among the slots of the best blocks (`pruned_top_slots`, exact), not over every slot's
