@@ -1,4 +1,4 @@
-"""Integrity checks of the model's running state, as plain functions on tensors (issue 41 section 1).
+"""Integrity checks of the model's running state, as plain functions on tensors.
 
 Silent corruption of a deployment's state shows in numbers the layers already hold: a KDA state
 that went non-finite or grew without bound, a decay that the running precision rounds to exactly
