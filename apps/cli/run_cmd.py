@@ -65,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-seed", type=int, default=0, help="weights seed for preset: models")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill step (bounds memory)")
-    p.add_argument("--save", type=Path, help="save a snapshot of the session here afterwards")
+    # dest is not "save": argparse sets a default only where hasattr(namespace, dest) is false, and nnsight
+    # (imported in the same process, as in a notebook) mounts a `save` method on every object
+    p.add_argument("--save", dest="save_to", type=Path, help="save a snapshot of the session here afterwards")
     p.add_argument("--load", type=Path, help="continue a saved snapshot (the prompt, if any, is appended)")
     p.add_argument("--overwrite", action="store_true",
                    help="allow --save and --trace to replace a snapshot / trace written before (files you added "
@@ -124,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
     with distributed(debug_checks=args.check_ranks) as ctx:  # world 1 unless launched by torchrun
-        if ctx.world > 1 and (args.save or args.load):
+        if ctx.world > 1 and (args.save_to or args.load):
             raise InputError("--save/--load snapshots are single-process for now (KDA state is split across ranks)")
         # every rank samples the same token from the same all-gathered logits; rank 0 prints
         return _run(args, prompt, params, ctx)
@@ -132,8 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse unusable output paths before the model is loaded, not after the prefill."""
-    if args.save is not None:
-        check_snapshot_target(args.save, overwrite=args.overwrite)
+    if args.save_to is not None:
+        check_snapshot_target(args.save_to, overwrite=args.overwrite)
     if args.trace is not None:
         check_trace_target(args.trace, overwrite=overwrite_trace(args))
 
@@ -253,9 +255,9 @@ def _run(args: argparse.Namespace, prompt: str | None, params: SamplingParams, c
     if args.trace is not None and ctx.is_leader:
         print(f"trace written to {args.trace}", file=sys.stderr)
         write_dashboard_summaries(args.trace)
-    if args.save is not None:
-        session.save(args.save, overwrite=args.overwrite)
-        print(f"saved snapshot to {args.save}", file=sys.stderr)
+    if args.save_to is not None:
+        session.save(args.save_to, overwrite=args.overwrite)
+        print(f"saved snapshot to {args.save_to}", file=sys.stderr)
     if not ctx.is_leader:
         return 0
     dep = session.deployment
