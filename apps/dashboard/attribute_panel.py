@@ -22,7 +22,7 @@ from typing import Any, Callable
 import panel as pn
 import param
 
-from apps.dashboard.components.panes import AlertText, alert_text
+from apps.dashboard.components.panes import AlertText, show_message
 
 
 def planned_runs(masks: int, holdout: int, top: int, controls: int) -> int:
@@ -150,9 +150,7 @@ class AttributePanel(pn.viewable.Viewer):
 
     @param.depends("message", watch=True)
     def _show_message(self) -> None:
-        self.alert.object = alert_text(self.message)
-        self.alert.alert_type = "danger" if self.message.startswith("error:") else "info"
-        self.alert.visible = bool(self.message)
+        show_message(self.alert, self.message)
 
     def __panel__(self) -> pn.viewable.Viewable:
         counts = [pn.widgets.IntInput.from_param(self.param[name], label=label, width=70)

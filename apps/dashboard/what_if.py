@@ -20,7 +20,7 @@ import param
 
 from apps.dashboard.components.dsa_diff import diff_summary, layers_table
 from apps.dashboard.components.figures import HeatFigure
-from apps.dashboard.components.panes import AlertText, HTMLText, alert_text, html_table, set_text, text_pane
+from apps.dashboard.components.panes import AlertText, HTMLText, show_message, html_table, set_text, text_pane
 from workbench.causal.reruns import (ACTIONS, BAN_EXPERTS, HIDE_DSA, RANGE, SUPPRESS_KDA, Rerun, RerunBase,
                                      RerunResult,
                                      branch_diff, effect_rows, keep_branch_points, plan_rerun, recorded_spans,
@@ -153,9 +153,7 @@ class WhatIfPanel(pn.viewable.Viewer):
 
     @param.depends("message", watch=True)
     def _show_message(self) -> None:
-        self.alert.object = alert_text(self.message)
-        self.alert.alert_type = "danger" if self.message.startswith("error:") else "info"
-        self.alert.visible = bool(self.message)
+        show_message(self.alert, self.message)
 
     def rerun(self) -> bool:
         """Plan the rerun (a bad choice is an error message here) and start it in a worker thread."""

@@ -25,7 +25,7 @@ import numpy as np
 import panel as pn
 import param
 
-from apps.dashboard.components.panes import AlertText, HTMLText, alert_text, html_table
+from apps.dashboard.components.panes import AlertText, HTMLText, show_message, html_table
 
 # positions shown at most (the last ones of the opening and the answer)
 MAX_LENS_POSITIONS = 64
@@ -152,9 +152,7 @@ class LensView(pn.viewable.Viewer):
 
     @param.depends("message", watch=True)
     def _show_message(self) -> None:
-        self.alert.object = alert_text(self.message)
-        self.alert.alert_type = "danger" if self.message.startswith("error:") else "info"
-        self.alert.visible = bool(self.message)
+        show_message(self.alert, self.message)
 
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Column(pn.pane.Markdown("### Lens"),

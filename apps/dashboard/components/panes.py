@@ -78,3 +78,10 @@ _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~=:])")
 def alert_text(text: str) -> str:
     """Text for an Alert (a Markdown pane): HTML- and Markdown-escaped, so markup in it stays text."""
     return html.escape(_MARKDOWN_PUNCTUATION.sub(r"\\\1", text))
+
+
+def show_message(alert: Any, message: str) -> None:
+    """A panel's status line in its Alert: escaped, red for an "error: ..." line, hidden when empty."""
+    alert.object = alert_text(message)
+    alert.alert_type = "danger" if message.startswith("error:") else "info"
+    alert.visible = bool(message)
