@@ -19,27 +19,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from workbench.trace.errors import TraceError
+from workbench.trace.side_files import SideFile
 
 ATTRIBUTION_FILE = "attribution.json"
 FORMAT = "k3wb.attribution/1"
 # 128K tokens cut into sentences are ~10,000 spans of at most 400 characters of text each: far below this
 MAX_ATTRIBUTION_BYTES = 64 << 20
 MAX_SPANS = 200_000
+SIDE_FILE = SideFile(ATTRIBUTION_FILE, "an attribution", MAX_ATTRIBUTION_BYTES)
 _NUMBERS = ("effect", "estimate", "control_min", "control_max", "p_value")
 # workbench.span_attribution.result's sources ("unvaried": read, but beyond the masks' cap of 384 spans)
 _SOURCES = ("checked", "estimated", "unread", "unvaried")
-
-
-def _path(trace: Any) -> Path:
-    path = getattr(trace, "path", trace)
-    if not isinstance(path, (str, os.PathLike)):
-        raise TraceError(f"a trace path must be a str or path, got {type(path).__name__}")
-    return Path(path)
 
 
 def attribution_record(attribution: Any, check: str) -> dict[str, Any]:
@@ -52,36 +46,23 @@ def attribution_record(attribution: Any, check: str) -> dict[str, Any]:
 def write_attribution(trace: Any, attribution: Any, check: str) -> Path:
     """Write `attribution` (an `Attribution` or its `to_json()` dict) into the trace directory, replacing
     the previous one: a temporary file, fsynced, then renamed over it."""
-    path = _path(trace)
-    if not (path / "session.json").is_file():
-        raise TraceError(f"{path}: not a trace directory (no session.json); an attribution is written into a trace")
+    final = SIDE_FILE.target(trace)
     record = attribution_record(attribution, check)
-    check_record(record, path / ATTRIBUTION_FILE)
-    final = path / ATTRIBUTION_FILE
-    temporary = path / f".{ATTRIBUTION_FILE}.tmp"
+    check_record(record, final)
     # allow_nan=False: a NaN would make the file unreadable to strict JSON readers (to_json() maps them to null)
-    temporary.write_text(json.dumps(record, allow_nan=False), encoding="utf-8")
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, final)
-    return final
+    return SIDE_FILE.write_bytes(trace, json.dumps(record, allow_nan=False).encode("utf-8"))
 
 
 def read_attribution(trace: Any) -> dict[str, Any] | None:
     """The trace's attribution (the dict `write_attribution` wrote), or None when it has none. A file that
     is too large, not JSON or not an attribution is a TraceError naming it and the problem."""
-    path = _path(trace) / ATTRIBUTION_FILE
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    data = SIDE_FILE.read_bytes(trace)
+    if data is None:
         return None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the attribution ({exc.strerror or exc})") from None
-    if size > MAX_ATTRIBUTION_BYTES:
-        raise TraceError(f"{path}: {size:,} bytes is too large for an attribution (at most {MAX_ATTRIBUTION_BYTES:,})")
+    path = SIDE_FILE.path(trace)
     try:
-        record = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise TraceError(f"{path}: not a readable attribution ({' '.join(str(exc).split())[:200]})") from None
     check_record(record, path)
     return record

@@ -18,7 +18,6 @@ deletes the file (`workbench.trace.target`), so effects never outlive the sessio
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -28,12 +27,14 @@ import pyarrow.parquet as pq
 
 from workbench.trace.errors import TraceError
 from workbench.trace.parquet_pages import PageBoundsError, check_pages, read_footer_checked
+from workbench.trace.side_files import SideFile
 
 EFFECTS_FILE = "effects.parquet"
 # a sweep is S segments x L layers rows plus a few expert rows: far below this; anything larger is not one
 MAX_EFFECTS_BYTES = 64 << 20
 # what its pages may decompress to, by the footer (`parquet_pages` holds the pages to the footer)
 MAX_EFFECTS_DECODED = 256 << 20
+SIDE_FILE = SideFile(EFFECTS_FILE, "an effects table", MAX_EFFECTS_BYTES)
 
 # (name, Arrow type, description)
 _COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
@@ -111,26 +112,12 @@ def rows_from_attribution(frame: pd.DataFrame, check_name: str, target: str, *, 
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def _path(trace: Any) -> Path:
-    """The trace directory of a `Trace` (its `.path`) or a path."""
-    path = getattr(trace, "path", trace)
-    if not isinstance(path, (str, os.PathLike)):
-        raise TraceError(f"a trace path must be a str or path, got {type(path).__name__}")
-    return Path(path)
-
-
 def read_effects(trace: Any) -> pd.DataFrame | None:
     """The effects table of a trace (a `Trace` from `open_trace`, or its directory); None when it has
     none. A file that is too large or not an effects table is a TraceError naming it."""
-    path = _path(trace) / EFFECTS_FILE
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    path = SIDE_FILE.existing(trace)
+    if path is None:
         return None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the effects table ({exc.strerror or exc})") from None
-    if size > MAX_EFFECTS_BYTES:
-        raise TraceError(f"{path}: {size} bytes is too large for an effects table (at most {MAX_EFFECTS_BYTES})")
     try:
         meta = read_footer_checked(path)
         decoded = sum(max(meta.row_group(g).column(c).total_uncompressed_size, 0)
@@ -151,9 +138,7 @@ def read_effects(trace: Any) -> pd.DataFrame | None:
 def write_effects(trace: Any, rows: pd.DataFrame | Iterable[Mapping[str, Any]]) -> Path:
     """Add `rows` to the trace's effects table, replacing the rows of the same checks (`check_name`)
     and keeping every other check's; written to a temporary file, fsynced, then renamed over the old one."""
-    path = _path(trace)
-    if not (path / "session.json").is_file():
-        raise TraceError(f"{path}: not a trace directory (no session.json); effects are written into a trace")
+    path = SIDE_FILE.target(trace).parent
     new = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows), columns=list(COLUMNS))
     missing = [c for c in COLUMNS if c not in new.columns]
     if missing:
@@ -164,10 +149,4 @@ def write_effects(trace: Any, rows: pd.DataFrame | Iterable[Mapping[str, Any]]) 
         kept = old[~old["check_name"].isin(set(new["check_name"]))]
         new = pd.concat([kept, new], ignore_index=True) if len(kept) else new
     table = pa.Table.from_pandas(new.reset_index(drop=True), schema=effects_schema(), preserve_index=False)
-    final = path / EFFECTS_FILE
-    temporary = path / f".{EFFECTS_FILE}.tmp"
-    pq.write_table(table, temporary)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, final)
-    return final
+    return SIDE_FILE.write_parquet(path, table)
