@@ -1,11 +1,12 @@
 """Per-sequence running: a growing context, its prefill and decode, and everything saved or read with it.
 
-- `session.py`: `Session` (append text, images and messages; chunked prefill; streaming decode; fork).
+- `session.py`: `Session` (append text, images and messages; prefill; streaming decode; fork).
+- `prefill.py`: the session's forward calls and its chunked prefill loop (progress, the logits buffer).
 - `state.py` / `snapshot.py`: the model state of a session, and snapshots of it on disk.
 - `segments.py`: named position ranges (documents, images, turns); `images.py`: images in a session.
 - `sampling.py`: the sampler; `chat_response.py`: the response text inside the chat scaffold.
 - `transcript.py`: OpenAI-format messages as tokens and segments; `batch.py`: several sessions at once.
-- `interventions.py`: the interventions a session has set, and the record kept with it.
+- `intervention_log.py`: the interventions a session has set, and the record kept with it.
 
 `from engine.session import Session` loads only what it names (this package imports nothing eagerly,
 so `engine.session.segments` stays importable without torch).

@@ -18,23 +18,22 @@ media tokens and what a segment records are described in `engine.session.images`
 
 Observers (`session.observers`) receive `(event, payload)` for progress and tokens, so the CLI,
 recorders and the dashboard follow a session without the session knowing them.
+
+The model calls themselves (one forward over a span of positions, the chunked prefill loop with its
+progress and logits buffer) are `engine.session.prefill`'s; `Session` checks the arguments and calls them.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from tqdm import tqdm
 
-from engine.cache import KDAState
-from engine.decode.step import DecodeStep
 from engine.deployment import DeploymentRecord
 from engine.errors import InputError
 from engine.model import KimiForCausalLM
@@ -47,13 +46,10 @@ from engine.session.snapshot import read_snapshot, write_snapshot
 from engine.tokenizer import Message, Tokenizer
 from engine.session.transcript import TranscriptMessage, append_rendered, parse_messages, render_messages
 from engine.vision import ImageSource
-from engine.session.images import PreparedImage, image_record, pending_image_inputs, prepare_image
+from engine.session.images import PreparedImage, image_record, prepare_image
+from engine.session.prefill import run_forward, run_prefill
 
 Observer = Callable[[str, dict], None]
-# a prefill this long can take seconds on a CPU, and a user should not wait in silence: its bar is shown
-# once the prefill has run PROGRESS_DELAY_S, so a fast one prints nothing
-PROGRESS_MIN_TOKENS = 2048
-PROGRESS_DELAY_S = 2.0
 
 
 @dataclass
@@ -279,10 +275,6 @@ class Session:
                                  name=prepared.label or f"image {len(self.segments)}", role=role,
                                  modality="image", image=info)
 
-    def _image_inputs(self, start: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(projector rows, [1, n] mask) of the pending images that fall in positions [start, start + n)."""
-        return pending_image_inputs(self._pending_images, start, n, self.device)
-
     def annotate(self, **fields: Any) -> None:
         """Add JSON-able `fields` to this run's `annotations` and announce them to observers (event
         "annotations"): how a caller hands a recording what it knows about the run, without looking for
@@ -305,43 +297,10 @@ class Session:
         """The active interventions (dataclasses of `engine.interventions`)."""
         return () if self._interventions is None else self._interventions.items
 
-    # ---- running the model ------------------------------------------------------------------
+    # ---- running the model (engine.session.prefill) -----------------------------------------
     def _forward(self, ids: list[int], phase: str, all_logits: bool) -> torch.Tensor:
         """Run `ids` at positions [length, length + n); returns logits [n or 1, V] fp32."""
-        kda = [s for s in self.state.layers if isinstance(s, KDAState)]
-        saved = [(s.recurrent, s.conv) for s in kda]  # layers rebind, never mutate: cheap rollback
-        self.model.probe_context.begin(step=self.step, phase=phase)
-        plan = self._interventions  # none for a call it cannot reach: the layers then skip every rule check
-        start = self.state.length
-        self.model.runtime.interventions = plan if plan is not None and plan.acts_on(start, start + len(ids)) else None
-        try:
-            with torch.inference_mode():
-                image_embeds, image_mask = self._image_inputs(self.state.length, len(ids))
-                step = (DecodeStep.of(self.model) if phase == "decode" and len(ids) == 1 and image_embeds is None
-                        else None)
-                mode = "off" if step is None else step.mode(self.device)
-                if step is not None and mode != "off":
-                    logits = step(ids, self.state, self.device, compiled=mode == "compiled")[0].float()
-                else:
-                    self.deliver_probes()  # earlier decode steps' emissions reach listeners before these
-                    x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                    logits = self.model(x, self.state, last_only=not all_logits, image_embeds=image_embeds,
-                                        image_mask=image_mask)[0].float()
-        except BaseException:
-            for s, (rec, conv) in zip(kda, saved):
-                s.recurrent, s.conv = rec, conv
-            raise
-        finally:
-            self.model.probe_context.end()
-            self.model.runtime.interventions = None
-        self.state.length += len(ids)
-        # images whose every position is now in the state are never needed again
-        self._pending_images = [(f, e) for f, e in self._pending_images if f + len(e) > self.state.length]
-        self.step += 1
-        # a copy when more rows came back: a view would keep every position's logits alive with the session
-        self.last_logits = logits[-1].clone() if logits.shape[0] > 1 else logits[-1]
-        self._emit("step", step=self.step - 1, phase=phase, start=self.state.length - len(ids), count=len(ids))
-        return logits
+        return run_forward(self, ids, phase, all_logits)
 
     def prefill(self, *, return_logits: bool = False, until: int | None = None) -> torch.Tensor | None:
         """Consume every pending token, `prefill_chunk` at a time (bounded memory at any length).
@@ -353,40 +312,9 @@ class Session:
         end = len(self.tokens) if until is None else until
         if isinstance(end, bool) or not isinstance(end, int) or not self.state.length <= end <= len(self.tokens):
             raise InputError(f"until={until!r:.40} must be a position in [{self.state.length}, {len(self.tokens)}]")
-        total = end - self.state.length
-        if total == 0:
+        if end == self.state.length:
             return None if return_logits else self.last_logits
-        # the logits of every pending position, written chunk by chunk into one buffer: collecting the
-        # chunks and concatenating them held the logits twice (a 4K x 8K prefill: 128 MB more at its peak)
-        collected: torch.Tensor | None = None
-        show = self.progress if self.progress is not None else total >= PROGRESS_MIN_TOKENS
-        bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, disable=not show, smoothing=0.1,
-                   delay=PROGRESS_DELAY_S if self.progress is None else 0.0)
-        started = time.perf_counter()
-        done = 0
-        with bar:
-            while self.state.length < end:
-                if self._stop:
-                    break
-                chunk = self.tokens[self.state.length: min(end, self.state.length + self.prefill_chunk)]
-                logits = self._forward(chunk, "prefill", return_logits)
-                if return_logits:
-                    if collected is None and len(chunk) == total:
-                        collected = logits  # one chunk: no buffer, no copy
-                    else:
-                        if collected is None:
-                            collected = logits.new_empty((total, *logits.shape[1:]))
-                        collected[done: done + len(chunk)] = logits
-                    del logits
-                done += len(chunk)
-                bar.update(len(chunk))
-                elapsed = time.perf_counter() - started
-                self._emit("prefill_progress", done=done, total=total, elapsed=elapsed)
-        self.deployment.note_prefill(done, time.perf_counter() - started)
-        if return_logits:
-            assert collected is not None
-            return collected if done == total else collected[:done]  # a stop request ends it early
-        return self.last_logits
+        return run_prefill(self, end, return_logits)
 
     def feed(self, ids: Sequence[int], *, name: str = "forced") -> torch.Tensor:
         """Append `ids` and run them now (teacher forcing); returns their logits [n, V]."""
