@@ -102,11 +102,9 @@ def test_supervision_hooks_the_last_dsa_layer_and_raises_the_mass() -> None:
     copier.remove()
 
 
-def test_lengthen_records_the_copy_columns_and_refuses_to_resume_without_the_option(tmp_path, monkeypatch) -> None:
+def test_lengthen_records_the_copy_columns_and_refuses_to_resume_without_the_option(base, tmp_path,
+                                                                                   monkeypatch) -> None:
     monkeypatch.setattr(lengthen, "schedule", lambda scale, stages="": [lengthen.Stage(2, 1, 256)])
-    base = tmp_path / "base"
-    from training import state as state_io
-    state_io.save(base, 3, trainable_model(trained_demo_config(64), 0), {}, {"seed": 0, "scale": 1.0, "topk": 64})
     state = tmp_path / "run"
     args = ["--base", str(base), "--state", str(state), "--eval-during", "", "--no-final", "--copy-weight", "0.5"]
     assert lengthen.main(args + ["--stop-after", "1"]) == 0
@@ -153,14 +151,11 @@ def test_best_head_loss_is_the_most_attending_heads() -> None:
         CopySupervision(model, heads="all")
 
 
-def test_lengthen_with_copy_targets_and_picture_questions_trains(tmp_path, monkeypatch) -> None:
+def test_lengthen_with_copy_targets_and_picture_questions_trains(base, tmp_path, monkeypatch) -> None:
     """The picture batch is no copy batch: copy targets stop collecting before it, so no copy loss of
     one step's picture forward reaches the next step's backward (it failed there: a graph of weights the
     optimizer had since changed)."""
     monkeypatch.setattr(lengthen, "schedule", lambda scale, stages="": [lengthen.Stage(2, 1, 256)])
-    base = tmp_path / "base"
-    from training import state as state_io
-    state_io.save(base, 3, trainable_model(trained_demo_config(64), 0), {}, {"seed": 0, "scale": 1.0, "topk": 64})
     args = ["--base", str(base), "--state", str(tmp_path / "run"), "--eval-during", "", "--no-final",
             "--copy-weight", "0.5", "--image-every", "2", "--image-batch", "2"]
     assert lengthen.main(args) == 0

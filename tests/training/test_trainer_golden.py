@@ -12,13 +12,15 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
 
 from training import demo_model, extend, lengthen
 from training import state as state_io
-from training.model_setup import trainable_model, trained_demo_config
+
 
 def _kernel_fingerprint() -> str:
     """Digest of a few fp32 / bf16 products and a patch convolution of odd shapes: which BLAS / oneDNN
@@ -70,90 +72,69 @@ def _check(state_dir, rows: list[dict[str, str]], digests: dict[str, str]) -> No
                 assert float(new[k]) == pytest.approx(float(v), rel=1e-2, abs=1e-3), (k, new, old)
 
 
-@pytest.fixture()
-def base(tmp_path):
-    """A 'finished' base text run, as `training.demo_model` saves one."""
-    d = tmp_path / "base"
-    state_io.save(d, 3, trainable_model(trained_demo_config(64), 0), {}, {"seed": 0, "scale": 1.0, "topk": 64,
-                                                                          "commit": "test"})
-    return d
+@dataclass(frozen=True)
+class Job:
+    """One pinned run: its entry point and arguments (`{base}`: the conftest's base run, `{tmp}`: the test's
+    folder), the rows its loss log must hold (`columns`, then one line of values per step) and the first
+    16 hex digits of the sha256 of its saved weights and optimizer moments."""
+
+    main: Callable[[list[str]], int]
+    args: tuple[str, ...]
+    columns: str
+    rows: tuple[str, ...]
+    digests: tuple[str, str]  # model.safetensors, optim.safetensors
+    extend_stages: tuple[extend.Stage, ...] = ()  # replaces extend's schedule (a few short steps)
+
+    def expected_rows(self) -> list[dict[str, str]]:
+        names = self.columns.split()
+        return [dict(zip(names, row.split(), strict=True)) for row in self.rows]
 
 
-def test_demo_model_steps_are_unchanged(tmp_path) -> None:
-    state = tmp_path / "demo"
-    assert demo_model.main([
-        "--out", str(tmp_path / "out"), "--state", str(state),
-        "--stages", "dense:2x2x128,warmup:1x1x256,sparse:2x1x256",
-        "--no-final", "--eval-every", "1000", "--stop-after", "5", "--varied-share", "0.7", "--gaps",
-        "--drill-share", "0.5", "--first-weight", "3", "--image-every", "2", "--image-batch", "2",
-        "--tower-from", "2"]) == 0
-    _check(state, [
-        {"step": "0", "phase": "dense", "length": "128", "loss": "6.73874", "answer_loss": "6.82218",
-         "indexer_kl": "nan", "topk_mass": "nan", "lr": "0.000075", "expert_max_load": "5.17",
-         "image_loss": "6.90569"},
-        {"step": "1", "phase": "dense", "length": "128", "loss": "6.72534", "answer_loss": "6.48176",
-         "indexer_kl": "nan", "topk_mass": "nan", "lr": "0.000150", "expert_max_load": "5.19", "image_loss": "nan"},
-        {"step": "2", "phase": "warmup", "length": "256", "loss": "nan", "answer_loss": "nan",
-         "indexer_kl": "0.47990", "topk_mass": "0.4376", "lr": "0.000225", "expert_max_load": "4.66",
-         "image_loss": "nan"},
-        {"step": "3", "phase": "sparse", "length": "256", "loss": "6.74508", "answer_loss": "6.47223",
-         "indexer_kl": "0.37946", "topk_mass": "0.4148", "lr": "0.000225", "expert_max_load": "5.88",
-         "image_loss": "nan"},
-        {"step": "4", "phase": "sparse", "length": "256", "loss": "6.57662", "answer_loss": "6.90979",
-         "indexer_kl": "0.73262", "topk_mass": "0.4349", "lr": "0.000300", "expert_max_load": "4.77",
-         "image_loss": "6.48753"},
-    ], {"model.safetensors": "90094b4e86f06d01", "optim.safetensors": "672c14b7290eb01d"})
+LENGTHEN = ("--base", "{base}", "--stages", "2x1x256,1x1x384", "--eval-every", "1000", "--eval-during", "",
+            "--no-final", "--gaps", "--first-weight", "3")
+JOBS = {
+    # dense, indexer warm-up and sparse stages, picture batches and the GPU run's data options
+    "demo_model": Job(demo_model.main, (
+        "--out", "{tmp}/out", "--stages", "dense:2x2x128,warmup:1x1x256,sparse:2x1x256", "--no-final",
+        "--eval-every", "1000", "--stop-after", "5", "--varied-share", "0.7", "--gaps", "--drill-share", "0.5",
+        "--first-weight", "3", "--image-every", "2", "--image-batch", "2", "--tower-from", "2"),
+        "step phase length loss answer_loss indexer_kl topk_mass lr expert_max_load image_loss", (
+            "0 dense  128 6.73874 6.82218 nan     nan    0.000075 5.17 6.90569",
+            "1 dense  128 6.72534 6.48176 nan     nan    0.000150 5.19 nan",
+            "2 warmup 256 nan     nan     0.47990 0.4376 0.000225 4.66 nan",
+            "3 sparse 256 6.74508 6.47223 0.37946 0.4148 0.000225 5.88 nan",
+            "4 sparse 256 6.57662 6.90979 0.73262 0.4349 0.000300 4.77 6.48753"),
+        ("90094b4e86f06d01", "672c14b7290eb01d")),
+    "lengthen-pictures": Job(lengthen.main, (*LENGTHEN, "--image-every", "2", "--image-batch", "2"),
+        "step length loss answer_loss indexer_kl topk_mass lr image_loss", (
+            "0 256 6.79782 6.73674 0.85891 0.4719 0.000040 6.80262",
+            "1 256 6.57590 5.95441 0.32510 0.4756 0.000080 nan",
+            "2 384 6.69085 6.79570 0.78826 0.4215 0.000120 6.76452"),
+        ("12df590d389f1a43", "34079993f5ac6419")),
+    "lengthen-copy-targets": Job(lengthen.main, (*LENGTHEN, "--copy-weight", "0.5", "--copy-first-only"),
+        "step length loss answer_loss indexer_kl topk_mass lr copy_loss copy_mass", (
+            "0 256 6.79782 6.73674 0.38727 0.4584 0.000040 4.96118 0.0070",
+            "1 256 6.58770 5.94921 0.31954 0.4738 0.000080 5.41191 0.0060",
+            "2 384 6.66454 6.70194 0.34765 0.3606 0.000120 5.70233 0.0041"),
+        ("3299d0f5d948bb60", "cc05f6fd505de8ae")),
+    # the tower frozen, then trained
+    "extend": Job(extend.main, ("--base", "{base}", "--out", "{tmp}/out", "--eval-every", "1000",
+                                "--stop-after", "4", "--no-final"),
+        "step phase text_length text_loss answer_loss image_loss image_answer_loss indexer_kl lr_scale", (
+            "0 frozen 256 6.72179 6.90236 6.86776 6.89725 0.33979 0.0333",
+            "1 frozen 256 6.73122 6.91907 6.61328 6.04680 0.35590 0.0667",
+            "2 tower  256 6.63636 6.02754 6.58942 6.36296 0.35448 0.1000",
+            "3 tower  512 6.71035 6.92518 6.60865 6.72674 0.35884 0.1333"),
+        ("19070212623793ca", "7322010c17d62048"),
+        extend_stages=(extend.Stage("frozen", 2, 256, 2, 224), extend.Stage("tower", 2, 256, 2, 224))),
+}
 
 
-LENGTHEN = ["--stages", "2x1x256,1x1x384", "--eval-every", "1000", "--eval-during", "", "--no-final", "--gaps",
-            "--first-weight", "3"]
-
-
-def test_lengthen_steps_with_pictures_are_unchanged(base, tmp_path) -> None:
-    state = tmp_path / "len"
-    assert lengthen.main(["--base", str(base), "--state", str(state), *LENGTHEN,
-                          "--image-every", "2", "--image-batch", "2"]) == 0
-    _check(state, [
-        {"step": "0", "length": "256", "loss": "6.79782", "answer_loss": "6.73674", "indexer_kl": "0.85891",
-         "topk_mass": "0.4719", "lr": "0.000040", "image_loss": "6.80262"},
-        {"step": "1", "length": "256", "loss": "6.57590", "answer_loss": "5.95441", "indexer_kl": "0.32510",
-         "topk_mass": "0.4756", "lr": "0.000080", "image_loss": "nan"},
-        {"step": "2", "length": "384", "loss": "6.69085", "answer_loss": "6.79570", "indexer_kl": "0.78826",
-         "topk_mass": "0.4215", "lr": "0.000120", "image_loss": "6.76452"},
-    ], {"model.safetensors": "12df590d389f1a43", "optim.safetensors": "34079993f5ac6419"})
-
-
-def test_lengthen_steps_with_copy_targets_are_unchanged(base, tmp_path) -> None:
-    state = tmp_path / "len"
-    assert lengthen.main(["--base", str(base), "--state", str(state), *LENGTHEN,
-                          "--copy-weight", "0.5", "--copy-first-only"]) == 0
-    _check(state, [
-        {"step": "0", "length": "256", "loss": "6.79782", "answer_loss": "6.73674", "indexer_kl": "0.38727",
-         "topk_mass": "0.4584", "lr": "0.000040", "copy_loss": "4.96118", "copy_mass": "0.0070"},
-        {"step": "1", "length": "256", "loss": "6.58770", "answer_loss": "5.94921", "indexer_kl": "0.31954",
-         "topk_mass": "0.4738", "lr": "0.000080", "copy_loss": "5.41191", "copy_mass": "0.0060"},
-        {"step": "2", "length": "384", "loss": "6.66454", "answer_loss": "6.70194", "indexer_kl": "0.34765",
-         "topk_mass": "0.3606", "lr": "0.000120", "copy_loss": "5.70233", "copy_mass": "0.0041"},
-    ], {"model.safetensors": "3299d0f5d948bb60", "optim.safetensors": "cc05f6fd505de8ae"})
-
-
-def test_extend_steps_are_unchanged(base, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(extend, "schedule", lambda scale: [extend.Stage("frozen", 2, 256, 2, 224),
-                                                           extend.Stage("tower", 2, 256, 2, 224)])
-    state = tmp_path / "ext"
-    assert extend.main(["--base", str(base), "--state", str(state), "--out", str(tmp_path / "out"),
-                        "--eval-every", "1000", "--stop-after", "4", "--no-final"]) == 0
-    _check(state, EXTEND_ROWS, EXTEND_DIGESTS)
-
-
-EXTEND_ROWS: list[dict[str, str]] = [
-    {"step": "0", "phase": "frozen", "text_length": "256", "text_loss": "6.72179", "answer_loss": "6.90236",
-     "image_loss": "6.86776", "image_answer_loss": "6.89725", "indexer_kl": "0.33979", "lr_scale": "0.0333"},
-    {"step": "1", "phase": "frozen", "text_length": "256", "text_loss": "6.73122", "answer_loss": "6.91907",
-     "image_loss": "6.61328", "image_answer_loss": "6.04680", "indexer_kl": "0.35590", "lr_scale": "0.0667"},
-    {"step": "2", "phase": "tower", "text_length": "256", "text_loss": "6.63636", "answer_loss": "6.02754",
-     "image_loss": "6.58942", "image_answer_loss": "6.36296", "indexer_kl": "0.35448", "lr_scale": "0.1000"},
-    {"step": "3", "phase": "tower", "text_length": "512", "text_loss": "6.71035", "answer_loss": "6.92518",
-     "image_loss": "6.60865", "image_answer_loss": "6.72674", "indexer_kl": "0.35884", "lr_scale": "0.1333"},
-]
-EXTEND_DIGESTS = {"model.safetensors": "19070212623793ca", "optim.safetensors": "7322010c17d62048"}
+@pytest.mark.parametrize("job", JOBS.values(), ids=JOBS.keys())
+def test_first_steps_are_unchanged(job: Job, tmp_path, request, monkeypatch) -> None:
+    if job.extend_stages:
+        monkeypatch.setattr(extend, "schedule", lambda scale: list(job.extend_stages))
+    base = request.getfixturevalue("base") if "{base}" in job.args else None
+    state = tmp_path / "state"
+    assert job.main(["--state", str(state), *(a.format(base=base, tmp=tmp_path) for a in job.args)]) == 0
+    _check(state, job.expected_rows(), dict(zip(("model.safetensors", "optim.safetensors"), job.digests)))
