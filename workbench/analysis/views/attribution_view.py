@@ -26,7 +26,7 @@ import numpy as np
 
 from workbench.analysis.causal import MIN_EFFECT_NATS
 from workbench.analysis.views.base import Reducer, ViewOptions
-from workbench.trace import TraceError
+from workbench.analysis.views.side_file_data import side_file_data
 from workbench.trace.attribution_file import ATTRIBUTION_FILE, read_attribution
 
 # a span's source (`workbench.span_attribution.result`); any other (UNVARIED: read, but kept in every mask
@@ -47,6 +47,8 @@ TEXT_CHARS = 90  # of a top span's text in the list
 # what a span may bring to the page at most (workbench.attribute cuts a span's text to 400 characters; a file
 # from elsewhere may not): text, verdict and label
 SPAN_CHARS, VERDICT_CHARS, LABEL_CHARS = 400, 600, 80
+NO_FILE = ("no attribution in this trace yet: drive a find-fact question, then press Attribute (or write one with "
+           "workbench.attribute and workbench.trace.attribution_file)")
 
 
 @dataclass(frozen=True)
@@ -277,25 +279,14 @@ class AttributionReducer(Reducer[AttributionData]):
     data_type = AttributionData
 
     def reduce(self, trace: Any, options: ViewOptions, session: Any) -> AttributionData:
-        path = trace.path / ATTRIBUTION_FILE
-        try:
-            stat = path.stat()
-            deps: tuple = (stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            deps = ()
         context = options.get("attribution_context", CONTEXT_SPANS)
-        fields = self.memo("attribution", (deps, context), lambda: self._read(trace, bool(deps), context))
+        fields = side_file_data(self, "attribution", trace.path / ATTRIBUTION_FILE,
+                                lambda: self._read(trace, context), _empty, NO_FILE, options=context)
         return self.result(**fields)
 
     @staticmethod
-    def _read(trace: Any, exists: bool, context: Any) -> dict[str, Any]:
-        if not exists:
-            return _empty("no attribution in this trace yet: drive a find-fact question, then press Attribute "
-                          "(or write one with workbench.attribute and workbench.trace.attribution_file)")
-        try:
-            record = read_attribution(trace.path)
-        except TraceError as exc:
-            return _empty(str(exc))
+    def _read(trace: Any, context: Any) -> dict[str, Any]:
+        record = read_attribution(trace.path)
         if record is None or not record["spans"]:
             return _empty("the attribution holds no spans")
         try:

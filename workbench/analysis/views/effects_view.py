@@ -18,11 +18,13 @@ from typing import Any
 
 from workbench.analysis.causal import ACTION_WORDS, DEPENDS, verdict_of_summary
 from workbench.analysis.views.base import Reducer, ViewOptions
-from workbench.trace import TraceError
+from workbench.analysis.views.side_file_data import side_file_data
 from workbench.trace.effects_table import EFFECTS_FILE, read_effects
 
 # a check's grid is drawn as an HTML table: more rows than this are a sweep far past what a reader scans
 MAX_ROWS_PER_CHECK = 200
+NO_TABLE = ("no effects table in this trace yet: `workbench demo` writes one, and so do `workbench.attribution` "
+            "sweeps and the \"what if\" panel of drive mode")
 
 
 @dataclass(frozen=True)
@@ -124,24 +126,13 @@ class EffectsReducer(Reducer[EffectsData]):
     data_type = EffectsData
 
     def reduce(self, trace: Any, options: ViewOptions, session: Any) -> EffectsData:
-        path = trace.path / EFFECTS_FILE
-        try:
-            stat = path.stat()
-            deps: tuple = (stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            deps = ()
-        grids, note = self.memo("effects", deps, lambda: self._read(trace, bool(deps)))
+        grids, note = side_file_data(self, "effects", trace.path / EFFECTS_FILE, lambda: self._read(trace),
+                                     lambda why: ((), why), NO_TABLE)
         return self.result(grids=grids, note=note)
 
     @staticmethod
-    def _read(trace: Any, exists: bool) -> tuple[tuple[EffectsGrid, ...], str]:
-        if not exists:
-            return (), ("no effects table in this trace yet: `workbench demo` writes one, and so do "
-                        "`workbench.attribution` sweeps and the \"what if\" panel of drive mode")
-        try:
-            table = read_effects(trace.path)
-        except TraceError as exc:
-            return (), str(exc)
+    def _read(trace: Any) -> tuple[tuple[EffectsGrid, ...], str]:
+        table = read_effects(trace.path)
         if table is None or not len(table):
             return (), "the effects table is empty"
         return effects_grids(table), ""
