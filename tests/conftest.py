@@ -48,3 +48,14 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """(model, tokenizer) of the trained demo checkpoint `builtin:demo`, loaded once per test module (so what
+    one module sets on the model, runtime options or weights, never reaches the next)."""
+    from engine import load_model
+    from engine.tokenizer import Tokenizer
+
+    model = load_model("builtin:demo")
+    return model, Tokenizer.for_model("builtin:demo", model.config.vocab_size)
