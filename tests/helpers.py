@@ -11,6 +11,7 @@
   return floating tensors filled with NaN, so an output element a kernel or op forgot to write
   fails `assert_close` loudly instead of passing on whatever memory held (the `nan_poison` fixture
   in `tests/conftest.py` applies it to a test module: `pytestmark = pytest.mark.usefixtures("nan_poison")`).
+- `random_ids(n, seed)`: n byte-level token ids from a generator of their own, the same in every test.
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def nan_poisoned_empty() -> Iterator[None]:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    """`n` token ids drawn uniformly from [0, 256) (byte-level) by a generator seeded `seed`: the same ids
+    whatever else drew random numbers before."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def decode_logits(model, ids: list[int], prompt: int, mode: bool | str, *, spec=None,
