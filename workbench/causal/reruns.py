@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from workbench.analysis.causal import ACTION_WORDS, DEFAULT_CONTROLS, Verdict, control_spans, verdict
+from workbench.causal.stop import ShouldStop, stop_if_asked
 
 HIDE_DSA = "hide it from DSA layers"
 SUPPRESS_KDA = "suppress KDA heads' writes over it"
@@ -257,9 +258,11 @@ def what_if_traces(trace: Path) -> tuple[Path, Path]:
     return folder / "plain", folder / "intervened"
 
 
-def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
+def run_rerun(base: RerunBase, rerun: Rerun, should_stop: ShouldStop | None = None) -> RerunResult:
     """Run the rerun and its controls from the kept forks (`workbench.effects`: plain and intervened;
-    the intervention's branches recorded into `what_if_traces`)."""
+    the intervention's branches recorded into `what_if_traces`). `should_stop` is asked before each
+    control (the dashboard's Stop): True raises `workbench.causal.stop.Cancelled` there, with nothing
+    returned (the two branches' DSA traces already recorded stay until the next rerun replaces them)."""
     from workbench.causal_effects import effects as measure, target_logprobs
 
     tokenizer = base.end.tokenizer
@@ -289,7 +292,12 @@ def run_rerun(base: RerunBase, rerun: Rerun) -> RerunResult:
     traces[0].parent.mkdir(parents=True, exist_ok=True)
     found = effects(rerun.spec, record_to=traces)
     plain_total = float(found.plain.target_logprobs.sum())
-    controls = tuple(control(spec) for spec in rerun.controls)
+    planned = 2 + len(rerun.controls)  # the plain and intervened branches, then one continuation per control
+    changes = []
+    for spec in rerun.controls:
+        stop_if_asked(should_stop, "what-if rerun", 2 + len(changes), planned)
+        changes.append(control(spec))
+    controls = tuple(changes)
     where = "" if rerun.op == "moe.ban" or rerun.layer == "all" else f"in layer {rerun.layer}"
     judged = verdict(found.target_logprob_change, controls, rerun.what or rerun.description, where=where,
                      note=rerun.note, unit="span" if rerun.span is not None else "set of experts",

@@ -13,6 +13,7 @@ from workbench.span_attribution.reads import reads_in, score_with_reads
 from workbench.span_attribution.result import CHECKED, ESTIMATED, UNREAD, UNVARIED, Attribution, SpanEffect
 from workbench.span_attribution.spans import automatic_spans, given_spans, span_text
 from workbench.span_attribution.surrogate import fit, held_out_predictions, random_masks, spearman
+from workbench.causal.stop import ShouldStop, check_should_stop, stop_if_asked
 from workbench.causal_effects import (Continuation, _continue, _ids, _scaffold_warning, target_logprobs,
                                       task_scoring)
 from workbench.interventions import check_continuation, check_seed
@@ -58,13 +59,19 @@ def _spec(ranges: Sequence[tuple[int, int]], kda: bool) -> list[dict]:
 
 class _Runner:
     """Scores specs from the right fork: the end of the context (DSA only), or the latest kept state at or
-    before the first suppressed write (`kda`: the context after it is re-run)."""
+    before the first suppressed write (`kda`: the context after it is re-run). Before each run it asks
+    `should_stop` (`workbench.causal.stop`): a stop lands between two continuations, never inside one."""
 
     def __init__(self, end_fork: Any, kept: dict[int, Any], continuation: Any, target: list[int], role: str,
-                 kda: bool, plain: float) -> None:
+                 kda: bool, plain: float, should_stop: ShouldStop | None = None) -> None:
         self.end_fork, self.kept, self.kda = end_fork, kept, kda
         self.continuation, self.target, self.role, self.plain = continuation, target, role, plain
+        self.should_stop = should_stop
         self.runs = 0
+        self.planned = 0  # the runs the attribution makes at most (what a stop reports it was cut from)
+
+    def stop_if_asked(self) -> None:
+        stop_if_asked(self.should_stop, "attribution", self.runs, self.planned, exact=False)
 
     def logprob(self, ranges: Sequence[tuple[int, int]]) -> float:
         if not ranges:
@@ -73,6 +80,7 @@ class _Runner:
         if self.kda:
             first = min(a for a, _ in ranges)
             base = self.kept[max(p for p in self.kept if p <= first)]
+        self.stop_if_asked()
         self.runs += 1
         return float(target_logprobs(base, _spec(ranges, self.kda), self.continuation, self.target, self.role).sum())
 
@@ -129,7 +137,8 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
               target: str | Sequence[int] | None = None, spans: str | Sequence[Any] = "sentences",
               kda: bool = False, masks: int = DEFAULT_MASKS, holdout: int = DEFAULT_HOLDOUT, top: int = DEFAULT_TOP,
               controls: int = DEFAULT_CONTROLS, seed: int = 0, role: str = "user",
-              evidence: Sequence[tuple[int, int]] | None = None, max_new_tokens: int = 24) -> Attribution:
+              evidence: Sequence[tuple[int, int]] | None = None, max_new_tokens: int = 24,
+              should_stop: ShouldStop | None = None) -> Attribution:
     """Which spans of `session`'s context the answer came from; see `workbench.span_attribution` (the package doc).
 
     Args:
@@ -150,6 +159,10 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         evidence: spans no control may touch (default: the fact and its restatements a task template
             recorded on the session).
         max_new_tokens: the plain answer's length at most.
+        should_stop: asked before each continuation (and before the plain answer is generated), never
+            inside one; True stops the attribution there with `workbench.causal.stop.Cancelled` ("attribution
+            cancelled after N of up to M runs"): nothing is returned, and the session keeps what it had
+            prefilled (the dashboard's Stop).
 
     Returns:
         `Attribution` (workbench.span_attribution.result): the answer, `target_logprob`, `lds`, `prefill_s`,
@@ -157,7 +170,7 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         ordered by effect, largest drop first: the spans checked exactly first, then the others by their
         estimated effect (an unchecked estimate never outranks a measured one). InputError before anything
         runs for an empty context, no target, a span or evidence out of range, a model without DSA layers,
-        or bad counts.
+        or bad counts (and for a `should_stop` that is not callable).
     """
     continuation, target = task_scoring(continuation, target)
     end = len(session.tokens)
@@ -177,6 +190,7 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
     top = _count(top, "top", 0, MAX_CANDIDATES)
     controls = _count(controls, "controls", 1, 64)
     seed = check_seed(seed)
+    should_stop = check_should_stop(should_stop)
     config = session.config
     if not any(config.is_dsa_layer(i) for i in range(config.num_hidden_layers)):
         raise InputError("this model has no DSA layer: attribution hides spans from DSA layers")
@@ -199,9 +213,11 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
     fresh = session.length == 0
     kept, prefill_s = _keep_states(session, [s.start for s in made] if kda else [], KEPT_STATES)
     t0 = time.perf_counter()
+    # before the reads are known, the runs at most: the plain one, every mask, every checked span and its controls
+    stop_if_asked(should_stop, "attribution", 0, 1 + masks + holdout + top * (1 + controls), exact=False)
     plain_scores, counts = score_with_reads(session, continuation, target_ids, role, end)
     plain = float(plain_scores.sum())
-    runner = _Runner(session, kept, continuation, target_ids, role, kda, plain)
+    runner = _Runner(session, kept, continuation, target_ids, role, kda, plain, should_stop)
     runner.runs = 1
     notes: list[str] = []
 
@@ -219,6 +235,9 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
     # the masks: each varied span kept with probability 1/2, one continuation per mask
     rng = np.random.default_rng(seed)
     matrix = random_masks(masks + holdout, len(candidates), rng)
+    # a mask that hides nothing is the plain run (not run again); an unread control is 0 (not run either)
+    runner.planned = (1 + (int((~matrix).any(axis=1).sum()) if candidates else 0)
+                      + min(top, len(candidates)) * (1 + controls))
     measured = np.array([runner.logprob([(made[candidates[j]].start, made[candidates[j]].end)
                                          for j in np.flatnonzero(~row)]) for row in matrix]) \
         if candidates else np.zeros(len(matrix))
@@ -271,6 +290,7 @@ def attribute(session: Any, *, continuation: Continuation | TaskPrompt | str | S
         results[i] = SpanEffect(span.start, span.end, span.label, span.kind, span_text(session, span),
                                 float(estimate[i]), float(estimate[i]), verdict=sentence, reads=int(reads[i]),
                                 source=source)
+    runner.stop_if_asked()
     answer, right, answer_ids = _answer(session, continuation, role, max_new_tokens,
                                         continuation.expected if isinstance(continuation, TaskPrompt) else None)
     scaffold = _scaffold_warning(session.tokenizer, answer_ids, target_ids)
