@@ -8,20 +8,21 @@ turn with a find-fact question's prefilled key); the target is the fact's value 
 or the answer's own tokens for a free-form question. Spans are the context's sentences; the
 recorded fact and its restatement are kept clear of every control. The result is written into the
 trace (`workbench.trace.attribution_file`), where the attribution view shows it at once and after a
-reload. A progress line counts the seconds; the run is not cancellable (neither is a rerun): its
-length is set by the masks, top and controls asked for, and the line says how many continuations
-that is before it starts.
+reload. A progress line counts the seconds; its length is set by the masks, top and controls asked
+for, and the line says how many continuations that is before it starts. "Stop" ends it after the
+continuation in progress (`should_stop`, asked between runs): the panel says after how many of them,
+and the trace keeps the attribution it had (nothing is written; the file is only ever replaced whole).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable
 
 import panel as pn
 import param
 
+from apps.dashboard.components.background import BackgroundJob
 from apps.dashboard.components.panes import AlertText, show_message
 
 
@@ -31,9 +32,11 @@ def planned_runs(masks: int, holdout: int, top: int, controls: int) -> int:
     return 1 + masks + holdout + top * (1 + controls) + 1
 
 
-def attribute_last_answer(base: Any, task: Any, *, masks: int, holdout: int, top: int, controls: int) -> tuple[Any, str]:
+def attribute_last_answer(base: Any, task: Any, *, masks: int, holdout: int, top: int, controls: int,
+                          should_stop: Callable[[], bool] | None = None) -> tuple[Any, str]:
     """`workbench.attribute` of the runner's last answer from its kept base (`RerunBase`); returns the
-    `Attribution` and what was attributed, in words (the file's `check`)."""
+    `Attribution` and what was attributed, in words (the file's `check`). `should_stop` is asked between
+    continuations (True: `workbench.causal.stop.Cancelled`)."""
     import workbench
 
     opening = list(base.opening)
@@ -50,12 +53,13 @@ def attribute_last_answer(base: Any, task: Any, *, masks: int, holdout: int, top
              else "the last answer (its own tokens)")
     found = workbench.attribute(base.end.fork(), continuation=continuation, target=target, masks=masks,
                                 holdout=holdout, top=top, controls=controls,
-                                evidence=list((base.spans or {}).values()))
+                                evidence=list((base.spans or {}).values()), should_stop=should_stop)
     return found, check
 
 
 class AttributePanel(pn.viewable.Viewer):
-    """"Attribute" with its counts: runs `workbench.attribute` on the last answer in a worker thread."""
+    """"Attribute" with its counts: runs `workbench.attribute` on the last answer in a worker thread; "Stop"
+    ends it between two continuations."""
 
     masks = param.Integer(default=64, bounds=(4, 1024), doc="random ablation masks the surrogate is fitted on")
     holdout = param.Integer(default=16, bounds=(0, 256), doc="further masks its LDS is measured on")
@@ -68,20 +72,21 @@ class AttributePanel(pn.viewable.Viewer):
                  on_written: Callable[[], None] | None = None, **params: Any) -> None:
         super().__init__(**params)
         self._source = source   # -> (the runner's kept base or None, the last templated task or None)
-        self._lock = lock       # the runner's model lock: never two runs on the model at once
         self._on_written = on_written  # told (event loop) once the trace holds the new attribution
-        self._outcome: tuple[str, str] | None = None
-        self._thread: threading.Thread | None = None
-        self._started = 0.0
+        # under the runner's model lock: never two runs on the model at once
+        self._job = BackgroundJob(lock, "attribute", "attribution failed")
         self._planned = ""
         self.button = pn.widgets.Button(label="Attribute", color="primary", width=120, disabled=True)
         self.button.on_click(lambda _: self.attribute())
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90, disabled=True)
+        self.stop_button.on_click(lambda _: self.stop())
         self.alert = AlertText("", alert_type="info", visible=False, sizing_mode="stretch_width",
                                css_classes=["k3-attribute-status"])
 
     def refresh(self) -> None:
         base, _ = self._source()
         self.button.disabled = base is None or self.running
+        self.stop_button.disabled = not self.running or self._job.stopping
 
     def attribute(self) -> bool:
         """Start the attribution of the last answer in a worker thread (False with a message when it cannot)."""
@@ -89,64 +94,61 @@ class AttributePanel(pn.viewable.Viewer):
         if base is None or self.running:
             self.message = "error: drive a session first" if base is None else "error: an attribution is running"
             return False
-        if not self._lock.acquire(blocking=False):
+        counts = dict(masks=self.masks, holdout=self.holdout, top=self.top, controls=self.controls)
+
+        def work(should_stop: Callable[[], bool]) -> str:
+            from workbench.trace.attribution_file import write_attribution
+
+            found, check = attribute_last_answer(base, task, **counts, should_stop=should_stop)
+            write_attribution(base.trace, found, check)
+            lds = "not measured" if found.lds is None else f"{found.lds:.2f}"
+            return (f"attributed in {found.attribution_s:.1f} s ({found.runs} runs, LDS {lds}): "
+                    "shown in the attribution view and kept in the trace (attribution.json)")
+
+        if not self._job.start(work):
             self.message = "error: a session or a rerun is running on this server; attribute when it has finished"
             return False
         self.running = True
-        self.button.disabled = True
-        self._started = time.monotonic()
+        self.refresh()
         self._planned = (f"up to {planned_runs(self.masks, self.holdout, self.top, self.controls):,} continuations: "
                          f"{self.masks} masks + {self.holdout} held out, {self.top} spans checked beside "
-                         f"{self.controls} controls each; not cancellable")
+                         f"{self.controls} controls each; Stop ends it after the current one")
         self.message = f"attributing the last answer … ({self._planned})"
-        args = (base, task, self.masks, self.holdout, self.top, self.controls)
-        self._thread = threading.Thread(target=self._work, args=args, name="attribute", daemon=True)
-        try:
-            self._thread.start()
-        except BaseException:
-            self._lock.release()
-            raise
         return True
 
-    def _work(self, base: Any, task: Any, masks: int, holdout: int, top: int, controls: int) -> None:
-        from engine import EngineError
-        from workbench.trace import TraceError
-        from workbench.trace.attribution_file import write_attribution
-
-        try:
-            found, check = attribute_last_answer(base, task, masks=masks, holdout=holdout, top=top, controls=controls)
-            write_attribution(base.trace, found, check)
-            lds = "not measured" if found.lds is None else f"{found.lds:.2f}"
-            self._outcome = ("done", f"attributed in {found.attribution_s:.1f} s ({found.runs} runs, LDS {lds}): "
-                                     "shown in the attribution view and kept in the trace (attribution.json)")
-        except (EngineError, TraceError, OSError, ValueError) as exc:
-            self._outcome = ("error", f"error: {exc}")
-        except Exception as exc:  # a bug: still tell the user, and keep the server alive
-            self._outcome = ("error", f"error: attribution failed: {type(exc).__name__}: {exc}")
-        finally:
-            self._lock.release()
+    def stop(self) -> bool:
+        """Ask the running attribution to stop after its current continuation (False when none runs)."""
+        if not self._job.cancel():
+            return False
+        self.refresh()
+        self.message = f"stopping the attribution after its current continuation … {self._job.elapsed:.0f} s"
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the running attribution's thread (tests, scripts)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._job.wait(timeout)
 
     def poll(self) -> None:
         """Apply what the worker left, or move the progress line on (event loop only)."""
-        outcome, self._outcome = self._outcome, None
+        outcome = self._job.poll()
         if outcome is None:
-            if self.running:
-                self.message = (f"attributing the last answer … {time.monotonic() - self._started:.0f} s "
-                                f"({self._planned})")
+            if self._job.stopping:
+                self.message = f"stopping the attribution after its current continuation … {self._job.elapsed:.0f} s"
+            elif self.running:
+                self.message = f"attributing the last answer … {self._job.elapsed:.0f} s ({self._planned})"
             else:
                 self.refresh()
             return
-        kind, text = outcome
         self.running = False
         self.refresh()
-        self.message = text
-        if kind == "done" and self._on_written is not None:
-            self._on_written()
+        if outcome.kind == "done":
+            self.message = outcome.value
+            if self._on_written is not None:
+                self._on_written()
+        elif outcome.kind == "cancelled":
+            self.message = f"{outcome.message}: nothing was written to the trace (attribution.json is as it was)"
+        else:
+            self.message = outcome.message
 
     @param.depends("message", watch=True)
     def _show_message(self) -> None:
@@ -160,5 +162,5 @@ class AttributePanel(pn.viewable.Viewer):
                          pn.pane.Markdown("Which sentences of the context the last answer came from "
                                           "(random masks hidden from DSA, a sparse surrogate, the top spans "
                                           "checked beside controls).", margin=(0, 10)),
-                         pn.Row(*counts), self.button, self.alert,
+                         pn.Row(*counts), pn.Row(self.button, self.stop_button), self.alert,
                          sizing_mode="stretch_width", css_classes=["k3-attribute"])

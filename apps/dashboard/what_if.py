@@ -5,7 +5,8 @@ rerun's controls and verdict, its effects-table rows); this module holds the wid
 answer" runs `run_rerun` in a worker thread (the Bokeh event loop only applies the outcome, in
 `poll()`), writes the result into the trace's effects table (where the effects view shows it at once:
 the panel tells the runner, which wakes the follower) and draws the answers, the per-token
-log-probabilities, the verdict and the branches' DSA difference below the table.
+log-probabilities, the verdict and the branches' DSA difference below the table. "Stop" ends a rerun
+before its next control (`run_rerun`'s `should_stop`): nothing is written to the effects table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import panel as pn
 import param
 
+from apps.dashboard.components.background import BackgroundJob
 from apps.dashboard.components.dsa_diff import diff_summary, layers_table
 from apps.dashboard.components.figures import HeatFigure
 from apps.dashboard.components.panes import AlertText, HTMLText, show_message, html_table, set_text, text_pane
@@ -77,13 +79,14 @@ class WhatIfPanel(pn.viewable.Viewer):
         self.start_button.on_click(lambda _: self.pick(start=True))
         self.end_button.on_click(lambda _: self.pick(start=False))
         self._base_source = base_source  # -> (the runner's kept base or None, the model config)
-        self._lock = lock  # the runner's model lock: a rerun and a recording never share the model at once
+        # under the runner's model lock: a rerun and a recording never share the model at once
+        self._job = BackgroundJob(lock, "what-if", "rerun failed")
         self._base: RerunBase | None = None
         self._config: Any = None
-        self._outcome: tuple[str, Any] | None = None
-        self._thread: threading.Thread | None = None
         self.button = pn.widgets.Button(label="Rerun last answer", color="primary", width=160, disabled=True)
         self.button.on_click(lambda _: self.rerun())
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", width=90, disabled=True)
+        self.stop_button.on_click(lambda _: self.stop())
         self.alert = AlertText("", alert_type="info", visible=False, sizing_mode="stretch_width")
         self.answers = text_pane("", sizing_mode="stretch_width", css_classes=["k3-what-if-answers"])
         self.tokens = HTMLText("", sizing_mode="stretch_width", css_classes=["k3-what-if-tokens"])
@@ -166,54 +169,47 @@ class WhatIfPanel(pn.viewable.Viewer):
         except ValueError as exc:
             self.message = f"error: {exc}"
             return False
-        if not self._lock.acquire(blocking=False):
+        if not self._job.start(lambda should_stop: self._work(base, rerun, should_stop)):
             self.message = "error: a session is running on this server; rerun when it has finished"
             return False
         self.running = True
         self.button.disabled = True
+        self.stop_button.disabled = False
         self.message = f"rerunning: {rerun.description} …"
-        self._thread = threading.Thread(target=self._work, args=(base, rerun), name="what-if", daemon=True)
-        try:
-            self._thread.start()
-        except BaseException:
-            self._lock.release()
-            raise
         return True
 
-    def _work(self, base: RerunBase, rerun: Rerun) -> None:
-        from engine import EngineError
-        from workbench.trace import TraceError
+    @staticmethod
+    def _work(base: RerunBase, rerun: Rerun, should_stop: Callable[[], bool]) -> tuple[RerunResult, Any]:
         from workbench.trace.effects_table import write_effects
 
-        try:
-            result = run_rerun(base, rerun)
-            write_effects(base.trace, effect_rows(base, result))
-            diff = branch_diff(result, len(base.end.tokens) + len(base.opening) + len(base.answer))
-            self._outcome = ("done", (result, diff))
-        except (EngineError, TraceError, OSError, ValueError) as exc:
-            self._outcome = ("error", f"error: {exc}")
-        except Exception as exc:  # a bug: still tell the user, and keep the server alive
-            self._outcome = ("error", f"error: rerun failed: {type(exc).__name__}: {exc}")
-        finally:
-            self._lock.release()
+        result = run_rerun(base, rerun, should_stop=should_stop)
+        write_effects(base.trace, effect_rows(base, result))
+        return result, branch_diff(result, len(base.end.tokens) + len(base.opening) + len(base.answer))
+
+    def stop(self) -> bool:
+        """Ask the running rerun to stop before its next control (False when none runs)."""
+        if not self._job.cancel():
+            return False
+        self.stop_button.disabled = True
+        self.message = "stopping the rerun before its next control …"
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the running rerun's thread (tests, scripts)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._job.wait(timeout)
 
     def poll(self) -> None:
         """Apply what the worker left (event loop only)."""
         if not self.running:
             self.refresh()
-        outcome, self._outcome = self._outcome, None
+        outcome = self._job.poll()
         if outcome is None:
             return
-        kind, value = outcome
         self.running = False
         self.button.disabled = self._base is None
-        if kind == "done":
-            value, diff = value
+        self.stop_button.disabled = True
+        if outcome.kind == "done":
+            value, diff = outcome.value
             self.last, self.last_diff = value, diff
             set_text(self.answers, result_text(value))
             self.tokens.object = token_table(value)
@@ -221,8 +217,10 @@ class WhatIfPanel(pn.viewable.Viewer):
             self.message = f"written to {value.rerun.description!r} in the trace's effects table"
             if self._on_written is not None:
                 self._on_written()
+        elif outcome.kind == "cancelled":
+            self.message = f"{outcome.message}: nothing was written to the effects table"
         else:
-            self.message = value
+            self.message = outcome.message
 
     def _show_diff(self, diff: Any) -> None:
         if diff is None:
@@ -242,7 +240,7 @@ class WhatIfPanel(pn.viewable.Viewer):
             pn.widgets.Select.from_param(self.param.action, label="Switch off"),
             pn.widgets.Select.from_param(self.param.layer, label="Layer"),
             pn.widgets.TextInput.from_param(self.param.experts, label="Experts to ban"),
-            self.button, self.alert, self.answers, self.tokens,
+            pn.Row(self.button, self.stop_button), self.alert, self.answers, self.tokens,
             pn.pane.Markdown("#### DSA reads: plain vs intervened"), self.diff_summary, self.diff_heat.figure,
             self.diff_table,
             sizing_mode="stretch_width", css_classes=["k3-what-if"])

@@ -71,7 +71,7 @@ def attributed(tmp_path_factory: pytest.TempPathFactory):
     panel.masks, panel.holdout, panel.top, panel.controls = 16, 8, 2, 8
     runner.poll()
     assert panel.attribute(), panel.message
-    assert "attributing the last answer" in panel.message and "not cancellable" in panel.message
+    assert "attributing the last answer" in panel.message and "Stop ends it" in panel.message
     _wait(runner)
     assert panel.message.startswith("attributed in"), panel.message
     yield runner, trace
@@ -202,3 +202,36 @@ def test_a_bad_attribution_file_is_a_message_naming_it(tmp_path: Path) -> None:
     (tmp_path / ATTRIBUTION_FILE).write_bytes(b"\x80not json")
     time.sleep(0.01)
     assert "not a readable attribution" in AttributionReducer().reduce(trace, ViewOptions(), None).note
+
+
+@needs_demo
+def test_stop_ends_an_attribution_and_the_trace_keeps_the_one_it_had(attributed, monkeypatch) -> None:
+    """Stop, clicked while the attribution runs: it ends before its next continuation, says after how many,
+    writes nothing (attribution.json byte for byte as before) and frees the model lock."""
+    from apps.dashboard import attribute_panel
+
+    runner, _ = attributed
+    panel = runner.attribution
+    written = Path(runner._rerun_base[0].trace) / ATTRIBUTION_FILE
+    before = written.read_bytes()
+    # the real attribution, held at its start until Stop was clicked (so the click lands while it runs)
+    gate, real = threading.Event(), attribute_panel.attribute_last_answer
+
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attribute_panel, "attribute_last_answer", held)
+    assert panel.stop_button.disabled and not panel.stop()  # nothing to stop
+    assert panel.attribute(), panel.message
+    assert not panel.stop_button.disabled and panel.button.disabled
+    panel.stop_button.clicks += 1
+    assert panel.stop_button.disabled and panel.message.startswith("stopping the attribution"), panel.message
+    gate.set()
+    _wait(runner)
+    assert panel.message.startswith("stopped: attribution cancelled after 0 of up to "), panel.message
+    assert panel.message.endswith("nothing was written to the trace (attribution.json is as it was)")
+    assert panel.alert.alert_type == "info" and not panel.button.disabled and panel.stop_button.disabled
+    assert written.read_bytes() == before
+    assert runner.model_lock.acquire(blocking=False)
+    runner.model_lock.release()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -163,6 +164,43 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     assert panel.rerun()
     _wait(runner)
     assert panel.last.rerun.spec[0]["layers"] == [2]
+
+
+def test_stop_ends_a_rerun_before_its_next_control(driven, monkeypatch) -> None:
+    """Stop, clicked while a rerun runs: its two branches finish, no control runs, the panel says so and the
+    effects table is byte for byte as before; the lock is free for the next rerun."""
+    import threading
+
+    from apps.dashboard import what_if
+
+    runner, trace = driven
+    panel = runner.what_if
+    before = (trace / EFFECTS_FILE).read_bytes()
+    last = panel.last
+    # the real rerun, held at its start until Stop was clicked (so the click lands while it runs)
+    gate, real = threading.Event(), what_if.run_rerun
+
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(what_if, "run_rerun", held)
+    panel.action, panel.segment, panel.layer = HIDE_DSA, panel.param.segment.objects[0], "all"
+    assert panel.stop_button.disabled and not panel.stop()  # nothing to stop
+    assert panel.rerun(), panel.message
+    assert not panel.stop_button.disabled and panel.button.disabled
+    panel.stop_button.clicks += 1
+    assert panel.stop_button.disabled and panel.message.startswith("stopping the rerun"), panel.message
+    gate.set()
+    _wait(runner)
+    runner.poll()
+    # the two branches ran; the controls did not (how many fit beside the segment is the plan's)
+    assert re.fullmatch(r"stopped: what-if rerun cancelled after 2 of \d+ runs: nothing was written to the "
+                        r"effects table", panel.message), panel.message
+    assert panel.alert.alert_type == "info" and not panel.button.disabled and panel.stop_button.disabled
+    assert (trace / EFFECTS_FILE).read_bytes() == before and panel.last is last
+    assert runner.model_lock.acquire(blocking=False)
+    runner.model_lock.release()
 
 
 def _branch_reads_differ_where_hidden(panel, trace: Path, span: tuple[int, int]) -> None:

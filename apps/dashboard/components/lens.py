@@ -11,7 +11,8 @@ is the first token of that text, read at every position. The lens's last layer i
 computation: its row equals the model's next-token log-probabilities (docs/hooks.md).
 
 The lens runs on the page's event loop under the server's model lock (only the answer's tokens run:
-well under a second on the demo); while a session or a rerun holds the lock it is refused in words.
+well under a second on the demo; `BackgroundJob.run_now`); while a session or a rerun holds the lock it
+is refused in words, and a failure is a status line like a rerun's (a bug's names its exception type).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import panel as pn
 import param
 
+from apps.dashboard.components.background import BackgroundJob
 from apps.dashboard.components.panes import AlertText, HTMLText, show_message, html_table
 
 # positions shown at most (the last ones of the opening and the answer)
@@ -120,7 +122,8 @@ class LensView(pn.viewable.Viewer):
     def __init__(self, source: Callable[[], Any], lock: threading.Lock, **params: Any) -> None:
         super().__init__(**params)
         self._source = source   # -> the runner's kept base (RerunBase) or None
-        self._lock = lock       # the server's model lock: never two runs on the model at once
+        # under the server's model lock: never two runs on the model at once
+        self._job = BackgroundJob(lock, "lens", "lens failed")
         self.grid: LensGrid | None = None
         self.button = pn.widgets.Button(label="Lens", color="primary", width=100)
         self.button.on_click(lambda _: self.read())
@@ -133,16 +136,14 @@ class LensView(pn.viewable.Viewer):
         if base is None:
             self.message = "error: drive a session first: the lens reads the last answer"
             return False
-        if not self._lock.acquire(blocking=False):
+        outcome = self._job.run_now(lambda: lens_grid(base, self.target or None))
+        if outcome is None:
             self.message = "error: a session or a rerun is running on this server; read the lens when it has finished"
             return False
-        try:
-            self.grid = lens_grid(base, self.target or None)
-        except ValueError as exc:
-            self.message = f"error: {exc}"
+        if outcome.kind != "done":
+            self.message = outcome.message
             return False
-        finally:
-            self._lock.release()
+        self.grid = outcome.value
         self.table.object = grid_html(self.grid)
         what = f"the token {self.target!r}" if self.target.strip() else "the answer's next token"
         top = int((self.grid.ranks[-1] == 0).sum())
