@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-
 from engine import load_model
 from engine.session import Session
 from engine.session.answer import generate_answer, read_answer
 from engine.session.chat_response import ResponseReader
-from engine.tokenizer import Tokenizer
 from workbench.task_templates import answer_task, append_task, fact_task
 
 DOCUMENT = ("The greenhouse keeps its seedlings warm through the winter. " * 6
             + "The garage door code is 7142. " + "Tomatoes need sun and patience. " * 6)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    model = load_model("builtin:demo")
-    return model, Tokenizer.for_model("builtin:demo", model.config.vocab_size)
 
 
 def fresh_session(demo) -> Session:

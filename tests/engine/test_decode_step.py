@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import NEAR_TIE, assert_close, decode_logits, topk_boundary_gap
+from tests.helpers import NEAR_TIE, assert_close, decode_logits, random_ids, topk_boundary_gap
 from engine import load_model
 from engine.decode import step as decode_step
 from engine.decode.step import DecodeStep, decode_forward, static_capacity
@@ -31,15 +31,11 @@ def models():
     return {v: load_model(f"preset:tiny:{v}", seed=1) for v in VARIANTS}
 
 
-def ids_of(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_static_step_obeys_the_consistency_law(models, variant):
     """Chunked prefill + static-shape decode steps == the full forward (contexts below and above top-k 16)."""
     model = models[variant]
-    ids = ids_of(60, seed=2)
+    ids = random_ids(60, seed=2)
     with torch.inference_mode():
         full = model(torch.tensor([ids]))[0]
     got = decode_logits(model, ids, 8, "static")
@@ -55,7 +51,7 @@ def test_static_step_with_block_pruned_topk_obeys_the_consistency_law(models, va
     calls = []
     monkeypatch.setattr(masked, "pruned_top_slots", lambda *a, **kw: calls.append(1) or pruned_top_slots(*a, **kw))
     model = models[variant]
-    ids = ids_of(90, seed=3)
+    ids = random_ids(90, seed=3)
     with torch.inference_mode():
         full = model(torch.tensor([ids]))[0]
     got = decode_logits(model, ids, 8, "static")
@@ -141,7 +137,7 @@ def test_decode_step_traces_into_one_graph(models, variant):
     """fullgraph=True: no graph break anywhere in the step (dynamo's tracing, no code generation)."""
     model = models[variant]
     s = Session(model)
-    s.append(ids=ids_of(20))
+    s.append(ids=random_ids(20))
     s.prefill()
     DecodeStep.of(model).reserve(s.state, s.length + 1)
     torch._dynamo.reset()
@@ -168,7 +164,7 @@ def test_one_graph_across_cache_growth(models, monkeypatch):
     monkeypatch.setattr(decode_step, "BACKEND", "aot_eager")
     monkeypatch.setattr(decode_step, "MIN_CAPACITY", 64)  # the prefill's 256 slots then grow to 320 in decode
     model = models["k3.1"]
-    ids = ids_of(250, seed=6)
+    ids = random_ids(250, seed=6)
     runs, capacities = [], []
     for mode in (False, True):
         model.runtime.compile = mode
@@ -195,7 +191,7 @@ def test_compiled_decode_equals_eager(models):
     torch._dynamo.reset()  # count this test's compiles only (an earlier test may have compiled this graph)
     if hasattr(model, "_decode_step"):
         del model._decode_step
-    ids = ids_of(40, seed=4)
+    ids = random_ids(40, seed=4)
     eager = decode_logits(model, ids, 10, False)
     compiled = decode_logits(model, ids, 10, True)
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
@@ -225,7 +221,7 @@ def test_a_sampled_finisher_listens_only_at_its_measured_steps() -> None:
         p.attach(seen.append, ProbeRequest(decode_every=2) if p.name == "dsa.dense_mass" else ProbeRequest())
     try:
         session = Session(model, Tokenizer.byte_level(), prefill_chunk=16, progress=False)
-        session.append(ids=ids_of(24))
+        session.append(ids=random_ids(24))
         session.prefill()
         step = DecodeStep.of(model)
         listeners = []

@@ -15,6 +15,7 @@ from engine.decode.step import DecodeStep
 from engine.errors import InputError
 from engine.hooks import HookPoint, hook_points, hooks, module_paths
 from engine.session import Session
+from tests.helpers import random_ids
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 
@@ -22,10 +23,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 @pytest.fixture(scope="module")
 def model():
     return load_model("preset:tiny", seed=3)
-
-
-def ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_every_point_of_the_docs_table_exists_and_the_checkpoint_names_are_unchanged(model):
@@ -64,7 +61,7 @@ def test_points_are_plain_attributes_of_their_owners_and_a_reassigned_point_repl
 
 
 def test_identity_hooks_leave_logits_bit_identical_and_see_every_position_once(model):
-    x = torch.tensor([ids(40)])
+    x = torch.tensor([random_ids(40)])
     with torch.inference_mode():
         plain = model(x)
     seen: dict[str, list[int]] = {}
@@ -87,7 +84,7 @@ def test_identity_hooks_leave_logits_bit_identical_and_see_every_position_once(m
 
 
 def test_an_edit_replaces_what_the_model_reads(model):
-    x = torch.tensor([ids(24)])
+    x = torch.tensor([random_ids(24)])
     with torch.inference_mode():
         plain = model(x)
         with hooks(model, [("blocks.1.attn.hook_out", lambda m, a, out: torch.zeros_like(out))]):
@@ -107,7 +104,7 @@ def dsa_layer(model) -> int:
 
 def test_a_forced_selection_is_read_even_below_top_k(model):
     layer = dsa_layer(model)
-    x = torch.tensor([ids(20)])
+    x = torch.tensor([random_ids(20)])
     with torch.inference_mode():
         plain = model(x)
         # the selection as the indexer made it: the sparse read equals the dense one (every key fits)
@@ -127,7 +124,7 @@ def kda_layer(model) -> int:
 
 def test_kda_state_is_shown_after_the_positions_asked_and_an_edit_is_the_state_read_on(model):
     layer = kda_layer(model)
-    tokens = ids(50, seed=1)
+    tokens = random_ids(50, seed=1)
     point = hook_points(model)[f"blocks.{layer}.kda.hook_state"]
     shown: dict[int, torch.Tensor] = {}
     point.positions = frozenset({9, 30})
@@ -178,7 +175,7 @@ def test_decode_with_a_hook_runs_eagerly_and_the_hook_sees_each_step(model):
     try:
         assert step.mode(torch.device("cpu")) == "static"  # nothing attached: the step as before
         s = Session(model)
-        s.append(ids=ids(12))
+        s.append(ids=random_ids(12))
         starts: list[int] = []
         with hooks(model, [("blocks.0.hook_resid_post", lambda m, a, out: starts.append(int(m.start)))]):
             assert step.mode(torch.device("cpu")) == "off"

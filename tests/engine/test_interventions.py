@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import load_model
-from tests.helpers import NEAR_TIE, decode_logits, topk_boundary_gap
+from tests.helpers import NEAR_TIE, decode_logits, random_ids, topk_boundary_gap
 from engine.decode import step as decode_step
 from engine.decode.step import DecodeStep
 from engine.errors import InputError
@@ -39,10 +39,6 @@ EVERY_OP = [entry for spec in SPECS.values() for entry in spec]
 @pytest.fixture(scope="module")
 def model():
     return load_model("preset:tiny:k3.1", seed=1)
-
-
-def ids_of(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def full_forward(model, ids: list[int], spec) -> torch.Tensor:
@@ -82,7 +78,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 ])
 def test_bad_specs_name_the_entry_and_change_nothing(model, spec, message):
     s = Session(model)
-    s.append(ids=ids_of(8))
+    s.append(ids=random_ids(8))
     with pytest.raises(InputError, match="intervention|JSON") as info:
         s.set_interventions(spec)
     assert message in str(info.value)
@@ -184,7 +180,7 @@ def test_hidden_keys_are_never_selected_in_the_model(model):
     for p in points:
         p.attach(lambda emission: seen.append(emission.data))
     try:
-        session_logits(model, ids_of(48, 3), SPECS["dsa.hide"], 40, "static")
+        session_logits(model, random_ids(48, 3), SPECS["dsa.hide"], 40, "static")
         model.deliver_probes() if hasattr(model, "deliver_probes") else points[0].deliver()
     finally:
         for p in points:
@@ -216,7 +212,7 @@ def _kda_inputs(model, ids, layer_order: int, monkeypatch):
 
 
 def test_suppressed_writes_equal_the_recurrence_with_beta_zero(model, monkeypatch):
-    ids = ids_of(40, 5)
+    ids = random_ids(40, 5)
     # KDA layers 0 1 3 4: layer 1 (the first one suppressed, so its inputs are the plain run's)
     (q, k, v, g, beta), _ = _kda_inputs(model, ids, 1, monkeypatch)
     s = Session(model, prefill_chunk=40)
@@ -237,7 +233,7 @@ def test_state_edits_equal_a_hand_edit(model, op):
     at, factor = spec[0]["at"], spec[0].get("factor", 0.0)
     heads = spec[0].get("heads", [0, 1])
     layers = [0, 1, 3, 4] if spec[0]["layers"] == "all" else spec[0]["layers"]
-    ids = ids_of(36, 7)
+    ids = random_ids(36, 7)
     by_hand = Session(model, prefill_chunk=at + 1)
     by_hand.append(ids=ids[: at + 1])
     by_hand.prefill()
@@ -267,7 +263,7 @@ def test_banned_experts_are_never_routed_and_forced_ones_always(model):
     hooks = [model.model.layers[i].block_sparse_moe.gate.register_forward_hook(
         lambda mod, args, out, i=i: routes.setdefault(i, []).append(out[1])) for i in range(1, 6)]
     try:
-        session_logits(model, ids_of(50, 8), SPECS["moe.ban"] + SPECS["moe.force"], 44, "static")
+        session_logits(model, random_ids(50, 8), SPECS["moe.ban"] + SPECS["moe.force"], 44, "static")
     finally:
         for h in hooks:
             h.remove()
@@ -284,7 +280,7 @@ def test_banned_experts_are_never_routed_and_forced_ones_always(model):
 # ---- every path agrees -------------------------------------------------------------------------------
 
 def test_no_intervention_is_bit_identical(model):
-    ids = ids_of(40, 9)
+    ids = random_ids(40, 9)
     plain = session_logits(model, ids, [], 32, False)
     unreached = [{"op": "dsa.hide", "positions": [500, 600]}, {"op": "kda.suppress_writes", "positions": [500, 600]},
                  {"op": "moe.ban", "experts": [1], "positions": [500, 600]}, {"op": "kda.erase", "at": 700}]
@@ -295,7 +291,7 @@ def test_no_intervention_is_bit_identical(model):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_chunked_prefill_and_decode_steps_equal_the_full_forward(model, name):
-    ids = ids_of(40, 10)
+    ids = random_ids(40, 10)
     full = full_forward(model, ids, SPECS[name])
     plain = full_forward(model, ids, [])
     assert rel_err(full, plain) > 1e-4  # the intervention changes the logits
@@ -308,7 +304,7 @@ def test_compiled_decode_equals_eager_under_every_op_with_one_graph(model, monke
     torch._dynamo.reset()
     if hasattr(model, "_decode_step"):
         del model._decode_step
-    ids = ids_of(40, 11)
+    ids = random_ids(40, 11)
     eager = session_logits(model, ids, EVERY_OP, 30, False)
     compiled = session_logits(model, ids, EVERY_OP, 30, True)
     assert rel_err(compiled, eager) < 5e-5
@@ -324,11 +320,11 @@ def test_compiled_decode_equals_eager_under_every_op_with_one_graph(model, monke
 
 def test_snapshot_and_fork_record_the_interventions(model, tmp_path):
     s = Session(model, prefill_chunk=16)
-    s.append(ids=ids_of(20, 12))
+    s.append(ids=random_ids(20, 12))
     s.set_interventions([DsaHide((2, 6))])
     s.prefill()
     s.set_interventions([])
-    s.append(ids=ids_of(4, 13))
+    s.append(ids=random_ids(4, 13))
     s.prefill()
     assert s.intervention_log == [{"op": "dsa.hide", "positions": [2, 6], "layers": "all", "from": 0, "to": 20}]
     s.save(tmp_path / "snap")
@@ -339,7 +335,7 @@ def test_snapshot_and_fork_record_the_interventions(model, tmp_path):
 
 def test_dense_reads_hide_the_range_on_every_path(model):
     """With every DSA layer reading densely, a hidden range is masked out of the attention itself."""
-    ids = ids_of(40, 14)
+    ids = random_ids(40, 14)
     model.runtime.dsa_force_dense = True
     try:
         full = full_forward(model, ids, SPECS["dsa.hide"])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_ids
 from engine import load_model
 from engine.errors import InputError
 from engine.session.sampling import SamplingParams, filter_logits, make_generator, sample
@@ -20,10 +20,6 @@ TOKENIZER = Tokenizer.byte_level()
 @pytest.fixture(scope="module")
 def models():
     return {v: load_model(f"preset:tiny:{v}", seed=1) for v in ("k3.1", "k3", "kimi-linear")}
-
-
-def random_ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("variant", ["k3.1", "k3", "kimi-linear"])

@@ -11,25 +11,16 @@ import pytest
 import torch
 
 import workbench
-from engine import load_model
 from engine.errors import InputError
 from engine.interventions import InterventionPlan
 from engine.interventions.plan import in_any_range, in_ranges
 from engine.session import Session
-from engine.tokenizer import Tokenizer
 from workbench.causal_effects import target_logprobs
 from workbench.span_attribution import automatic_spans, given_spans
 from workbench.span_attribution.reads import score_with_reads
 from workbench.span_attribution.surrogate import fit, lasso, random_masks, spearman
 from workbench.task_templates import append_task, fact_task
 from workbench.text import haystack
-
-
-@pytest.fixture(scope="module")
-def demo():
-    torch.set_num_threads(1)
-    model = load_model("builtin:demo")
-    return model, Tokenizer.for_model("builtin:demo", model.config.vocab_size)
 
 
 def _fact_session(demo, tokens: int = 1800, depth: float = 0.4):

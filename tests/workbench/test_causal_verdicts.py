@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import workbench
 from engine import load_model
 from engine.errors import InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from tests.helpers import random_ids
 from workbench.analysis.causal import (CHANCE, DEPENDS, NO_VERDICT, SMALL, control_spans, verdict,
                                       verdict_of_summary)
 from workbench.causal_effects import ScoringWarning
@@ -78,18 +78,14 @@ def model():
     return load_model("preset:tiny:k3.1", seed=1)
 
 
-def ids_of(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_check_span_on_a_context_without_room_gives_no_verdict(model) -> None:
     s = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
-    s.append(ids=ids_of(4, 1), name="system")
-    s.append(ids=ids_of(90, 2), name="document")
-    check = workbench.check_span(s, (4, 94), continuation=ids_of(5, 3), target=ids_of(3, 4), what="document")
+    s.append(ids=random_ids(4, 1), name="system")
+    s.append(ids=random_ids(90, 2), name="document")
+    check = workbench.check_span(s, (4, 94), continuation=random_ids(5, 3), target=random_ids(3, 4), what="document")
     assert check.controls == () and check.verdict.label == NO_VERDICT
     assert "no verdict: no random span of 90 tokens fit" in check.verdict.sentence
-    roomy = workbench.check_span(s, (40, 44), continuation=ids_of(5, 3), target=ids_of(3, 4),
+    roomy = workbench.check_span(s, (40, 44), continuation=random_ids(5, 3), target=random_ids(3, 4),
                                  evidence=[(60, 64)], controls=8)
     assert len(roomy.controls) == 8 and roomy.verdict.decided
     assert not any(overlaps(c, a) for c in roomy.controls for a in [(40, 44), (60, 64)])
@@ -97,10 +93,10 @@ def test_check_span_on_a_context_without_room_gives_no_verdict(model) -> None:
 
 def test_attribution_rows_carry_controls_rank_and_verdict(model) -> None:
     s = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
-    s.append(ids=ids_of(6, 1), name="intro")
-    s.append(ids=ids_of(120, 2), name="document")
-    frame = workbench.attribution(s, ["document", ("fact", 60, 66)], continuation=ids_of(5, 3), target=ids_of(3, 4),
-                                  moe=False, evidence=[(100, 106)])
+    s.append(ids=random_ids(6, 1), name="intro")
+    s.append(ids=random_ids(120, 2), name="document")
+    frame = workbench.attribution(s, ["document", ("fact", 60, 66)], continuation=random_ids(5, 3),
+                                  target=random_ids(3, 4), moe=False, evidence=[(100, 106)])
     whole = frame[(frame["segment"] == "document") & (frame["layer"] == "all")].iloc[0]
     assert whole["controls"] == 0 and "no verdict: no random span of 120 tokens fit" in whole["verdict"]
     fact = frame[(frame["segment"] == "fact") & (frame["layer"] == "all")].iloc[0]
@@ -123,21 +119,15 @@ def test_a_task_records_where_the_fact_is_and_questions_find_it(model, tmp_path)
     line = needle_readers(trace).line
     assert line.startswith(f"Q1 needle [{spans['the fact'][0]}, {spans['the fact'][1]})")
     # "the fact" names what to hide; its restatement is then evidence no control touches
-    check = workbench.check_span(s, "the fact", continuation=ids_of(4, 3), target=ids_of(2, 4), controls=8)
+    check = workbench.check_span(s, "the fact", continuation=random_ids(4, 3), target=random_ids(2, 4), controls=8)
     assert check.span == spans["the fact"] and check.what == "the fact" and len(check.controls) == 8
     assert not any(overlaps(c, spans["restatement 1"]) for c in check.controls)
-    frame = workbench.attribution(s, ["the fact"], continuation=ids_of(4, 3), target=ids_of(2, 4), moe=False)
+    frame = workbench.attribution(s, ["the fact"], continuation=random_ids(4, 3), target=random_ids(2, 4), moe=False)
     assert set(frame["segment"]) == {"the fact"}
     bare = tmp_path / "bare"
     with workbench.record(Session(model, Tokenizer.byte_level()), trace=bare) as _:
         pass
     assert "--needle START:END" in needle_readers(workbench.open_trace(bare)).line
-
-
-@pytest.fixture(scope="module")
-def demo():
-    model = load_model("builtin:demo")
-    return model, Tokenizer.for_model("builtin:demo", model.config.vocab_size)
 
 
 DOCUMENT = ("The harbour office opens at dawn, and the ferry leaves twice a day for the islands. " * 12 +

@@ -18,13 +18,10 @@ from engine.errors import NumericsError
 from engine.layers import kda as kda_layer
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from tests.helpers import random_ids
 from workbench.signals import integrity
 
 FIRST, SECOND, CHUNK, NEW = 40, 30, 24, 3  # tiny top-k is 16: most rows choose among more keys
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture()
@@ -46,11 +43,11 @@ def record(model, tmp_path, between=None, *, nan_logits: bool = False):
         if nan_logits:
             stack.enter_context(pytest.raises(NumericsError))
         with workbench.record(session, trace=tmp_path / "t"):
-            session.append(ids=ids(FIRST, 1), name="first")
+            session.append(ids=random_ids(FIRST, 1), name="first")
             session.prefill()
             if between is not None:
                 between(session)
-            session.append(ids=ids(SECOND, 2), name="second")
+            session.append(ids=random_ids(SECOND, 2), name="second")
             generated = list(session.generate(NEW, temperature=0, stop_ids=()))
         assert len(generated) == NEW  # the session went on whatever the checks found
     return workbench.open_trace(tmp_path / "t")
@@ -168,7 +165,7 @@ def test_nan_router_logit_is_found_at_its_layer_and_position(model, tmp_path):
 def test_health_off_writes_no_health_rows(model, tmp_path):
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=CHUNK, progress=False)
     with workbench.record(session, trace=tmp_path / "t", policy={"health": False}):
-        session.append(ids=ids(FIRST, 1))
+        session.append(ids=random_ids(FIRST, 1))
     trace = workbench.open_trace(tmp_path / "t")
     assert integrity.health(trace).empty
     assert integrity.summary_line(trace).startswith("integrity: not checked")
@@ -192,7 +189,7 @@ def test_state_handed_over_wrongly_between_chunks_is_found(model, tmp_path, monk
     call = 2 * size + size // 2  # three chunks per prefill call: the check rotates over them with the step
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=call, progress=False)
     with workbench.record(session, trace=tmp_path / "t"):
-        session.append(ids=ids(4 * call, 3))
+        session.append(ids=random_ids(4 * call, 3))
         session.prefill()
     drift = integrity.findings(workbench.open_trace(tmp_path / "t"))
     drift = drift[(drift["check"] == "kda.chunk_drift") & (drift["layer"] == first_kind(model, "kda"))]

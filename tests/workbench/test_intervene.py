@@ -13,6 +13,7 @@ from engine import load_model
 from engine.errors import InputError
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from tests.helpers import random_ids
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +21,15 @@ def model():
     return load_model("preset:tiny:k3.1", seed=1)
 
 
-def ids_of(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def context(model) -> Session:
     s = Session(model, Tokenizer.byte_level(), prefill_chunk=16)
-    s.append(ids=ids_of(30, 1), name="intro")
-    s.append(ids=ids_of(12, 2), name="needle")
-    s.append(ids=ids_of(30, 3), name="filler")
+    s.append(ids=random_ids(30, 1), name="intro")
+    s.append(ids=random_ids(12, 2), name="needle")
+    s.append(ids=random_ids(30, 3), name="filler")
     return s
 
 
-QUESTION = ids_of(6, 4)
+QUESTION = random_ids(6, 4)
 HIDE_NEEDLE = {"op": "dsa.hide", "segment": "needle", "layers": "all"}
 
 
@@ -72,7 +69,7 @@ def test_an_edit_restored_after_a_block_is_not_applied_twice(model):
 
 def test_effects_are_deterministic_and_match_a_hand_run(model):
     s = context(model)
-    target = ids_of(4, 5)
+    target = random_ids(4, 5)
     first = workbench.effects(s, HIDE_NEEDLE, continuation=QUESTION, target=target, max_new_tokens=5)
     assert s.length == first.fork_at == 72  # the context was prefilled once, up to the fork
     again = workbench.effects(s, HIDE_NEEDLE, continuation=QUESTION, target=target, max_new_tokens=5)
@@ -121,7 +118,7 @@ def test_a_recorded_session_keeps_its_interventions_in_the_trace(model, tmp_path
 
 
 def test_attribution_rows_stand_beside_controls_and_match_effects(model):
-    target = ids_of(3, 6)
+    target = random_ids(3, 6)
     frame = workbench.attribution(context(model), ["needle"], continuation=QUESTION, target=target, kda="layers",
                                   controls=1, seed=1)
     # the needle x (2 DSA layers + all) + the needle x 4 KDA layers + 5 MoE layers

@@ -7,25 +7,18 @@ import pytest
 import torch
 
 import workbench
-from engine import load_model
 from engine.errors import InputError
 from engine.hooks import hooks
 from engine.session import Session
-from engine.tokenizer import Tokenizer
+from tests.helpers import random_ids
 from workbench.analysis.causal import DEPENDS
 from workbench.toolkit import Spilled, logit_lens, patch, run_with_cache, target_rank
 from workbench.toolkit.prompts import fact_prompts
 
 
-@pytest.fixture(scope="module")
-def demo():
-    model = load_model("builtin:demo")
-    return model, Tokenizer.for_model("builtin:demo", model.config.vocab_size)
-
-
 def session_of(model, n: int = 300, seed: int = 0, chunk: int = 64) -> Session:
     s = Session(model, prefill_chunk=chunk)
-    s.append(ids=torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+    s.append(ids=random_ids(n, seed))
     return s
 
 
