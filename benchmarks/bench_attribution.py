@@ -28,38 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from apps.cli.demo_cmd import PASSCODE, build_documents, wording  # noqa: E402
-from engine.session import Session  # noqa: E402
-from workbench.retrieval_text import answer_prefix, answer_style_of  # noqa: E402
+from prompts import demo_prompt, sweep  # noqa: E402
+from workbench.retrieval_text import answer_style_of  # noqa: E402
 from workbench.sessions import load_with_tokenizer  # noqa: E402
-
-
-def planted_session(model, tokenizer, tokens: int, depth: float) -> tuple[Session, tuple[int, int], str]:
-    """The demo's context of about `tokens` tokens with the needle at `depth` (0..1) of its characters (at a
-    sentence end), not prefilled; the needle's token span and the key."""
-    words = wording("train")
-    docs, needle_doc, _ = build_documents(tokens, lambda t: len(tokenizer.encode(t)), words=words)
-    docs = [(name, text.replace(words.needle, "", 1) if i == needle_doc else text) for i, (name, text) in enumerate(docs)]
-    total = sum(len(text) for _, text in docs)
-    want, doc, offset = depth * total, len(docs) - 1, 0
-    for i, (_, text) in enumerate(docs):
-        if want <= len(text):
-            doc, offset = i, int(want)
-            break
-        want -= len(text)
-    name, text = docs[doc]
-    cut = text.find(". ", offset)
-    at = cut + 2 if cut >= 0 else len(text)
-    docs[doc] = (name, text[:at] + words.needle + text[at:])
-    session = Session(model, tokenizer, prefill_chunk=2048, progress=False)
-    session.append(words.system, role="system", name="system")
-    needle = (0, 0)
-    for i, (name, text) in enumerate(docs):
-        seg = session.append(text, name=name)
-        if i == doc:
-            start = seg.start + len(tokenizer.encode(text[:at]))
-            needle = (start, start + len(tokenizer.encode(words.needle)))
-    return session, needle, words.key
 
 
 def needle_row(result, needle: tuple[int, int]) -> tuple[int, object]:
@@ -89,23 +60,16 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model, tokenizer = load_with_tokenizer(args.model)
     style = answer_style_of(args.model)
-    words = wording("train")
-    plan = [(int(n), float(d), False) for n in args.lengths.split(",") if n for d in args.depths.split(",") if d]
-    plan += [(int(n), float(d), True) for n in args.kda_lengths.split(",") if n for d in args.kda_depths.split(",") if d]
+    plan = [(n, d, False) for n, d in sweep(args.lengths, args.depths)]
+    plan += [(n, d, True) for n, d in sweep(args.kda_lengths, args.kda_depths)]
     rows = []
     print(f"{'tokens':>7} {'depth':>5} {'kda':>3} {'spans':>5} {'read':>5} {'rank':>4} {'effect':>8} "
           f"{'controls':>17} {'LDS':>5} {'attr s':>7} {'prefill s':>9} {'ratio':>5}  answer")
     for tokens, depth, kda in plan:
-        session, needle, key = planted_session(model, tokenizer, tokens, depth)
-
-        def ask(branch: Session, key=key) -> None:
-            branch.append(words.question, role="user", name="question")
-            branch.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True)
-                          + tokenizer.response_prefix(answer_prefix(style, key)), name="answer prefix", kind="turn",
-                          role="assistant")
-
+        prompt = demo_prompt(model, tokenizer, tokens, style, depth=depth)
+        session, needle = prompt.session, prompt.needle
         t0 = time.perf_counter()
-        result = workbench.attribute(session, continuation=ask, target=PASSCODE, spans=args.spans, kda=kda,
+        result = workbench.attribute(session, continuation=prompt.ask, target=prompt.target, spans=args.spans, kda=kda,
                                      masks=args.masks, holdout=args.holdout, top=args.top, controls=args.controls,
                                      seed=args.seed, evidence=[needle])
         wall = time.perf_counter() - t0
@@ -122,7 +86,7 @@ def main() -> int:
                      "controls": span.controls, "verdict": span.verdict, "lds": result.lds,
                      "attribution_s": result.attribution_s, "prefill_s": result.prefill_s, "ratio": ratio,
                      "runs": result.runs, "wall_s": wall, "answer": result.answer, "right": result.right})
-        del session, result
+        del session, prompt, result
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

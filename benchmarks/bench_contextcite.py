@@ -42,10 +42,8 @@ import workbench  # noqa: E402
 from engine.hf.context_cite import K3ContextCiter, SentencePartitioner, k3_layout  # noqa: E402
 from engine.session import Session  # noqa: E402
 from engine.tokenizer import Message  # noqa: E402
-from workbench.task_templates import append_task, fact_sentence, fact_task  # noqa: E402
-from workbench.text import haystack  # noqa: E402
-
-KEY, VALUE = "greenhouse alarm", "3-8-2-5"
+from prompts import FACT_KEY, FACT_VALUE, fact_prompt, sweep  # noqa: E402
+from workbench.task_templates import append_task, fact_sentence  # noqa: E402
 
 
 def sentence_spans(tokenizer, partitioner: SentencePartitioner, offset: int) -> list[tuple[int, int]]:
@@ -68,7 +66,7 @@ def run_contextcite(model, tokenizer, task, context: str, masks: int) -> tuple[n
                                generate_kwargs={"max_new_tokens": 12, "do_sample": False,
                                                 "eos_token_id": [plain.end_of_msg_id, plain.close_id]})
         response = citer.response
-        end = len(VALUE) if response.startswith(VALUE) else len(response)
+        end = len(FACT_VALUE) if response.startswith(FACT_VALUE) else len(response)
         scores = citer.get_attributions(start_idx=0, end_idx=end, verbose=False)
     return np.asarray(scores), response, time.perf_counter() - t0
 
@@ -106,14 +104,13 @@ def main() -> int:
     model = hf.K3ForCausalLM.from_pretrained("builtin:demo")
     tokenizer = hf.K3Tokenizer.from_pretrained("builtin:demo")
     plain = tokenizer.engine_tokenizer
-    needle_text = fact_sentence(KEY, VALUE).strip()
-    plan = [(int(n), float(d)) for n in args.lengths.split(",") if n for d in args.depths.split(",") if d]
+    needle_text = fact_sentence(FACT_KEY, FACT_VALUE).strip()
+    plan = sweep(args.lengths, args.depths)
     rows = []
     print(f"{'tokens':>7} {'depth':>5} {'sents':>5} {'cc rank':>7} {'wb rank':>7} {'top agree':>9} "
           f"{'cc s':>7} {'wb s':>7} {'cc/wb':>6}  answers (cc | wb)")
     for i, (tokens, depth) in enumerate(plan):
-        task = fact_task([("report.txt", haystack(tokens, plain, seed=args.seed + i))], KEY, VALUE, depth=depth,
-                         restate=False)
+        task = fact_prompt(plain, tokens, depth, seed=args.seed + i)
         context = task.documents[0][1]
         partitioner = SentencePartitioner(context)
         needle = partitioner.parts.index(needle_text)

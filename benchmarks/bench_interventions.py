@@ -27,25 +27,10 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from apps.cli.demo_cmd import PASSCODE, build_documents, wording  # noqa: E402
 from engine.session import Session  # noqa: E402
+from prompts import demo_prompt  # noqa: E402
 from workbench.sessions import load_with_tokenizer  # noqa: E402
-from workbench.retrieval_text import answer_prefix, answer_style_of  # noqa: E402
-
-
-def demo_session(model, tokenizer, tokens: int) -> tuple[Session, tuple[int, int], str]:
-    """The demo's context (system turn and documents, not yet prefilled), the needle's positions, its key."""
-    words = wording("train")
-    session = Session(model, tokenizer, prefill_chunk=2048, progress=False)
-    docs, needle_doc, needle_at = build_documents(tokens, lambda t: len(tokenizer.encode(t)), words=words)
-    session.append(words.system, role="system", name="system")
-    needle = (0, 0)
-    for i, (name, text) in enumerate(docs):
-        seg = session.append(text, name=name)
-        if i == needle_doc:
-            start = seg.start + len(tokenizer.encode(text[:needle_at]))
-            needle = (start, start + len(tokenizer.encode(words.needle)))
-    return session, needle, words.key
+from workbench.retrieval_text import answer_style_of  # noqa: E402
 
 
 CHECKED_PER_LAYER = "set, not reached, checked by every layer (before)"
@@ -116,16 +101,9 @@ def main() -> int:
 
     model, tokenizer = load_with_tokenizer(args.model)
     style = answer_style_of(args.model)
-    session, needle, key = demo_session(model, tokenizer, args.tokens)
-    words = wording("train")
-
-    def ask(branch: Session) -> None:
-        branch.append(words.question, role="user", name="question")
-        branch.append(ids=tokenizer.chat_prompt([], add_generation_prompt=True)
-                      + tokenizer.response_prefix(answer_prefix(style, key)), name="answer prefix", kind="turn",
-                      role="assistant")
-
-    target = tokenizer.encode(PASSCODE)
+    prompt = demo_prompt(model, tokenizer, args.tokens, style)
+    session, needle, ask = prompt.session, prompt.needle, prompt.ask
+    target = tokenizer.encode(prompt.target)
     base = session.fork()  # not prefilled: attribution forks its KDA rows before the needle
     t0 = time.perf_counter()
     session.prefill()
