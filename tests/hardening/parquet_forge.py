@@ -4,14 +4,31 @@
 no dictionary page with a page header of our choosing and a zstd body of `unpacked` zero bytes; the
 footer (rows, values, sizes, offsets) is left as it was, so it still claims what the honest page held.
 `footer_bomb(file, chunks)` writes a file whose footer lists more column chunks than a footer may.
+`small_trace(tmp_path, parts)` is the honest trace the forged and oversized parts are put beside.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from workbench.trace import TraceWriter
+
+
+def small_trace(tmp_path: Path, parts: int = 1) -> Path:
+    """`tmp_path / "t"`: a finished trace of a model of 8 layers whose dsa_key_counts table is `parts`
+    parts of 4 rows (layer 3, one step each)."""
+    path = tmp_path / "t"
+    w = TraceWriter.create(path, {"model": {"layers": 8, "num_experts": 16, "max_position_embeddings": 4096}},
+                           fsync=False)
+    for step in range(parts):
+        w.append("dsa_key_counts", layer=3, step=step, rank=0, key_bin=np.arange(4), count=np.ones(4, np.int64))
+        w.flush()
+    w.close()
+    return path
 
 
 def varint(n: int) -> bytes:

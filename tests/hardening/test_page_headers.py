@@ -12,23 +12,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.hardening.conftest import bounded
-from tests.hardening.parquet_forge import footer_bomb, forge_page, zeros_zstd
-from workbench.trace import TraceCorruptError, TraceWriter, open_trace
+from tests.hardening.parquet_forge import footer_bomb, forge_page, small_trace, zeros_zstd
+from workbench.trace import TraceCorruptError, open_trace
 from workbench.trace.export import export_trace
 from workbench.trace.parquet_pages import (MAX_FOOTER_BYTES, MAX_FOOTER_ITEMS, PageBoundsError, check_footer,
                                            check_pages)
 from workbench.trace.schema import TABLES, TOKENS_FILE, parquet_options
 
 _BOMB = 256 << 20  # what the forged page decompresses to (zstd: a few KB in the file)
-
-
-def _trace(tmp_path):
-    path = tmp_path / "t"
-    w = TraceWriter.create(path, {"model": {"layers": 8, "num_experts": 16, "max_position_embeddings": 4096}},
-                           fsync=False)
-    w.append("dsa_key_counts", layer=3, step=0, rank=0, key_bin=np.arange(4), count=np.ones(4, np.int64))
-    w.close()
-    return path
 
 
 def _one_row_tokens(path, characters: int = 120_000):
@@ -49,7 +40,7 @@ def _one_row_tokens(path, characters: int = 120_000):
 
 
 def test_a_page_that_decompresses_past_its_footer_is_refused_before_decompressing(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     file = _one_row_tokens(path)
     forge_page(file, "piece", _BOMB)
     assert file.stat().st_size < 200_000 and pq.read_metadata(file).num_rows == 1
@@ -67,14 +58,14 @@ def test_a_page_that_decompresses_past_its_footer_is_refused_before_decompressin
 
 
 def test_the_honest_part_reads_as_before(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     _one_row_tokens(path, characters=1000)
     t = open_trace(path)
     assert len(t.tokens()) == 1 and len(t.tokens()["piece"][0]) == 1000 and t.problems == []
 
 
 def test_a_page_of_more_values_than_the_footer_is_refused(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     spec = TABLES["dsa_topk"]
     n = 30_000  # random scores: their chunk does not compress, so a forged page fits in place
     rng = np.random.default_rng(1)
@@ -95,7 +86,7 @@ def test_a_page_of_more_values_than_the_footer_is_refused(tmp_path):
 
 
 def test_a_dictionary_page_of_more_entries_than_bytes_is_refused(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     file = _one_row_tokens(path)
     forge_page(file, "piece", 4096, values=400_000_000, page_type=2)
     with pytest.raises(PageBoundsError, match="dictionary page claims 400,000,000 entries in 4,096 bytes"):
@@ -104,7 +95,7 @@ def test_a_dictionary_page_of_more_entries_than_bytes_is_refused(tmp_path):
 
 @pytest.mark.parametrize("body", [b"\xff" * 64, b"\x1c" * 64, b""])
 def test_garbage_where_a_page_header_should_be_is_one_line(tmp_path, body):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     file = _one_row_tokens(path, characters=2000)
     meta = pq.read_metadata(file)
     chunk = meta.row_group(0).column(2)
@@ -123,7 +114,7 @@ def test_zeros_compress_to_a_few_kilobytes():
 
 def test_an_effects_table_with_a_lying_page_is_one_line(tmp_path):
     from workbench.trace.effects_table import EFFECTS_FILE, effects_schema, read_effects
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     schema = effects_schema()
     rng = np.random.default_rng(2)
     row = {f.name: pa.array([None], f.type) for f in schema}
@@ -196,7 +187,7 @@ def test_mutated_page_headers_pass_or_are_refused_in_one_line(honest_part, tmp_p
 
 
 def test_a_footer_of_many_column_chunks_is_refused_before_pyarrow_decodes_it(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     bad = path / "dsa_key_counts" / "part-000001.parquet"
     size = footer_bomb(bad, 100_000, row_groups=3)  # 0.9 MB; pyarrow's footer reader took ~210 MB for it
     assert size < 1 << 20
@@ -217,7 +208,7 @@ def test_a_footer_longer_than_the_limit_is_refused_unread(tmp_path):
 
 
 def test_honest_footers_pass(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     for file in path.rglob("*.parquet"):
         check_footer(file)
     footer_bomb(tmp_path / "ok.parquet", 1, row_groups=2)
@@ -228,7 +219,7 @@ def test_honest_footers_pass(tmp_path):
 def test_a_row_group_with_more_chunks_than_columns_is_refused_not_a_crash(tmp_path, chunks, row_groups):
     """pyarrow terminates the process ("Invalid Column Index", a C++ exception it does not catch) when such a
     chunk is looked at: a 100-byte part used to kill a dashboard that opened the trace."""
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     bad = path / "dsa_key_counts" / "part-000001.parquet"
     footer_bomb(bad, chunks, row_groups)
     t = open_trace(path)
@@ -249,7 +240,7 @@ def test_a_row_group_with_more_chunks_than_columns_is_refused_not_a_crash(tmp_pa
 def test_column_chunk_metadata_pyarrow_would_die_on_is_refused(tmp_path, physical, histogram, words):
     """pyarrow terminates the process on these too ("ColumnMetaData type does not match ColumnDescriptor
     physical type", "Definition level histogram size mismatch"): found by mutating footers."""
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path)
     bad = path / "dsa_key_counts" / "part-000001.parquet"
     footer_bomb(bad, 1, physical=physical, histogram=histogram)
     t = open_trace(path)

@@ -15,22 +15,11 @@ import pytest
 from workbench.trace import summary_cache
 from workbench.trace.arrow_limits import BoundsError, read_bounded
 from tests.hardening.conftest import bounded
-from tests.hardening.parquet_forge import varint
-from workbench.trace import TraceCorruptError, TraceError, TraceWriter, open_trace
+from tests.hardening.parquet_forge import small_trace, varint
+from workbench.trace import TraceCorruptError, TraceError, open_trace
 from workbench.trace import part_checks
 from workbench.trace.export import export_trace
 from workbench.trace.schema import TABLES, parquet_options
-
-
-def _trace(tmp_path):
-    path = tmp_path / "t"
-    w = TraceWriter.create(path, {"model": {"layers": 8, "num_experts": 16, "max_position_embeddings": 4096}},
-                           fsync=False)
-    for step in range(2):
-        w.append("dsa_key_counts", layer=3, step=step, rank=0, key_bin=np.arange(4), count=np.ones(4, np.int64))
-        w.flush()
-    w.close()
-    return path
 
 
 def _many_rows_part(path, rows_per_group: int = 1 << 22, groups: int = 9):
@@ -47,7 +36,7 @@ def _many_rows_part(path, rows_per_group: int = 1 << 22, groups: int = 9):
 
 
 def test_a_part_of_many_valid_rows_is_refused_from_its_footer(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     bad = _many_rows_part(path)
     assert bad.stat().st_size < 2 << 20 and pq.read_metadata(bad).num_rows > part_checks.MAX_PART_ROWS
     with bounded(seconds=5, rss_mib=100):
@@ -60,7 +49,7 @@ def test_a_part_of_many_valid_rows_is_refused_from_its_footer(tmp_path):
 
 
 def test_list_items_count_as_decoded_bytes(tmp_path, monkeypatch):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     spec = TABLES["dsa_topk"]
     rows = 4
     keys = np.zeros(rows * 100_000, np.int32)
@@ -90,7 +79,7 @@ def _claim_schema(file, written: pa.Schema, claimed: pa.Schema) -> None:
 
 
 def test_a_repeated_long_token_piece_is_refused_before_it_is_expanded(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     tokens = path / "tokens.parquet"
     spec = TABLES["tokens"]
     n = 120_000  # x 10,000 characters: 1.2 GB of text once expanded, a few KB in the file
@@ -111,7 +100,7 @@ def test_a_repeated_long_token_piece_is_refused_before_it_is_expanded(tmp_path):
 
 
 def test_a_sparse_session_json_is_not_read_whole(tmp_path):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     file = path / "session.json"
     with open(file, "r+b") as f:
         f.truncate(3 << 30)  # sparse: no disk taken, 3 GB claimed
@@ -122,7 +111,7 @@ def test_a_sparse_session_json_is_not_read_whole(tmp_path):
 
 def test_a_session_with_too_many_segments_is_refused(tmp_path):
     from engine.session.segments import MAX_SEGMENTS
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     session = json.loads((path / "session.json").read_text())
     session["segments"] = [{"id": i, "kind": "turn", "start": 0, "end": 0} for i in range(MAX_SEGMENTS + 1)]
     (path / "session.json").write_text(json.dumps(session))
@@ -251,7 +240,7 @@ def test_a_huge_layer_range_is_refused_before_it_is_expanded(tmp_path):
     with bounded(seconds=1, rss_mib=20):
         with pytest.raises(TraceError, match="layer 2000000000 is beyond 32767"):
             parse_layers("1000000-2000000000")
-    path = _trace(tmp_path)  # a model of 8 layers
+    path = small_trace(tmp_path, parts=2)  # a model of 8 layers
     with pytest.raises(TraceError, match=r"layers 8, 9 are not layers of the trace .* 0\.\.7\); export aborted"):
         export_trace(path, tmp_path / "out", fmt="csv", layers=parse_layers("3,8-9"))
     assert not (tmp_path / "out").exists()
@@ -295,7 +284,7 @@ def test_16_bit_grey_converts_and_hashes_as_before():
 
 
 def test_many_parts_within_their_limits_are_not_read_together_beyond_the_read_limit(tmp_path, monkeypatch):
-    path = _trace(tmp_path)
+    path = small_trace(tmp_path, parts=2)
     spec = TABLES["dsa_sink"]
     (path / "dsa_sink").mkdir(exist_ok=True)
     for seq in range(4):  # four parts of 8 rows, each at other positions
