@@ -17,15 +17,23 @@ recording replays the same selection, and `dsa_ties` says which rows that rule d
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Iterable, TypeVar
 
+import numpy as np
 import torch
 
+# the verdicts below take torch tensors or numpy arrays alike (the recorder checks a CPU decode's rows in numpy)
+Array = TypeVar("Array", torch.Tensor, np.ndarray)
 
-def kda_state_faults(norm: torch.Tensor, bound: float) -> torch.Tensor:
+
+def _isfinite(x: Array) -> Array:
+    return np.isfinite(x) if isinstance(x, np.ndarray) else torch.isfinite(x)
+
+
+def kda_state_faults(norm: Array, bound: float) -> Array:
     """Per-head state norms `[..., H]` -> bool `[..., H]`: the state is non-finite (its Frobenius norm is
     NaN or inf exactly when an entry is) or its norm exceeds `bound`."""
-    return ~torch.isfinite(norm) | (norm > bound)
+    return ~_isfinite(norm) | (norm > bound)
 
 
 def frozen_channels(g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -107,11 +115,10 @@ def router_runner_up(choice: torch.Tensor, top_ids: torch.Tensor) -> torch.Tenso
     return choice.scatter(-1, top_ids, float("-inf")).amax(-1).unsqueeze(0)
 
 
-def router_verdicts(logit_sum: torch.Tensor, kth: torch.Tensor, runner_up: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def router_verdicts(logit_sum: Array, kth: Array, runner_up: Array) -> tuple[Array, Array]:
     """`router_boundary`'s values -> (a router logit is non-finite, a tie at the top-k boundary decided the
     route), bool each."""
-    return ~torch.isfinite(logit_sum), (kth == runner_up) & torch.isfinite(kth)
+    return ~_isfinite(logit_sum), (kth == runner_up) & _isfinite(kth)
 
 
 def state_drift(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,9 @@ def test_the_prefill_is_on_disk_before_the_first_generated_token(tmp_path):
         deadline = time.monotonic() + 30
         while True:
             live = workbench.open_trace(tmp_path / "t")
-            if len(live.tokens()) == 40 and live.parts("kda_norms") or time.monotonic() > deadline:
+            # parts appear table by table: wait for every table read below
+            written = all(live.parts(t) for t in ("kda_norms", "dsa_topk", "moe_counts"))
+            if len(live.tokens()) == 40 and written or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert live.status == "recording" and len(live.tokens()) == 40

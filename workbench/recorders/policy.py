@@ -48,8 +48,9 @@ class RecordPolicy:
     flush_seconds: flush the trace this often while the session runs (live following), unless a flush
         would then take more than `flush_share` of the time.
     flush_share: the largest share of the session's time periodic flushes may take: after a flush
-        that took d seconds the next waits at least d / flush_share (a decode-time flush takes
-        main-thread time, several tokens' worth on a CPU). 1 = flush every flush_seconds.
+        that took d seconds the next waits at least d / flush_share (d: the flush's main-thread time,
+        several tokens' worth on a CPU, plus the CPU time of the writer's last Parquet encoding, which
+        takes a core from the engine). 1 = flush every flush_seconds.
     health: integrity checks (the `*_health` tables, `workbench.signals.integrity`): KDA states finite and
         bounded, frozen decay, chunked-vs-recurrent drift at each prefill call's first chunk, DSA and MoE
         ties, non-finite router logits. On by default (docs/recording.md has the cost).

@@ -42,6 +42,9 @@ DEFER_MAX_TOKENS = 16  # payloads this small (decode steps) are turned into rows
 # a point's decode payloads held at most: beyond, they become (device) rows at once, which bounds what the
 # `Deferred` integrity inputs of eager steps keep alive between flushes (the flush may wait many seconds)
 DEFER_MAX_ITEMS = 256
+# tables a family lets wait (`SignalFamily.may_wait`: the health tables) get a part at least this often, at once
+# when their rows say so (a fault), and at the end; in between their rows stay buffered in the writer
+HOLD_SECONDS = 10.0
 
 
 class Recorder:
@@ -70,7 +73,9 @@ class Recorder:
         self._thumbnails: dict[int, str] = {}  # segment id -> thumbnail path in the trace
         self._generated_rows: list[tuple[int, int, int]] = []  # (position, token id, segment) since the last flush
         self._last_flush = time.monotonic()
-        self._flush_cost = 0.0  # main-thread seconds of the last periodic flush
+        self._flush_cost = 0.0  # seconds of the last periodic flush: main thread, and the writer's thread after it
+        self._may_wait = frozenset(t for fam in self.families.values() for t in fam.may_wait)
+        self._waiting_since = time.monotonic()  # when the tables that may wait were last written
         self._progress: dict = {"phase": "idle", "done": 0, "total": 0, "tokens_per_s": None, "eta_s": None}
         self._generated = 0
         self.rows_written = 0
@@ -256,7 +261,9 @@ class Recorder:
             if time.monotonic() - self._last_flush >= wait:
                 t0 = time.perf_counter()
                 self.flush(wait=False)
-                self._flush_cost = time.perf_counter() - t0
+                # the writer's encoding runs beside the engine but takes a core from it on a CPU: the last
+                # completed one counts (this flush's own is still running)
+                self._flush_cost = time.perf_counter() - t0 + self.writer.last_write_cpu_s
 
     def _on_segment(self, seg: Segment, announce: bool = True) -> None:
         if self.writer is None:
@@ -307,10 +314,20 @@ class Recorder:
             self._generated_rows.clear()
             self._token_rows(positions, ids, np.asarray(segments, np.int32))
         self._drain()
-        self.writer.flush(wait=wait)
+        self.writer.flush(wait=wait, hold=self._held(periodic=not wait))
         self.writer.update_session(segments=[self._segment_json(s) for s in self.session.segments],
                                    progress=self._progress, timings=_timings(self.session))
         self._last_flush = time.monotonic()
+
+    def _held(self, periodic: bool) -> frozenset[str]:
+        """The tables this flush leaves buffered: those that may wait, on a periodic flush, until
+        HOLD_SECONDS have passed or their rows must be seen now."""
+        now = time.monotonic()
+        if not periodic or self._tables.urgent or now - self._waiting_since >= HOLD_SECONDS:
+            self._tables.urgent.clear()
+            self._waiting_since = now
+            return frozenset()
+        return self._may_wait
 
 
 def _segment_json(seg: Segment) -> dict:

@@ -75,6 +75,10 @@ class PendingTables:
 
     def __init__(self) -> None:
         self._pending: list[tuple[str, int | None, int, Pending, str | None]] = []
+        # tables a family lets wait (`SignalFamily.may_wait`) whose drained rows said they must not, and
+        # what each table's test has already been told (its `known` set)
+        self.urgent: set[str] = set()
+        self._known: dict[str, set] = defaultdict(set)
 
     def pend(self, table: str, layer: int | None, rank: int, cols: Pending | None, drop_zero: str | None = None) -> None:
         """Queue device tensors for `table` (with a `step` column or scalar); written at the next drain."""
@@ -108,8 +112,12 @@ class PendingTables:
         written = 0
         for table, parts in by_table.items():
             merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-            convert = families[SIGNALS[TABLES[table].signal].family].convert.get(table)
+            family = families[SIGNALS[TABLES[table].signal].family]
+            convert = family.convert.get(table)
             if convert is not None:
                 merged = convert(merged)
+            must_not_wait = family.may_wait.get(table)
+            if must_not_wait is not None and must_not_wait(merged, self._known[table]):
+                self.urgent.add(table)
             written += writer.append(table, **merged)
         return written

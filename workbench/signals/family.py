@@ -84,6 +84,11 @@ class SignalFamily:
         follow_marks: signals whose request changes with the marked spans (re-requested on change).
         running_sums: delta tables the reader keeps dense running sums of, by table name.
         convert: host-side conversions of a table's merged columns at a flush (ids to names).
+        may_wait: tables whose rows may wait for a later periodic flush (small tables read rarely: a part
+            costs a file and an fsync), by name, with a test `(merged columns, known) -> bool` of a flush's
+            rows that says they must not wait (news a reader should see now, such as a first fault);
+            `known` is a set the test keeps across one recording's flushes. The recorder writes them at
+            least every `workbench.recorders.recorder.HOLD_SECONDS` and always at the end.
         policy_fields: the `RecordPolicy` fields the family reads (documentation and checks).
         readers: what the family adds to a `Trace` by name: `trace.NAME(...)` calls `readers[NAME](trace, ...)`
             (`trace.dsa_heatmap(bins=512)`), so the trace store itself names no family.
@@ -96,6 +101,7 @@ class SignalFamily:
     follow_marks: frozenset[str] = frozenset()
     running_sums: dict[str, RunningSums] = field(default_factory=dict)
     convert: dict[str, Callable[[dict], dict]] = field(default_factory=dict)
+    may_wait: dict[str, Callable[[dict, set], bool]] = field(default_factory=dict)
     policy_fields: tuple[str, ...] = ()
     readers: dict[str, Callable[..., Any]] = field(default_factory=dict)
 

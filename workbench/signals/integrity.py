@@ -70,9 +70,14 @@ def _health_table(family: str, signal: str) -> TableSpec:
     ), signal=signal)
 
 
-def check_row(positions: "torch.Tensor", steps: "torch.Tensor", bad: "torch.Tensor", worst: "torch.Tensor",
-              seen: "torch.Tensor | None" = None, per_head: "torch.Tensor | None" = None) -> dict[str, Any]:
-    """One health row of a batch, counted on the device (no synchronisation).
+def check_row(positions: "torch.Tensor | np.ndarray", steps: "torch.Tensor | np.ndarray", bad: Any, worst: Any,
+              seen: Any = None, per_head: Any = None) -> dict[str, Any]:
+    """One health row of a batch.
+
+    On the host the row is made with numpy (the arrays are a handful of elements: torch's per-op dispatch
+    would cost 3-5x more, and a CPU decode's flush makes ~60 of these rows); on a device it is counted
+    there, with no synchronisation (the flush copies it with every other pending result). Both give the
+    same row (tests/workbench/test_integrity_rows.py).
 
     Args:
         positions, steps: `[n]` int64 on the host, one per row of the batch.
@@ -81,6 +86,35 @@ def check_row(positions: "torch.Tensor", steps: "torch.Tensor", bad: "torch.Tens
         seen: `[n]` bool, rows the check measured (default: all).
         per_head: `[H]` float32 per-head figure, when the check is per head.
     """
+    if isinstance(bad, np.ndarray):
+        return _host_row(np.asarray(positions), np.asarray(steps), bad, worst, seen, per_head)
+    return _device_row(positions, steps, bad, worst, seen, per_head)
+
+
+def _host_row(positions: np.ndarray, steps: np.ndarray, bad: np.ndarray, worst: np.ndarray,
+              seen: np.ndarray | None, per_head: np.ndarray | None) -> dict[str, Any]:
+    rows = bad.any(-1) if bad.ndim == 2 else bad
+    if seen is not None:
+        rows = rows & seen
+    failed = bool(rows.any())
+    first = int(rows.argmax())
+    out = {
+        "step": steps[-1:].copy(),
+        "count": np.array([rows.sum()], np.int64),
+        "total": np.array([seen.sum() if seen is not None else len(rows)], np.int64),
+        "first_position": np.array([positions[first] if failed else -1], np.int64),
+        "first_step": np.array([steps[first] if failed else -1], np.int32),
+        "head": np.array([bad[first].argmax() if failed and bad.ndim == 2 else -1], np.int16),
+        "worst": np.array([worst[rows].astype(np.float32).max() if failed else -np.inf], np.float32),
+        "last_position": positions[-1:].copy(),
+    }
+    if per_head is not None:
+        out["per_head"] = per_head.astype(np.float32).reshape(1, -1)
+    return out
+
+
+def _device_row(positions: "torch.Tensor", steps: "torch.Tensor", bad: "torch.Tensor", worst: "torch.Tensor",
+                seen: "torch.Tensor | None", per_head: "torch.Tensor | None") -> dict[str, Any]:
     import torch
 
     device = bad.device
@@ -107,6 +141,49 @@ def check_row(positions: "torch.Tensor", steps: "torch.Tensor", bad: "torch.Tens
     return out
 
 
+def _on_host(fields: dict, steps: "torch.Tensor") -> tuple[dict, Any]:
+    """The fields and steps as numpy arrays when they live on the CPU (views, no copy; half precision
+    widened to float32, which keeps every value and comparison), else as they are."""
+    import torch
+
+    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in fields.values()):
+        return fields, steps
+
+    def host(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.detach()
+        return (v.float() if v.dtype in (torch.bfloat16, torch.float16) else v).numpy()
+
+    return {k: host(v) for k, v in fields.items()}, host(steps)
+
+
+# the few array functions the checks need, on numpy arrays (host) and torch tensors (device) alike
+def _finite(x: Any) -> Any:
+    return np.isfinite(x) if isinstance(x, np.ndarray) else x.isfinite()
+
+
+def _amax(x: Any, dim: int) -> Any:
+    return x.max(axis=dim) if isinstance(x, np.ndarray) else x.amax(dim)
+
+
+def _float(x: Any) -> Any:
+    return x.astype(np.float32) if isinstance(x, np.ndarray) else x.float()
+
+
+def _count(x: Any, dim: int) -> Any:
+    """True entries of a bool array along `dim`, as float32."""
+    return _float(x.sum(dim))
+
+
+def _nan_to(x: Any, nan: float, posinf: float | None = None, neginf: float | None = None) -> Any:
+    """`x` with NaN (and, given, +-inf) replaced; infinities not given become the largest finite values
+    (numpy's and torch's default alike)."""
+    if isinstance(x, np.ndarray):
+        return np.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    return x.nan_to_num(nan, posinf, neginf)
+
+
 def _pend(ctx: RecordingContext, family: str, layer: int, rank: int, check: str, row: dict[str, Any]) -> None:
     ctx.pend(f"{family}_health", layer, rank, {**row, "check": np.array([check], dtype=object)})
 
@@ -115,47 +192,50 @@ def kda_rows(ctx: RecordingContext, layer: int, rank: int, steps: "torch.Tensor"
     """KDA state checks: non-finite and out-of-bound norms, frozen decay, chunked-vs-recurrent drift."""
     from engine.ops.integrity import kda_state_faults
 
+    fields, steps = _on_host(fields, steps)
     positions, norm = fields["positions"], fields["norm"]  # [n], [n, H]
     policy = ctx.policy
-    nonfinite = ~norm.isfinite()
+    nonfinite = ~_finite(norm)
     _pend(ctx, "kda", layer, rank, "kda.state_nonfinite",
-          check_row(positions, steps, nonfinite, nonfinite.sum(-1).float(), per_head=nonfinite.sum(0)))
+          check_row(positions, steps, nonfinite, _count(nonfinite, -1), per_head=_count(nonfinite, 0)))
     large = kda_state_faults(norm, policy.health_norm_max) & ~nonfinite
     _pend(ctx, "kda", layer, rank, "kda.state_norm",
-          check_row(positions, steps, large, norm.nan_to_num(0.0, 0.0, 0.0).amax(-1), per_head=large.sum(0)))
+          check_row(positions, steps, large, _amax(_nan_to(norm, 0.0, 0.0, 0.0), -1), per_head=_count(large, 0)))
     if "frozen" in fields:
         frozen = fields["frozen"]
         _pend(ctx, "kda", layer, rank, "kda.frozen_decay",
-              check_row(positions, steps, frozen > 0, frozen.amax(-1), per_head=frozen.amax(0)))
+              check_row(positions, steps, frozen > 0, _amax(frozen, -1), per_head=_amax(frozen, 0)))
     if "drift" in fields:
         drift = fields["drift"]
-        measured = ~drift.isnan().all(-1)
+        measured = ~(drift != drift).all(-1)  # a row of NaN: not measured (token-by-token calls)
         # a head measured as NaN failed too (a non-finite state on either side)
-        bad = measured.unsqueeze(-1) & ~(drift <= policy.health_drift_tol)
-        worst = drift.nan_to_num(float("inf")).amax(-1)
-        _pend(ctx, "kda", layer, rank, "kda.chunk_drift", check_row(positions, steps, bad, worst, seen=measured,
-                                                                    per_head=drift.nan_to_num(float("inf")).amax(0)))
+        bad = measured[:, None] & ~(drift <= policy.health_drift_tol)
+        filled = _nan_to(drift, float("inf"))
+        _pend(ctx, "kda", layer, rank, "kda.chunk_drift", check_row(positions, steps, bad, _amax(filled, -1),
+                                                                    seen=measured, per_head=_amax(filled, 0)))
 
 
 def dsa_rows(ctx: RecordingContext, layer: int, rank: int, steps: "torch.Tensor", fields: dict) -> None:
     """DSA selection ties: rows whose selection the tie-break decided; worst = the widest tie band."""
     if "tie_cut" not in fields:
         return
+    fields, steps = _on_host(fields, steps)
     _pend(ctx, "dsa", layer, rank, "dsa.tie",
-          check_row(fields["positions"], steps, fields["tie_cut"] > 0, fields["tie_band"].float()))
+          check_row(fields["positions"], steps, fields["tie_cut"] > 0, _float(fields["tie_band"])))
 
 
 def moe_rows(ctx: RecordingContext, layer: int, rank: int, steps: "torch.Tensor", fields: dict) -> None:
     """MoE router checks: non-finite logits, ties at the top-k boundary (`engine.ops.integrity.router_verdicts`,
     in bulk over the batch: a router step only kept three numbers per token)."""
-    from engine.ops.integrity import router_verdicts
-
     if "logit_sum" not in fields:
         return
-    positions = fields["positions"]
-    nonfinite, ties = router_verdicts(fields["logit_sum"], fields["kth_choice"], fields["runner_up"])
-    _pend(ctx, "moe", layer, rank, "moe.router_nonfinite", check_row(positions, steps, nonfinite, nonfinite.float()))
-    _pend(ctx, "moe", layer, rank, "moe.boundary_tie", check_row(positions, steps, ties, fields["kth_choice"]))
+    fields, steps = _on_host(fields, steps)
+    from engine.ops.integrity import router_verdicts
+
+    positions, kth = fields["positions"], fields["kth_choice"]
+    nonfinite, ties = router_verdicts(fields["logit_sum"], kth, fields["runner_up"])
+    _pend(ctx, "moe", layer, rank, "moe.router_nonfinite", check_row(positions, steps, nonfinite, _float(nonfinite)))
+    _pend(ctx, "moe", layer, rank, "moe.boundary_tie", check_row(positions, steps, ties, kth))
 
 
 _CHECKERS = {"kda.state": kda_rows, "dsa.topk": dsa_rows, "moe.route": moe_rows}
@@ -179,6 +259,20 @@ def _with_health_rows(inner: RowsFn) -> RowsFn:
     return to_rows
 
 
+def must_be_seen_now(columns: dict, known: set) -> bool:
+    """A flush's health rows (merged columns) hold a fault or warning check failing at a (check, layer) that
+    had not failed before in this recording (`known` remembers them): the trace gets them at this flush,
+    so a reader sees since when. Clean rows, notes (ties) and a finding already written may wait for a
+    later flush (`SignalFamily.may_wait`)."""
+    failed = np.asarray(columns["count"]) > 0
+    news = False
+    for check, layer in zip(np.asarray(columns["check"])[failed], np.asarray(columns["layer"])[failed]):
+        if CHECKS.get(check, ("fault",))[0] != "note" and (check, int(layer)) not in known:
+            known.add((check, int(layer)))
+            news = True
+    return news
+
+
 def install() -> None:
     """Add the health table, request fields and checks to the registered kda, dsa and moe families
     (once; `workbench.signals` calls it after registering them)."""
@@ -189,7 +283,9 @@ def install() -> None:
         signal = signals.get(family)
         if signal is None or any(t.name == f"{family}_health" for t in fam.tables):
             continue
+        health_table = f"{family}_health"
         register(dataclasses.replace(fam, tables=fam.tables + (_health_table(family, signal),),
+                                     may_wait={**fam.may_wait, health_table: must_be_seen_now},
                                      request=_with_health_request(fam.request),
                                      to_rows=_with_health_rows(fam.to_rows),
                                      policy_fields=fam.policy_fields + POLICY_FIELDS))

@@ -26,9 +26,10 @@ import json
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -153,6 +154,9 @@ class TraceWriter:
         self._session_lock = threading.RLock()  # the session dict and session.json (the flush thread takes it)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        # CPU seconds (its own thread's) of the last part-writing job, background or not: what a flush costs
+        # beyond the caller's thread, for callers that pace their flushes (the recorder)
+        self.last_write_cpu_s = 0.0
         self._buffers: dict[str, list[Batch]] = {name: [] for name in TABLES}
         self._buffer_rows = dict.fromkeys(TABLES, 0)
         self._buffer_bytes = 0
@@ -240,16 +244,18 @@ class TraceWriter:
                 self._flush(list(TABLES), wait=False)
         return batch.n
 
-    def flush(self, wait: bool = True) -> dict[str, int]:
+    def flush(self, wait: bool = True, hold: Collection[str] = ()) -> dict[str, int]:
         """Write one new part per table with buffered rows; returns {table: rows written}.
 
         With wait=False the rows are handed to a background thread and the call returns at once
         (with {}): Parquet encoding and fsync then overlap the engine's work. At most one flush is in
-        flight; the next flush waits for it and re-raises its error, if any.
+        flight; the next flush waits for it and re-raises its error, if any. Tables in `hold` keep
+        their rows buffered for a later flush (a caller's small, rarely urgent tables: each part costs
+        a file and an fsync); `close` writes everything.
         """
         with self._lock:
             self._check_open()
-            return self._flush(list(TABLES), wait)
+            return self._flush([name for name in TABLES if name not in hold], wait)
 
     def update_session(self, **fields: Any) -> None:
         """Merge fields into session.json and rewrite it atomically (dicts merge, other values replace)."""
@@ -358,6 +364,13 @@ class TraceWriter:
 
     def _write(self, jobs: list[tuple[str, int, list[Batch]]]) -> dict[str, int]:
         """Encode and publish one part per job, then record them in session.json (parts before manifest)."""
+        started = time.thread_time()
+        try:
+            return self._write_parts(jobs)
+        finally:
+            self.last_write_cpu_s = time.thread_time() - started
+
+    def _write_parts(self, jobs: list[tuple[str, int, list[Batch]]]) -> dict[str, int]:
         written = {}
         for name, seq, batches in jobs:
             spec = TABLES[name]
