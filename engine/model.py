@@ -20,6 +20,7 @@ from torch import nn
 from engine.cache import KDAState, MLACache, ModelState
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.heap import LARGE_ALLOCATION_BYTES, release_free_heap
 from engine.hooks import HookPoint, bind_points, through
 from engine.layers.attn_res import ResNorm, attn_res
 from engine.layers.common import GatedMLP, RMSNorm, activation
@@ -285,6 +286,11 @@ class KimiForCausalLM(nn.Module):
         hidden = self.model(input_ids, state, layer_outputs, inputs_embeds)
         if last_only:
             hidden = hidden[:, -1:]
+        logits_bytes = hidden.shape[:-1].numel() * self.lm_head.out_features * hidden.element_size()
+        if hidden.device.type == "cpu" and logits_bytes >= LARGE_ALLOCATION_BYTES:
+            # every position's logits are a fresh mapping on top of the heap the layers' transients grew:
+            # its free pages go back first, or both count at the peak (engine.heap)
+            release_free_heap()
         logits = comm.all_gather(self.lm_head(hidden), self.parallel, dim=-1, tag="lm_head")
         if not all_finite(logits):  # one reduction; the culprit is only searched on failure
             raise nonfinite_error(self, input_ids, logits, state)

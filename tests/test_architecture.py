@@ -24,7 +24,7 @@ PACKAGES = ("engine", "workbench", "apps")
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the one source of truth and plain per-sequence data; nothing here builds a model
     # errors and user files opened with size limits: what every other module may use
-    ("engine base", ("engine.errors", "engine.io", "engine.lazy")),
+    ("engine base", ("engine.errors", "engine.io", "engine.lazy", "engine.heap")),
     ("engine config", ("engine.config", "engine.config_io", "engine.presets", "engine.io.inputs", "engine.runtime",
                        "engine.probes", "engine.hooks", "engine.cache", "engine.tokenizer", "engine.deployment",
                        "engine.builtin", "engine.model_ref", "engine.model_card", "engine.session.chat_response", "engine.interventions")),

@@ -38,6 +38,7 @@ import torch
 
 from engine.cache import KDAState, MLACache, ModelState
 from engine.errors import InputError
+from engine.heap import release_free_heap
 from engine.hooks import any_attached, hook_points
 from engine.layers.fused import fused_groups, refresh_fused
 from engine.layers.moe import RoutedExperts
@@ -225,6 +226,8 @@ class DecodeStep:
     def _compiled(self, device: torch.device) -> Callable:
         fn = self._fns.get(BACKEND)
         if fn is None:
+            # the compiler's imports and its work land on top of whatever heap the prefill left (engine.heap)
+            release_free_heap()
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)

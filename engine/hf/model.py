@@ -34,6 +34,7 @@ from engine.io.files import parse_json, read_limited
 from engine.model import KimiForCausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights.load import fill, load_model
+from engine.weights.meta import on_meta
 from engine.weights.random_init import RandomSource
 
 _MAX_CONFIG_BYTES = 16 << 20
@@ -91,7 +92,7 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             # no checkpoint: the engine's seeded random weights (what `preset:` references run), never
             # transformers' initialisers, which know nothing of the AttnRes or KDA parameters
             engine_config = config.engine_config()
-            with torch.device("meta"):
+            with on_meta():
                 engine_model = KimiForCausalLM(engine_config)
             engine_model.to_empty(device="cpu")
             fill(engine_model, RandomSource(engine_config, 0), torch.float32, progress=False)

@@ -25,6 +25,7 @@ from engine.model_ref import parse_model_ref
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
 from engine.runtime import RuntimeOptions
+from engine.weights.meta import on_meta
 from engine.weights.names import DENSE_MLP_ALIAS, TensorSpec, checkpoint_tensors, is_vision_tensor
 from engine.weights.random_init import RandomSource
 from engine.weights.safetensors_io import FLOAT_DTYPES, CheckpointFiles
@@ -268,7 +269,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         with_vision = has_vision_tensors(config, files)
         if config.vision is not None and not with_vision and parallel.rank == 0:
             print(f"{root}: {IMAGES_UNAVAILABLE}: loading the text model; images are unavailable", file=sys.stderr)
-    with torch.device("meta"):
+    with on_meta():
         # floats in the compute dtype (MXFP4 experts stay uint8); fill only copies values in
         model = KimiForCausalLM(config, runtime, expert_ids, parallel, with_vision=with_vision).to(dtype)
     model.to_empty(device=device)
