@@ -148,6 +148,19 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     return int(seed)
 
 
+def check_positions(span: object, what: str, *, limit: int, inclusive: bool = False, bound: str = "") -> tuple[int, int]:
+    """`span` as (start, end) token positions, 0 <= start < end <= `limit` (start <= end when `inclusive`);
+    else InputError naming `what` and the limit (`bound`: what it is, e.g. "the context"). A span may come
+    from a command line, a session.json or a caller's list: two integers (not bools, not text) or nothing."""
+    pair = tuple(span) if isinstance(span, (tuple, list)) else ()
+    if (len(pair) != 2 or not all(_is_int(v) for v in pair) or not 0 <= pair[0] <= pair[1] <= limit
+            or (pair[0] == pair[1] and not inclusive)):
+        order = "START <= END" if inclusive else "START < END"
+        named = f" ({bound})" if bound else ""
+        raise InputError(f"{what} must be two token positions with 0 <= {order} <= {limit}{named}, got {span!r:.60}")
+    return int(pair[0]), int(pair[1])
+
+
 def check_continuation(session: Any, continuation: Any, role: Any = "user") -> None:
     """A continuation is None, text (a `role` turn: the model needs a tokenizer), a `TaskPrompt`, a function
     of the branch, or token ids."""

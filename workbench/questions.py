@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from engine.errors import InputError
 from workbench.analysis.causal import ACTION_WORDS, verdict_of_summary
 from workbench.analysis.chance import chance_of_hit, format_read
 from workbench.analysis.dsa import dense_mass_summary, layers_reading
@@ -25,6 +24,7 @@ from workbench.analysis.image_reads import format_patches, patch_reads
 from workbench.analysis.kda_health import heads_at_risk, memory_health
 from workbench.analysis.moe import modality_divergence, rank_load_balance
 from workbench.trace import Trace
+from workbench.interventions import check_positions
 from workbench.trace.effects_table import read_effects
 
 
@@ -56,12 +56,7 @@ MAX_POSITION = 2 ** 31 - 1  # positions are int32 in traces
 def checked_span(span: object, what: str, *, inclusive: bool) -> tuple[int, int]:
     """`span` as (start, end) token positions, 0 <= start < end <= MAX_POSITION (start <= end when
     `inclusive`); else InputError naming `what` (a span may come from a command line or session.json)."""
-    pair = tuple(span) if isinstance(span, (tuple, list)) else ()
-    if (len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)
-            or not 0 <= pair[0] <= pair[1] <= MAX_POSITION or (pair[0] == pair[1] and not inclusive)):
-        order = "START <= END" if inclusive else "START < END"
-        raise InputError(f"{what} must be two token positions with 0 <= {order} <= {MAX_POSITION}, got {span!r:.60}")
-    return int(pair[0]), int(pair[1])
+    return check_positions(span, what, limit=MAX_POSITION, inclusive=inclusive)
 
 
 def recorded_needle(trace: Trace) -> tuple[int, int] | None:

@@ -91,6 +91,24 @@ def test_check_span_on_a_context_without_room_gives_no_verdict(model) -> None:
     assert not any(overlaps(c, a) for c in roomy.controls for a in [(40, 44), (60, 64)])
 
 
+def test_check_span_refuses_bad_spans_and_seeds_before_running(model) -> None:
+    s = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
+    s.append(ids=random_ids(94, 2), name="document")
+    ask = dict(continuation=random_ids(5, 3), target=random_ids(3, 4))
+    for span, words in [((40, 95), r"the span to hide must be two token positions with 0 <= START < END <= 94 "
+                                   r"\(the context\), got \(40, 95\)"),
+                        ((True, 5), "the span to hide"), ((5, 5), "START < END"), (("1", 5), "got")]:
+        with pytest.raises(InputError, match=words):
+            workbench.check_span(s, span, **ask)
+    with pytest.raises(InputError, match="an evidence span must be two token positions"):
+        workbench.check_span(s, (4, 8), evidence=[(90, 99)], **ask)
+    with pytest.raises(InputError, match="the controls' region must be"):
+        workbench.check_span(s, (4, 8), region=(0, 200), **ask)
+    with pytest.raises(InputError, match=r"seed must be an integer in \[0, 2\*\*63\), got -1"):
+        workbench.check_span(s, (4, 8), seed=-1, **ask)
+    assert s.length == 0  # refused before the context was prefilled
+
+
 def test_attribution_rows_carry_controls_rank_and_verdict(model) -> None:
     s = Session(model, Tokenizer.byte_level(), prefill_chunk=32)
     s.append(ids=random_ids(6, 1), name="intro")

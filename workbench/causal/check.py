@@ -23,14 +23,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-
 from engine.errors import InputError
 from engine.interventions import DsaHide
 from workbench.analysis.causal import DEFAULT_CONTROLS, Verdict, control_spans, verdict
 from workbench.causal_effects import (Continuation, ScoringWarning, _continue, _ids, _scaffold_warning,
                                       target_logprobs, task_scoring)
-from workbench.interventions import _segment_span
+from workbench.interventions import _segment_span, check_positions, check_seed
 from workbench.task_templates import TaskPrompt, recorded_spans
 
 Span = tuple[int, int]
@@ -65,15 +63,6 @@ class SpanCheck:
     warnings: tuple[str, ...] = ()  # why the scores may not mean what they seem (`ScoringWarning`)
 
 
-def _span(value: Any, limit: int, what: str) -> Span:
-    pair = tuple(value) if isinstance(value, (tuple, list)) else ()
-    if (len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)
-            or not 0 <= pair[0] < pair[1] <= limit):
-        raise InputError(f"{what} must be two token positions with 0 <= START < END <= {limit} (the context), "
-                         f"got {value!r:.60}")
-    return int(pair[0]), int(pair[1])
-
-
 def check_span(session: Any, span: Sequence[int] | str, *, continuation: Continuation | TaskPrompt | str | Sequence[int],
                target: str | Sequence[int] | None = None, what: str | None = None, layers: Any = "all",
                evidence: Sequence[Sequence[int]] = (), region: Sequence[int] | None = None,
@@ -106,11 +95,12 @@ def check_span(session: Any, span: Sequence[int] | str, *, continuation: Continu
         else:
             what = what or span
             span = _segment_span(session, span, f"the span to hide ({span!r})")
-    span = _span(span, end, "the span to hide")
-    avoid = [span] + [_span(e, end, "an evidence span") for e in evidence]
-    region = (0, end) if region is None else _span(region, end, "the controls' region")
+    span = check_positions(span, "the span to hide", limit=end, bound="the context")
+    avoid = [span] + [check_positions(e, "an evidence span", limit=end, bound="the context") for e in evidence]
+    region = (0, end) if region is None else check_positions(region, "the controls' region", limit=end,
+                                                             bound="the context")
     chosen = "all" if layers == "all" else tuple(int(v) for v in layers)
-    draw = control_spans(span[1] - span[0], region, avoid, controls, seed)
+    draw = control_spans(span[1] - span[0], region, avoid, controls, check_seed(seed))
     session.prefill()
 
     def score(hidden: Span | None) -> float:
