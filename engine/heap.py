@@ -2,13 +2,12 @@
 
 glibc's malloc serves buffers below its mmap threshold (up to 32 MB once tuned by use) from the heap,
 and freeing them keeps the pages: the heap grows to the largest working set a prefill had (its
-layers' transient buffers, ~200 MB at 4K tokens of the bench_vs_llamacpp checkpoint) and stays that
-size. A buffer above the threshold (a prefill's logits, 128 MB at 4K x 8K) is a fresh mapping on top
-of it, and the two add up at the process's peak although they are never live together; so do the
-compiler's imports and work on top of a heap a prefill left behind. `release_free_heap()` returns the
-heap's free pages first (`malloc_trim(0)`): one call of tens of milliseconds where a prefill takes
-seconds, against a fixed `MALLOC_MMAP_THRESHOLD_`, which would map and fault in every large buffer
-afresh (a 4K prefill 60% slower; docs/benchmarks.md, 'The CPU engine against llama.cpp').
+layers' transient buffers) and stays that size. A buffer above the threshold (every position's
+logits of a prefill) is a fresh mapping on top of it, and the two add up at the process's peak
+although they are never live together; so do the compiler's imports and work on top of a heap a
+prefill left behind. `release_free_heap()` returns the heap's free pages first (`malloc_trim(0)`):
+one call, where a fixed `MALLOC_MMAP_THRESHOLD_` would map and fault in every large buffer of the
+prefill afresh and slow it down (figures in docs/benchmarks.md, 'The CPU engine against llama.cpp').
 
 Elsewhere than glibc (macOS, musl, Windows) there is nothing to call and it does nothing.
 """
@@ -19,8 +18,7 @@ import ctypes
 import sys
 from typing import Callable
 
-# an allocation at least this large is worth a trim before it (below it the trim's cost, tens of
-# milliseconds, is not repaid)
+# an allocation at least this large is worth a trim before it; below it the trim's own cost is not repaid
 LARGE_ALLOCATION_BYTES = 64 << 20
 
 _UNRESOLVED = object()

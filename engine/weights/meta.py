@@ -3,10 +3,10 @@
 A model is built on the meta device (shapes only) and then filled from a checkpoint, so the random
 initialisers `nn.Linear` and `nn.Embedding` call in their constructors have nothing to do. On meta
 tensors they still run, and `normal_` on a meta tensor goes through torch's Python reference
-implementation, which imports `torch._dynamo` (and with it inductor and sympy) on first use: about
-155 MB of resident memory in a process that may never compile anything (docs/benchmarks.md, 'The CPU
-engine against llama.cpp'). `on_meta()` skips those calls; the compiled decode step imports the
-compiler when it is first asked for.
+implementation, which imports `torch._dynamo` (and with it inductor and sympy) on first use: a
+large share of the resident memory of a process that may never compile anything (figures in
+docs/benchmarks.md, 'The CPU engine against llama.cpp'). `on_meta()` skips those calls; the
+compiled decode step imports the compiler when it is first asked for.
 """
 
 from __future__ import annotations
