@@ -61,7 +61,8 @@ class ShortConv(nn.Module):
         out = padded[:, :T] * taps[:, 0]
         for j in range(1, kernel):
             out.addcmul_(padded[:, j:j + T], taps[:, j])
-        return F.silu(out), padded[:, T:].transpose(1, 2)
+        # the tail copied out: a view would keep the whole padded input alive until the state takes it
+        return F.silu(out), padded[:, T:].transpose(1, 2).clone()
 
 
 class KimiDeltaAttention(nn.Module):
@@ -272,6 +273,12 @@ class KimiDeltaAttention(nn.Module):
         v = v.unflatten(-1, heads)
         g = self.decay(x, f_a)
         beta = torch.sigmoid(b_in.float())  # [B, T, H]
+        if T > self.runtime.kda_recurrent_max_tokens:
+            # the projections are views of one matmul's output (q, k, v, f_a, b and the gate side by side):
+            # only the gate's columns are read after this, so they are copied out and the rest is freed
+            # before the core runs, a prefill's largest buffer then; decode steps keep the views
+            gate_in = gate_in.clone()
+        del q_in, k_in, v_in, f_a, b_in
         if pad is not None:
             g = g.masked_fill(pad.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(pad, 0.0)

@@ -119,3 +119,17 @@ def test_both_ways_of_combining_sorted_rows_agree():
         want[t] += weights[t, j] * y[r]
     for combine in (add_into_tokens, gather_back):
         assert relative_error(combine(y, order, weights), want) < 1e-6
+
+
+def test_combining_in_place_equals_the_copy_and_leaves_the_callers_rows_alone():
+    """`add_into_tokens(overwrite=True)` weights the rows in place (the prefill's scratch): the same values
+    bit for bit as weighting a copy, and without it the caller's rows are left as they were."""
+    from engine.ops.moe.grouped import add_into_tokens
+    g = torch.Generator().manual_seed(4)
+    N, k, D = 29, 4, 16
+    order = torch.randperm(N * k, generator=g)
+    y, weights = torch.randn(N * k, D, generator=g), torch.rand(N, k, generator=g)
+    kept = y.clone()
+    copied = add_into_tokens(y, order, weights)
+    assert torch.equal(y, kept)
+    assert torch.equal(add_into_tokens(y, order, weights, overwrite=True), copied)

@@ -194,35 +194,48 @@ def kda_chunked(
     group = max(C, group_tokens // C * C)
     for g0 in range(0, T, group):
         g1 = min(T, g0 + group)
-        n = g1 - g0
-        pad = (-n) % C
-        # [B, H, n(+pad), *]; padded tokens have k = v = beta = 0 and g = 0: they leave S untouched
-        qs, ks, vs, gs = (torch.nn.functional.pad(x[:, g0:g1].float().transpose(1, 2), (0, 0, 0, pad))
-                          for x in (q, k, v, g))
-        bs = torch.nn.functional.pad(beta[:, g0:g1].float().transpose(1, 2), (0, pad))
-        nc = (n + pad) // C
-        qc, kc, vc, gc = (x.unflatten(2, (nc, C)) for x in (qs, ks, vs, gs))  # [B, H, nc, C, *]
-        bc = bs.unflatten(2, (nc, C)).unsqueeze(-1)  # [B, H, nc, C, 1]
-        G = gc.cumsum(-2)
-        qc = qc * scale
-        Aqk, Akk = _intra_chunk(qc, kc, G)
-        # (I + beta * Akk) is unit lower-triangular: invert it once per chunk (a C x C solve, cheaper
-        # than solving for the V + K right-hand sides, whose tiny W entries would go denormal), then
-        # two matmuls
-        lower = torch.eye(C, device=q.device) + bc * Akk
-        eye = torch.eye(C, device=q.device).expand_as(lower)
-        inverse = _flush_tiny(torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True))
-        U0 = inverse @ (bc * vc)  # [B, H, nc, C, V]
-        W = _flush_tiny(inverse @ (bc * (kc * _decay(G))))  # [B, H, nc, C, K]; U = U0 - W S0
-        q_decay = qc * _decay(G)
-        k_tail = kc * _decay(G[..., -1:, :] - G)  # decay from each token to the chunk end
-        tail = _decay(G[..., -1, :]).unsqueeze(-1)  # [B, H, nc, K, 1]
-        out = torch.empty(B, H, nc, C, V, device=q.device)
-        for c in range(nc):
-            U = U0[:, :, c] - W[:, :, c] @ S  # [B, H, C, V]
-            out[:, :, c] = q_decay[:, :, c] @ S + Aqk[:, :, c] @ U
-            S = tail[:, :, c] * S + k_tail[:, :, c].transpose(-1, -2) @ U
-            if observe is not None:
-                observe(min(T, g0 + (c + 1) * C) - 1, S)  # padding past T leaves S unchanged
-        o[:, g0:g1] = out.flatten(2, 3)[:, :, :n].transpose(1, 2)
+        out, S = _chunk_group(q[:, g0:g1], k[:, g0:g1], v[:, g0:g1], g[:, g0:g1], beta[:, g0:g1], S, scale, C,
+                              None if observe is None else (lambda t, S, g0=g0: observe(min(T - 1, g0 + t), S)))
+        o[:, g0:g1] = out.transpose(1, 2)
     return o, S
+
+
+def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 S: torch.Tensor, scale: float, C: int,
+                 observe: StateObserver | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group of `kda_chunked` (`[B, n, H, *]` slices, n tokens): its chunks' intra-chunk work batched,
+    then the state handed from chunk to chunk. Returns (o `[B, H, n, V]`, the state after it); `observe(t,
+    S)` gets t = the chunk's end relative to the group's start (past n when the last chunk is padded).
+    A function of its own so that its buffers (a dozen of `[B, H, n, K]`) are freed before the next group
+    makes its own, not when each name is bound again."""
+    B, n, H, _ = q.shape
+    V = v.shape[-1]
+    pad = (-n) % C
+    nc = (n + pad) // C
+    # [B, H, nc, C, *]; padded tokens have k = v = beta = 0 and g = 0: they leave S untouched
+    qc, kc, vc, gc = (torch.nn.functional.pad(x.float().transpose(1, 2), (0, 0, 0, pad)).unflatten(2, (nc, C))
+                      for x in (q, k, v, g))
+    bc = torch.nn.functional.pad(beta.float().transpose(1, 2), (0, pad)).unflatten(2, (nc, C)).unsqueeze(-1)
+    G = gc.cumsum(-2)
+    del gc
+    qc = qc * scale
+    Aqk, Akk = _intra_chunk(qc, kc, G)
+    # (I + beta * Akk) is unit lower-triangular: invert it once per chunk (a C x C solve, cheaper
+    # than solving for the V + K right-hand sides, whose tiny W entries would go denormal), then
+    # two matmuls
+    lower = torch.eye(C, device=q.device) + bc * Akk
+    eye = torch.eye(C, device=q.device).expand_as(lower)
+    inverse = _flush_tiny(torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True))
+    U0 = inverse @ (bc * vc)  # [B, H, nc, C, V]
+    W = _flush_tiny(inverse @ (bc * (kc * _decay(G))))  # [B, H, nc, C, K]; U = U0 - W S0
+    q_decay = qc * _decay(G)
+    k_tail = kc * _decay(G[..., -1:, :] - G)  # decay from each token to the chunk end
+    tail = _decay(G[..., -1, :]).unsqueeze(-1)  # [B, H, nc, K, 1]
+    out = torch.empty(B, H, nc, C, V, device=q.device)
+    for c in range(nc):
+        U = U0[:, :, c] - W[:, :, c] @ S  # [B, H, C, V]
+        out[:, :, c] = q_decay[:, :, c] @ S + Aqk[:, :, c] @ U
+        S = tail[:, :, c] * S + k_tail[:, :, c].transpose(-1, -2) @ U
+        if observe is not None:
+            observe((c + 1) * C - 1, S)  # padding past T leaves S unchanged
+    return out.flatten(2, 3)[:, :, :n], S
