@@ -132,7 +132,7 @@ class Browser:
     def dom_nodes(self) -> int:
         return int(self.cdp.send("Memory.getDOMCounters")["nodes"])
 
-    def open(self, url: str, wait_for: str | None = ".k3-view-experts canvas", timeout_ms: int = 60_000) -> float:
+    def open(self, url: str, wait_for: str | None = ".k3-view-session canvas", timeout_ms: int = 60_000) -> float:
         """Navigate and wait for `wait_for` to be visible; returns seconds from navigation to that point."""
         start = time.perf_counter()
         self.page.goto(url, wait_until="commit", timeout=timeout_ms)
@@ -141,6 +141,9 @@ class Browser:
         return time.perf_counter() - start
 
     def wait_views(self, timeout_ms: int = 60_000) -> None:
-        """Wait until every view has at least one drawn canvas."""
-        for selector in VIEW_SELECTORS.values():
+        """Wait until every view has at least one drawn canvas, scrolling to each in turn as a reader would
+        (a served page builds a view below the first screen when it is scrolled near: its placeholder
+        `.k3-unseen-NAME`, `apps/dashboard/components/seen.py`)."""
+        for name, selector in VIEW_SELECTORS.items():
+            self.page.locator(f"{selector}, .k3-unseen-{name}").first.scroll_into_view_if_needed(timeout=timeout_ms)
             self.page.locator(f"{selector} canvas").first.wait_for(state="visible", timeout=timeout_ms)

@@ -30,6 +30,7 @@ from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.lens import LensView
+from apps.dashboard.components.seen import ShownWhenSeen
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
@@ -133,7 +134,8 @@ class Dashboard(pn.viewable.Viewer):
                                               reducers=view_reducers(), view_options=view_options(), **bins),
                          **params)
         self._views: dict[str, Any] = {}
-        self._places: dict[str, PlacedWhenReady] = {}  # lazy views' places on the page (`views.ViewSpec.lazy`)
+        # lazy views' places on the page (`views.ViewSpec.lazy`), and those of views shown when scrolled near
+        self._places: dict[str, PlacedWhenReady | ShownWhenSeen] = {}
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -246,21 +248,31 @@ class Dashboard(pn.viewable.Viewer):
             items.append(self.lens_place)
         return items
 
-    def views(self) -> list:
+    def views(self, until_seen: bool = False) -> list:
         """The main column: the session map and the other views.
 
-        The server builds every view into the page it sends: the browser then lays the page out
-        once, with whatever data the follower has reduced while the page's scripts loaded, and the
-        rest arrives as one websocket message per frame. Panel's deferred loading (each view built
-        and sent after the page loaded) costs a round trip and several separate property messages
-        per view, and a relayout of the whole page for each (benchmarks/bench_dashboard.py).
+        The server builds the first screen's views into the page it sends: the browser then lays the
+        page out once, with whatever data the follower has reduced while the page's scripts loaded,
+        and the rest arrives as one websocket message per frame. Panel's deferred loading (each view
+        built and sent after the page loaded) costs a round trip and several separate property
+        messages per view, and a relayout of the whole page for each (benchmarks/bench_dashboard.py).
+        With `until_seen` (the served page), the views registered `until_seen` (below the first screen)
+        take their place when the reader scrolls near them (`components.seen.ShownWhenSeen`); their
+        components are built now and follow the state all along.
         """
-        lower = [self._placed(n) for n in VIEWS if n != "integrity"]
+        lower = [self._placed(n, until_seen) for n in VIEWS if n != "integrity"]
         return [self.probe, self.alert, self.view("integrity"), self.session_map, *lower]
 
-    def _placed(self, name: str) -> Any:
-        """The view `name`, or for a lazy view without content yet its empty place (`PlacedWhenReady`)."""
+    def _placed(self, name: str, until_seen: bool = False) -> Any:
+        """The view `name`; for a lazy view without content yet its empty place (`PlacedWhenReady`); with
+        `until_seen`, for a view registered `until_seen` its place until seen (`ShownWhenSeen`)."""
         component = self.view(name)
+        spec = VIEWS[name]
+        if until_seen and spec.until_seen and not spec.lazy:
+            place = self._places.get(name)
+            if not isinstance(place, ShownWhenSeen):
+                place = self._places[name] = ShownWhenSeen(component, name, spec.height_px, spec.title)
+            return place
         frame = self.state.frame
         data = frame.view(name)
         if not VIEWS[name].lazy or (data is not None and component.has_data(data, frame.session)):
@@ -355,7 +367,7 @@ def create_app(config: DashboardConfig, session_args: dict | None = None,
     # one root per template area: Bokeh re-walks every model of the document for each root it adds
     template = DashboardTemplate(
         title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
-        main=[pn.Column(*dash.views(), sizing_mode="stretch_width")], sidebar_width=340)
+        main=[pn.Column(*dash.views(until_seen=True), sizing_mode="stretch_width")], sidebar_width=340)
     template.dashboard = dash  # reachable from tests and notebooks
     return template
 
@@ -403,7 +415,7 @@ def build_dashboard(config: DashboardConfig, follow: bool = False) -> Dashboard:
     start following until a page takes them (a live trace would be polled for nobody).
     """
     dash = Dashboard(config)
-    dash.views()
+    dash.views(until_seen=True)
     if follow:
         dash.state.start()
     return dash

@@ -36,7 +36,10 @@ class ViewSpec:
     dashboard's state and session map); `options` are the view's own options with their defaults;
     `notebook` says whether `workbench.show()` shows it when no views are named; `lazy`, that the served
     page shows only its note until it has data (`components.base.PlacedWhenReady`): a view that is empty
-    until the user acts costs the first paint one line (its models are built and sent when data comes)."""
+    until the user acts costs the first paint one line (its models are built and sent when data comes);
+    `until_seen`, that the served page shows a placeholder of about the view's height (`height_px`) until the
+    reader scrolls near it (`components.seen.ShownWhenSeen`): a view below the first screen then costs the
+    first paint nothing; `title` names it in that placeholder."""
 
     name: str
     reducer: type[Reducer]
@@ -44,6 +47,9 @@ class ViewSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
     notebook: bool = True
     lazy: bool = False
+    until_seen: bool = False
+    height_px: int = 400
+    title: str = ""
 
 
 VIEWS: dict[str, ViewSpec] = {}
@@ -77,10 +83,15 @@ def view_options() -> dict[str, Any]:
 
 
 register_view(ViewSpec("dsa", VIEW_REDUCERS["dsa"], lambda dash: DSAMemoryMap(state=dash.state)))
-register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(state=dash.state)))
+# below the first screen (under the session map and the DSA map): built into the page when scrolled near;
+# the heights are the cards' at demo dims in a 1400 px wide page (a placeholder keeps the page about as long)
+register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(state=dash.state), until_seen=True,
+                       height_px=650, title="KDA state"))
 register_view(ViewSpec("health", VIEW_REDUCERS["health"],
-                       lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False))
-register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state)))
+                       lambda dash: KDAHealthView(state=dash.state, session_map=dash.session_map), notebook=False,
+                       until_seen=True, height_px=880, title="KDA health"))
+register_view(ViewSpec("experts", VIEW_REDUCERS["experts"], lambda dash: ExpertsView(state=dash.state),
+                       until_seen=True, height_px=890, title="Experts"))
 register_view(ViewSpec("effects", EffectsReducer, lambda dash: EffectsView(state=dash.state), lazy=True))
 # a clicked span sets drive mode's What-if range (no runner: it is only marked on the view's DSA map)
 register_view(ViewSpec("attribution", AttributionReducer, lambda dash: AttributionView(

@@ -26,8 +26,13 @@ from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
 from apps.dashboard.components.image_reads import ImageReadsPanel
 from apps.dashboard.components.panes import HTMLText, set_text, text_pane
+from apps.dashboard.components.seen import ShownWhenSeen
 from apps.dashboard.components.token_strip import TokenStrip, link_selection, strip_tokens
 from workbench.analysis.views import DSAMapData, HeatMap, RecordingMapData
+
+
+# the image panel's height in a 1400 px wide page (its placeholder keeps the page about as long)
+IMAGE_CARD_PX = 460
 
 
 class DSAMemoryMap(ViewComponent):
@@ -85,10 +90,15 @@ class DSAMemoryMap(ViewComponent):
                              sizing_mode="stretch_width"),
                          visible=False, sizing_mode="stretch_width", css_classes=["k3-dsa-image"])
 
+    @cached_property
+    def image_place(self) -> ShownWhenSeen:
+        """The image panel's place: below the first screen, so it is built into the page when scrolled near."""
+        return ShownWhenSeen(self.image_card, "dsa-image", IMAGE_CARD_PX, "What the DSA layers read in the image")
+
     def _show_detail(self, image: bool = False, reads: bool = False) -> None:
-        """Add the image panel and/or the read-out figure to the page (each once)."""
+        """Add the image panel (its place until seen) and/or the read-out figure to the page (each once)."""
         if image and not self.image_box.objects:
-            self.image_box.objects = [self.image_card]
+            self.image_box.objects = [self.image_place]
         if reads and len(self.detail.objects) == 1:
             self.detail.objects = [self.reads.figure, self.readout]
 

@@ -97,7 +97,10 @@ export function render({ model, el }) {
     return s;
   };
   const draw = () => {
-    const stick = box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
+    // reading the box's scroll geometry makes the browser lay out the page there and then: only a strip that
+    // already shows tokens asks whether the reader is at its end (the first draw goes to the end, in the next
+    // frame, when the page is laid out anyway)
+    const stick = positions.length === 0 || box.scrollTop + box.clientHeight >= box.scrollHeight - 4;
     const tokens = model.tokens;
     if (!tokens.length) {
       const p = document.createElement('i');
@@ -116,7 +119,7 @@ export function render({ model, el }) {
     if (extends_shown) { box.append(spans); } else { box.replaceChildren(spans); shown = null; }
     positions = tokens.map((t) => t[0]);
     paint();
-    if (stick) { box.scrollTop = box.scrollHeight; }
+    if (stick) { requestAnimationFrame(() => { box.scrollTop = box.scrollHeight; }); }
   };
   draw();
   model.on('tokens', draw);
