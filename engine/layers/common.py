@@ -59,7 +59,11 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return F.silu(gate) * up
+    # the product written over silu's own output: a prefill's MLPs then hold one [T, F] buffer fewer
+    # (autograd needs that output kept; a compiled graph fuses the two anyway)
+    return F.silu(gate).mul_(up)
 
 
 def activation(config: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
