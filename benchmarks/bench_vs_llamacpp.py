@@ -11,7 +11,8 @@ indexer, so the checkpoint is a Kimi-Linear one). One run of this script:
 3. runs each implementation in a fresh subprocess, on one thread, rounds interleaved (`--rounds`,
    order alternating): load, prefill the same T ids with every position's logits kept, then greedy
    decode at context T; each reports prefill tok/s, decode ms per token (wall and CPU, best round),
-   the RSS after loading and the process's peak RSS (VmHWM, load included);
+   the RSS after loading and the process's peak RSS (VmHWM, load included), and the peak so far
+   after each phase (load, prefill, warm-up with the compile, decode): where the peak was reached;
 4. compares the last position's logits of the prefills.
 
 What the converter needs, and why (the random checkpoint is written to give it exactly this):
@@ -167,7 +168,7 @@ def engine_worker(ckpt: Path, options: dict, tokens: int, decode: int, out: Path
 
     t0 = time.perf_counter()
     model = load_model(ckpt)
-    load_s, rss_loaded = time.perf_counter() - t0, status_kb("VmRSS")
+    load_s, rss_loaded, hwm_loaded = time.perf_counter() - t0, status_kb("VmRSS"), status_kb("VmHWM")
     model.runtime.compile = options.get("compile", False)
     session = Session(model, prefill_chunk=tokens)
     session.append(ids=_ids(tokens))
@@ -176,12 +177,14 @@ def engine_worker(ckpt: Path, options: dict, tokens: int, decode: int, out: Path
     prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     last = logits[-1].double().tolist()
     del logits
-    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s}
+    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s,
+              "peak_after_kb": {"load": hwm_loaded, "prefill": status_kb("VmHWM")}}
     if decode:
         t0 = time.perf_counter()
         list(session.generate(3, temperature=0, stop_ids=()))  # warm-up (the compile, on its first run)
         session.prefill()  # the last sampled token: the timed loop below holds decode steps only
         result["warmup_s"] = time.perf_counter() - t0
+        result["peak_after_kb"]["warm-up"] = status_kb("VmHWM")
         steps0 = session.deployment.decode_steps
         w0, c0 = time.perf_counter(), time.process_time()
         for _ in session.generate(decode, temperature=0, stop_ids=()):
@@ -201,15 +204,17 @@ def llama_worker(gguf: Path, options: dict, tokens: int, decode: int, out: Path)
     t0 = time.perf_counter()
     llm = Llama(model_path=str(gguf), n_ctx=tokens + decode + 8, n_batch=512, n_ubatch=512, n_threads=1,
                 n_threads_batch=1, logits_all=True, flash_attn=options["flash_attn"], verbose=False)
-    load_s, rss_loaded = time.perf_counter() - t0, status_kb("VmRSS")
+    load_s, rss_loaded, hwm_loaded = time.perf_counter() - t0, status_kb("VmRSS"), status_kb("VmHWM")
     t0, c0 = time.perf_counter(), time.process_time()
     llm.eval(_ids(tokens))  # every position's logits kept (logits_all)
     prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     last = np.asarray(llm.scores[tokens - 1], dtype=np.float64).tolist()
-    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s}
+    result = {"load_s": load_s, "rss_loaded_kb": rss_loaded, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s,
+              "peak_after_kb": {"load": hwm_loaded, "prefill": status_kb("VmHWM")}}
     if decode:
         for _ in range(3):  # warm-up, as the engine's
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        result["peak_after_kb"]["warm-up"] = status_kb("VmHWM")
         w0, c0 = time.perf_counter(), time.process_time()
         for _ in range(decode):  # greedy, as the engine's
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -323,6 +328,14 @@ def main() -> None:
         best[name] = b
         print(f"{name:<{width}} {b['prefill']:>13.0f} {b['prefill_cpu']:>10.0f} {b['decode']:>13.2f} "
               f"{b['decode_cpu']:>13.2f} {b['loaded']:>13.0f} {b['peak']:>11.0f}")
+    print("\nwhere the peak was reached: VmHWM (the peak so far) after each phase, MB, of the round with the lowest peak")
+    phases = ("load", "prefill", "warm-up", "decode")
+    print(f"{'implementation':<{width}} " + " ".join(f"{p:>9}" for p in phases) + "   each round's peak")
+    for name, rows in results.items():
+        low = min(rows, key=lambda x: x["peak_kb"])
+        marks = dict(low["peak_after_kb"], decode=low["peak_kb"])
+        print(f"{name:<{width}} " + " ".join(f"{marks[p] / 1024:>9.0f}" if p in marks else f"{'-':>9}" for p in phases)
+              + "   " + " / ".join(f"{x['peak_kb'] / 1024:.0f}" for x in rows))
     engines = [n for n in best if n.startswith("engine")]
     llamas = [n for n in best if n.startswith("llama")]
     for e in engines:
