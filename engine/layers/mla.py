@@ -30,7 +30,7 @@ from engine.ops.mla.masked import masked_attention_latent
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import ProbePoint
+from engine.probes import DEFER_MAX_ROWS, ProbePoint
 from engine.runtime import RuntimeOptions
 
 
@@ -237,10 +237,14 @@ class GatedMLA(nn.Module):
         rule = self._intervention()
         if self.indexer is not None:
             assert keys_all is not None and p.index_queries is not None and p.index_weights is not None
-            ties = self.probe_topk.listening and self.probe_topk.request.wants("tie_band")
+            point = self.probe_topk
+            ties = point.listening and point.request.wants("tie_band")
+            # an eager decode step hands a tie-free band over as `Deferred` (counted in bulk by the recorder)
+            defer = (ties and point.defers and not point.collecting and T <= DEFER_MAX_ROWS
+                     and not self.parallel.communicates)
             idx, scores, *band = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk,
                                               key_start=key_start, impl=self.runtime.kernels, intervention=rule,
-                                              ties=ties)
+                                              ties=ties, defer_ties=defer)
             scores = through(self.hook_scores, scores, start)
             idx = through(self.hook_selection, idx, start)
             if self.parallel.debug_checks:

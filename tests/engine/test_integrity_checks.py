@@ -14,6 +14,7 @@ from engine.ops.dsa.reference import indexer_scores, indexer_topk
 from engine.ops.integrity import (chunked_vs_recurrent, frozen_channels, kda_state_faults, router_boundary,
                                   router_faults, router_verdicts, state_digest, topk_ties)
 from engine.ops.kda import kda_chunked
+from engine.probes import Deferred
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 
@@ -68,6 +69,27 @@ def test_decode_step_selection_reports_the_same_band_and_selection():
     masked = masked_indexer_topk(q, w, buffer, pos, topk, ties=True)
     for a, b in zip(ref, masked):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plateau", [True, False])
+def test_a_decode_step_defers_only_a_band_no_tie_cut(plateau):
+    """`defer_ties`: one query row whose selection no tie decided hands band and cut over as Deferred of its
+    selected scores, equal to the eager values; a row a tie decided is computed at once."""
+    q, w, k, pos = plateau_inputs(seed=3)
+    if not plateau:
+        k = torch.randn(k.shape, generator=torch.Generator().manual_seed(4))
+    topk, kinds = 12, []
+    for t in (20, 39):  # one decode query at a time, over the keys up to it
+        eager = indexer_topk(q[:, t:t + 1], w[:, t:t + 1], k[:, :t + 1], pos[t:t + 1], topk, ties=True)
+        lazy = indexer_topk(q[:, t:t + 1], w[:, t:t + 1], k[:, :t + 1], pos[t:t + 1], topk, ties=True,
+                            defer_ties=True)
+        deferred = [isinstance(v, Deferred) for v in lazy[2:]]
+        assert deferred in ([True, True], [False, False])
+        assert deferred[0] == (int(eager[3].sum()) == 0)
+        kinds.append(deferred[0])
+        for a, b in zip(eager, lazy):
+            assert torch.equal(a, b.value() if isinstance(b, Deferred) else b)
+    assert kinds == ([False, False] if plateau else [True, True])  # the plateau straddles rank k: decided by the tie-break
 
 
 def test_router_faults_find_nan_logits_and_boundary_ties():

@@ -1,5 +1,5 @@
 """Integrity checks of eager decode steps computed in bulk (`engine.probes.Deferred`): the recorder receives
-the inputs of the KDA and MoE checks by reference and computes them once over many steps. The health
+the inputs of the KDA, DSA (a tie band no tie cut) and MoE checks by reference and computes them once over many steps. The health
 tables must be those of the checks computed at every step (bit for bit: the same elementwise ops), with a
 decode-time fault found at its step, and the cap on held steps (`DEFER_MAX_ITEMS`) must not change them."""
 
@@ -13,6 +13,7 @@ import workbench
 from engine import load_model
 from engine import probes
 from engine.layers import kda as kda_layer
+from engine.layers import mla as mla_layer
 from engine.layers import moe as moe_layer
 from engine.session import Session
 from engine.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ def run(model, path, monkeypatch, *, defer: bool, poison_at: int | None = None) 
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(probes.Deferred, "__init__", counting_init)
-    for module in (kda_layer, moe_layer):
+    for module in (kda_layer, mla_layer, moe_layer):
         monkeypatch.setattr(module, "DEFER_MAX_ROWS", probes.DEFER_MAX_ROWS if defer else 0)
     real_decay = kda_layer.KimiDeltaAttention.decay
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=24, progress=False)

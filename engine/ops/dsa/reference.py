@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from engine.interventions import DsaRule
+from engine.probes import Deferred
 
 # scores held at once: q_block * key_block * indexer heads (fp32) stays near 64 MB
 _SCORE_BUDGET = 16 * 1024 * 1024
@@ -41,14 +42,15 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int, ties: bool = 
     Args:
         scores: `[B, q, n]` fp32, -inf for invisible keys.
         positions: `[n]` or `[B, q, n]` key positions, ascending along the last dim.
-        ties: also return the k-th score `[B, q]` and the tie band and cut `[B, q]` int64
-            (`engine.ops.integrity.topk_ties`), counted over the whole row only where a tie straddles
-            the k-th place (elsewhere every key at the k-th score is in the selection).
+        ties: also return the k-th score `[B, q]` and how many keys at the k-th score were left out `[B, q]`
+            int64 (`engine.ops.integrity.topk_ties`' cut), or None for the cut when no row had a tie
+            straddling the k-th place (then every key at the k-th score is in the selection: a cut of 0,
+            and no op is spent on it).
 
     Returns:
         scores and positions `[B, q, k]` in ascending position order (-inf entries remain when a
         row has fewer than k visible keys; they are its latest positions); with `ties` also
-        kth, band and cut.
+        kth and the cut (or None).
     """
     positions = positions.expand_as(scores)
     # one extra candidate shows whether a tie straddles the k-th place (then topk's pick is arbitrary)
@@ -57,10 +59,7 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int, ties: bool = 
     surplus = (vals[..., k] == vals[..., k - 1])  # [B, q]
     vals, sel = vals[..., :k].contiguous(), sel[..., :k]
     idx = positions.gather(-1, sel)
-    if ties:
-        finite = kth[..., 0].isfinite()
-        band = (vals == kth).sum(-1) * finite  # the keys at the k-th score the selection holds
-        cut = torch.zeros_like(band)
+    cut = None
     if bool(surplus.any()):
         # redo those rows exactly: every key above the k-th score outranks every tied key, and tied
         # keys rank by position (earliest first); one more top-k on that order picks the set
@@ -71,14 +70,27 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, k: int, ties: bool = 
         pick = order_key.topk(k, dim=-1).indices
         vals[rows] = s_rows.gather(-1, pick)
         idx[rows] = p_rows.gather(-1, pick)
-        if ties:  # these rows left keys at the k-th score out: count the whole band
-            whole = (s_rows == t_rows).sum(-1) * finite[rows]
-            cut[rows] = whole - band[rows]
-            band[rows] = whole
+        if ties:  # these rows left keys at the k-th score out: the row's whole band less the selection's share
+            cut = torch.zeros(surplus.shape, dtype=torch.long, device=scores.device)
+            tied_kept = (vals[rows] == t_rows).sum(-1)
+            cut[rows] = ((s_rows == t_rows).sum(-1) - tied_kept) * t_rows[:, 0].isfinite()
     order = idx.argsort(dim=-1)
     if ties:
-        return vals.gather(-1, order), idx.gather(-1, order), kth[..., 0], band, cut
+        return vals.gather(-1, order), idx.gather(-1, order), kth[..., 0], cut
     return vals.gather(-1, order), idx.gather(-1, order)
+
+
+def selection_tie_band(selected: torch.Tensor) -> torch.Tensor:
+    """The selected scores `[B, q, k]` of full rows (-inf: empty slot) -> `[B, q]` int64: how many of them
+    share the k-th (smallest) score; 0 where the k-th score is not finite (the row kept every visible key).
+    With the keys a selection left out at that score (`_select`'s cut), the row's tie band at rank k."""
+    kth = selected.amin(-1, keepdim=True)
+    return (selected == kth).sum(-1) * kth[..., 0].isfinite()
+
+
+def no_tie_cut(selected: torch.Tensor) -> torch.Tensor:
+    """`[B, q, k]` -> `[B, q]` zeros (int64): no key at the k-th score was left out."""
+    return torch.zeros(selected.shape[:-1], dtype=torch.long, device=selected.device)
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -112,6 +124,7 @@ def indexer_topk(
     scorer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     intervention: DsaRule | None = None,
     ties: bool = False,
+    defer_ties: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Top-k key positions per query, scored blockwise.
 
@@ -129,6 +142,9 @@ def indexer_topk(
             counted as the blocks merge: a key dropped at a merge can only tie the final k-th score if
             the k-th score has not risen since, so the dropped ties are summed while it stays and reset
             when it rises (no second pass over the keys).
+        defer_ties (bool): with `ties`, a call of one query block where no tie was cut (the common case)
+            returns band and cut as `engine.probes.Deferred` of its selected scores (a decode step's
+            listener that takes them counts many steps at once: no op per step).
 
     Returns:
         idx `[B, Tq, topk]` int64 (ascending, -1 = empty) and scores `[B, Tq, topk]` fp32 (-inf = empty);
@@ -149,7 +165,8 @@ def indexer_topk(
         run_score: torch.Tensor | None = None
         run_idx: torch.Tensor | None = None
         run_kth: torch.Tensor | None = None  # the k-th score after the last merge, and the ties it dropped
-        dropped: torch.Tensor | None = None
+        dropped: torch.Tensor | None = None  # None: none so far
+        selected = False
         for k0 in range(0, last, kb):
             k1 = min(last, k0 + kb)
             s = (scorer or indexer_scores)(q[:, q0:q1], w[:, q0:q1], k[:, k0:k1])  # [B, qb, kb]
@@ -175,9 +192,12 @@ def indexer_topk(
             if run_score.shape[-1] > topk and not ties:
                 run_score, run_idx = _select(run_score, run_idx, topk)
             elif run_score.shape[-1] > topk:
-                run_score, run_idx, kth, band, now = _select(run_score, run_idx, topk, ties=True)
-                kept = band - now  # the selection's keys at the k-th score: final once no merge follows
-                dropped = now if dropped is None else torch.where(kth == run_kth, dropped + now, now)
+                run_score, run_idx, kth, now = _select(run_score, run_idx, topk, ties=True)
+                selected = True
+                if dropped is not None or now is not None:  # keys at the k-th score left out so far
+                    dropped = (now if dropped is None else
+                               torch.where(kth == run_kth, dropped + (0 if now is None else now),
+                                           torch.zeros_like(dropped) if now is None else now))
                 run_kth = kth
             elif run_idx.dim() == 1:
                 run_idx = run_idx.expand(B, q1 - q0, -1)
@@ -186,8 +206,8 @@ def indexer_topk(
         # positions are ascending; invisible keys (-inf) are the latest ones, so empty slots end up last
         out_idx[:, q0:q1, :n] = run_idx.masked_fill(run_score == float("-inf"), -1)
         out_score[:, q0:q1, :n] = run_score
-        if ties and dropped is not None:  # None: fewer keys than top-k, every visible key kept, no band
-            bands.append((q0, q1, kept + dropped, dropped))
+        if ties and selected:  # not selected: fewer keys than top-k, every visible key kept, no band
+            bands.append((q0, q1, dropped))
     if intervention is not None and intervention.hide is not None:
         # hidden keys leave holes among the selected positions: empty slots go last again
         order = torch.where(out_idx < 0, Tk, out_idx).argsort(dim=-1)
@@ -195,9 +215,18 @@ def indexer_topk(
     if not ties:
         return out_idx, out_score
     if len(bands) == 1 and bands[0][:2] == (0, Tq):  # one query block (a decode step): no zeros to fill in
-        return out_idx, out_score, bands[0][2], bands[0][3]
+        dropped = bands[0][2]
+        if dropped is None and defer_ties:
+            # nothing was cut: the band is the selection's own, which the recorder counts in bulk later
+            return out_idx, out_score, Deferred(selection_tie_band, out_score), Deferred(no_tie_cut, out_score)
+        band = selection_tie_band(out_score)
+        return (out_idx, out_score, band, no_tie_cut(out_score)) if dropped is None else (
+            out_idx, out_score, band + dropped, dropped)
     out_band = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
     out_cut = torch.zeros((B, Tq), dtype=torch.long, device=q.device)
-    for q0, q1, band, cut in bands:
-        out_band[:, q0:q1], out_cut[:, q0:q1] = band, cut
+    for q0, q1, dropped in bands:
+        out_band[:, q0:q1] = selection_tie_band(out_score[:, q0:q1])
+        if dropped is not None:
+            out_band[:, q0:q1] += dropped
+            out_cut[:, q0:q1] = dropped
     return out_idx, out_score, out_band, out_cut
