@@ -9,13 +9,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
-from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, RANGE, SUPPRESS_KDA, what_if_traces
+from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, RANGE, SUPPRESS_KDA, WhatIfPanel, what_if_traces
+from engine import load_model
+from engine.session import Session
+from engine.tokenizer import Tokenizer
+from workbench.causal.reruns import RerunBase, plan_rerun, recorded_spans, span_label
 from workbench.trace.effects_table import EFFECTS_FILE, effect_row, read_effects, write_effects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +86,17 @@ def _wait(runner: SessionRunner, timeout: float = 120) -> None:
     assert not runner.running and not runner.what_if.running, "did not finish in time"
 
 
+def _hide_dsa(panel: WhatIfPanel, segment: int = 0, layer: str = "all") -> None:
+    """Choose hiding the `segment`-th offered segment from DSA in `layer`."""
+    panel.action, panel.segment, panel.layer = HIDE_DSA, panel.param.segment.objects[segment], layer
+
+
+def _rerun(runner: SessionRunner) -> None:
+    """Click Rerun and wait for the rerun to finish."""
+    assert runner.what_if.rerun(), runner.what_if.message
+    _wait(runner)
+
+
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("drive")
@@ -102,10 +118,8 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     assert base is not None and base.answer and panel.param.segment.objects[0].startswith("notes.txt [")
     assert panel.param.segment.objects[-1] == RANGE
     assert panel.param.layer.objects == ["all", "2", "5"]  # tiny: DSA layers 2 and 5
-    panel.segment = panel.param.segment.objects[0]
-    panel.layer = "all"
-    assert panel.rerun()
-    _wait(runner)
+    _hide_dsa(panel)
+    _rerun(runner)
     result = panel.last
     assert result is not None and not panel.message.startswith("error:"), panel.message
     assert result.fork_at == len(base.end.tokens)  # the kept prefix: no re-prefill of the documents
@@ -134,8 +148,7 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     panel.positions = "oops"
     assert not panel.rerun() and panel.message.startswith("error: positions")
     panel.positions = "3:9"
-    assert panel.rerun()
-    _wait(runner)
+    _rerun(runner)
     assert panel.last.rerun.span == (3, 9) and len(panel.last.control_changes) == 8
     assert "what if: positions [3, 9) hidden from DSA every layer" in set(read_effects(trace)["check_name"])
     panel.segment = panel.param.segment.objects[0]
@@ -144,25 +157,20 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
     panel.action = SUPPRESS_KDA
     assert panel.param.layer.objects[0] == "all" and "2" not in panel.param.layer.objects
     panel.layer = panel.param.layer.objects[1]
-    assert panel.rerun()
-    _wait(runner)
+    _rerun(runner)
     assert not panel.message.startswith("error:"), panel.message
     assert panel.last.rerun.op == "kda.suppress_writes" and panel.last.fork_at == base.segments[0].start
     panel.action = BAN_EXPERTS
     panel.experts = "not experts"
     assert not panel.rerun() and panel.message.startswith("error: experts")
     panel.experts = "0, 1"
-    assert panel.rerun()
-    _wait(runner)
+    _rerun(runner)
     assert not panel.message.startswith("error:"), panel.message
     assert panel.last.rerun.experts == [0, 1]
     assert len(set(read_effects(trace)["check_name"])) == 4
 
-    panel.action = HIDE_DSA
-    panel.segment = panel.param.segment.objects[1]
-    panel.layer = "2"
-    assert panel.rerun()
-    _wait(runner)
+    _hide_dsa(panel, segment=1, layer="2")
+    _rerun(runner)
     assert panel.last.rerun.spec[0]["layers"] == [2]
 
 
@@ -185,7 +193,7 @@ def test_stop_ends_a_rerun_before_its_next_control(driven, monkeypatch) -> None:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(what_if, "run_rerun", held)
-    panel.action, panel.segment, panel.layer = HIDE_DSA, panel.param.segment.objects[0], "all"
+    _hide_dsa(panel)
     assert panel.stop_button.disabled and not panel.stop()  # nothing to stop
     assert panel.rerun(), panel.message
     assert not panel.stop_button.disabled and panel.button.disabled
@@ -226,16 +234,17 @@ def _branch_reads_differ_where_hidden(panel, trace: Path, span: tuple[int, int])
     assert "k3-dsa-diff" in panel.diff_table.object and "intervened branch" in panel.diff_summary.object
 
 
+def _rerun_base(trace: Path, spans: dict[str, tuple[int, int]], segments: tuple = ()) -> RerunBase:
+    """A rerun base to plan on: a 1000-token context, no forks kept."""
+    return RerunBase(trace=trace, end=SimpleNamespace(tokens=[0] * 1000), segments=segments, spans=spans)
+
+
 def test_segment_forks_stay_within_their_memory_budget(monkeypatch, tmp_path) -> None:
     """Each kept fork copies the whole state: past the budget no more segment-start forks are kept
     (the fork before the answer always is), and a KDA rerun past them says why."""
-    from engine import load_model
-    from engine.session import Session
-    from engine.tokenizer import Tokenizer
     from workbench.causal import reruns as what_if
 
-    model = load_model("preset:tiny")
-    session = Session(model, Tokenizer.byte_level())
+    session = Session(load_model("preset:tiny"), Tokenizer.byte_level())
     for i in range(4):
         session.append(f"document {i}: " + "words " * 40, role="user")
     monkeypatch.setattr(what_if, "FORK_BUDGET_BYTES", 1)
@@ -262,11 +271,8 @@ def test_a_rerun_shows_in_the_effects_view_without_a_reload(driven) -> None:
     original = follower.wake
     follower.wake = lambda: (calls.append(1), original())[1]
     try:
-        runner.what_if.segment = runner.what_if.param.segment.objects[0]
-        runner.what_if.action = HIDE_DSA
-        runner.what_if.layer = "all"
-        assert runner.what_if.rerun()
-        _wait(runner)
+        _hide_dsa(runner.what_if)
+        _rerun(runner)
         assert calls, "the follower was not woken after the rerun wrote its effects"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -282,14 +288,10 @@ def test_a_rerun_shows_in_the_effects_view_without_a_reload(driven) -> None:
 
 
 def test_a_recorded_fact_is_offered_and_its_controls_avoid_the_evidence() -> None:
-    from types import SimpleNamespace
-
-    from workbench.causal.reruns import RerunBase, plan_rerun, span_label
     from engine.session.segments import Segment
 
     seg = Segment(id=0, kind="document", name="notes.txt", start=0, end=900)
-    base = RerunBase(trace=Path("unused"), end=SimpleNamespace(tokens=[0] * 1000), segments=(seg,),
-                     spans={"the fact": (400, 412), "restatement 1": (880, 892)})
+    base = _rerun_base(Path("unused"), {"the fact": (400, 412), "restatement 1": (880, 892)}, (seg,))
     rerun = plan_rerun(base, None, HIDE_DSA, span_label("the fact", (400, 412)), "all", "")
     assert rerun.span == (400, 412) and rerun.what == "the fact" and len(rerun.controls) == 8 and not rerun.note
     spans = sorted(tuple(c[0]["positions"]) for c in rerun.controls)
@@ -303,14 +305,8 @@ def test_a_recorded_fact_is_offered_and_its_controls_avoid_the_evidence() -> Non
 
 def test_recorded_spans_from_a_trace_are_checked(tmp_path) -> None:
     import json as _json
-    from types import SimpleNamespace
-
-    from workbench.causal.reruns import RerunBase, plan_rerun, recorded_spans
 
     import workbench
-    from engine import load_model
-    from engine.session import Session
-    from engine.tokenizer import Tokenizer
 
     trace = tmp_path / "t"
     with workbench.record(Session(load_model("preset:tiny"), Tokenizer.byte_level()), trace=trace):
@@ -321,6 +317,6 @@ def test_recorded_spans_from_a_trace_are_checked(tmp_path) -> None:
     (trace / "session.json").write_text(_json.dumps(session))
     spans = recorded_spans(trace)
     assert spans == {"the fact": (10, 20), "far": (900, 5000)}
-    base = RerunBase(trace=trace, end=SimpleNamespace(tokens=[0] * 1000), spans=spans)
+    base = _rerun_base(trace, spans)
     with pytest.raises(ValueError, match="past the context's 1000 tokens"):
         plan_rerun(base, None, HIDE_DSA, "far", "all", "")
