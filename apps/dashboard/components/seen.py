@@ -37,10 +37,12 @@ from panel.io.state import set_curdoc
 # how far outside the viewport a placeholder counts as near it: the view is built while the reader scrolls
 # towards it (about a third of a screen ahead)
 MARGIN_PX = 300
-# a served page fills its unseen places itself from this long after its onload (the first screen's frame has
-# been drawn by then), one every GAP_S; None: only when seen (tests of the placeholders)
-AFTER_LOAD_S: float | None = 1.0
-GAP_S = 0.5
+# a served page fills its unseen places itself from this long after its onload (the first screen has been
+# drawn by then), one every GAP_S: the server builds the next view's models while the browser builds the one
+# before (1.0 s / 0.5 s apart made a reader who scrolls at once wait longer: docs/benchmarks.md); None: only
+# when seen (tests of the placeholders)
+AFTER_LOAD_S: float | None = 0.25
+GAP_S = 0.1
 
 
 class SeenProbe(JSComponent):
