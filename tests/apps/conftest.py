@@ -18,6 +18,16 @@ SMALL_POLICY = Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_str
 HOSTILE = ["<script>window.__k3wb_pwned = 1</script>", "<img src=x onerror=\"window.__k3wb_pwned=2\">", "&amp;"]
 
 
+def write_token_text(trace: Path, texts: dict[int, str]) -> None:
+    """Replace the shown text of the tokens at these positions (negative: from the end) in `trace`'s token table."""
+    tokens = pq.read_table(trace / "tokens.parquet")
+    pieces = tokens["piece"].to_pylist()
+    for position, text in texts.items():
+        pieces[position] = text
+    tokens = tokens.set_column(tokens.column_names.index("piece"), "piece", pa.array(pieces, pa.string()))
+    pq.write_table(tokens, trace / "tokens.parquet")
+
+
 @pytest.fixture(scope="session")
 def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete 8K-token synthetic trace at demo dims (image segment, generated answer)."""
@@ -28,12 +38,7 @@ def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hostile_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Like `small_trace`, but some generated tokens and a document name carry HTML/JS."""
     path = write_synthetic_trace(tmp_path_factory.mktemp("traces") / "hostile", 4096, Dims.demo(), SMALL_POLICY)
-    tokens = pq.read_table(path / "tokens.parquet")
-    pieces = tokens["piece"].to_pylist()
-    for i, text in enumerate(HOSTILE):
-        pieces[-10 + i] = text
-    tokens = tokens.set_column(tokens.column_names.index("piece"), "piece", pa.array(pieces, pa.string()))
-    pq.write_table(tokens, path / "tokens.parquet")
+    write_token_text(path, {-10 + i: text for i, text in enumerate(HOSTILE)})
     return path
 
 

@@ -14,119 +14,95 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-
 from apps.dashboard.app import DashboardConfig, url
-from k3testing.browser import Browser, chromium_available, start_server
+from k3testing.browser import Browser
 
 from tests.apps.conftest import HOSTILE
+from tests.apps.served_page import BROWSER, drive_config, generate, served_page, session_status
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not chromium_available(),
-                                 reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; "
-                                        ".ci/run installs it)")]
+pytestmark = BROWSER
 
 
 def _session_state(browser: Browser) -> tuple[str, int]:
-    text = browser.page.locator(".k3-view-session pre").first.inner_text()
-    return text, browser.page.locator(".k3-session-text .k3-token").count()
+    return session_status(browser), browser.page.locator(".k3-session-text .k3-token").count()
 
 
 def test_live_drive_session(tmp_path: Path, artifacts: Path) -> None:
-    config = DashboardConfig(root=tmp_path / "traces", model="preset:tiny", new_tokens=600, refresh_ms=250)
-    server = start_server(config)
-    try:
-        with Browser(height=3400) as browser:
-            first_paint = browser.open(url(config), wait_for=".k3-view-session canvas")
-            browser.wait_views()
-            heap_start = browser.js_heap()
-            # the task templates' choice heads the drive panel; a random-weight preset's card lists none
-            assert browser.page.locator(".k3-task-form select").first.input_value() == "Free-form chat"
-            # a long prompt (byte-level tokenizer: ~24K tokens) so the prefill spans many flushes
-            prompt = " ".join(f"Line {i}: the vault log notes crate {i * 7 % 997}." for i in range(600))
-            browser.page.locator(".k3-runner textarea").first.fill(prompt)
-            browser.page.get_by_role("button", name="Generate").click()
-            seen: list[tuple[str, int]] = []
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
-                state = _session_state(browser)
-                if not seen or state != seen[-1]:
-                    seen.append(state)
-                if state[0].startswith("complete"):
-                    break
-                time.sleep(0.3)
-            assert seen[-1][0].startswith("complete"), seen[-3:]
-            # live: several distinct states were drawn while the session ran, tokens streamed in
-            running = [s for s in seen if s[0].startswith("recording")]
-            # at least two different pictures while recording (progress text or streamed tokens changed);
-            # how many tokens stream before the random model samples its end-of-message token varies
-            assert len(running) >= 2 and running[-1] != running[0], seen
-            counts = [n for _, n in seen]
-            assert counts == sorted(counts) and counts[-1] >= 10, counts
-            browser.page.locator(".k3-dsa-tokens .k3-token").nth(3).click()
-            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
-            rows = browser.page.locator(".k3-dsa-readout table.k3-reads tr").count()
-            assert rows == 1 + 2  # header + the tiny preset's two DSA layers
-            time.sleep(1.0)
-            heap_end = browser.js_heap()
-            browser.page.screenshot(path=str(artifacts / "dashboard_live_session.png"), full_page=True)
-            assert browser.counters.errors == []
-            assert browser.counters.external == []
-            numbers = {"first_paint_s": round(first_paint, 2), "heap_start_bytes": heap_start,
-                       "heap_end_bytes": heap_end, "states_seen": len(seen), "ws_bytes": browser.counters.ws_bytes,
-                       "http_bytes": browser.counters.http_bytes}
-            (artifacts / "dashboard_live_session.json").write_text(json.dumps(numbers, indent=1))
-            assert heap_end < heap_start + 64 * 2**20, numbers
-    finally:
-        server.stop()
+    with served_page(drive_config(tmp_path / "traces", new_tokens=600), every_view=True, height=3400) as browser:
+        heap_start = browser.js_heap()
+        # the task templates' choice heads the drive panel; a random-weight preset's card lists none
+        assert browser.page.locator(".k3-task-form select").first.input_value() == "Free-form chat"
+        # a long prompt (byte-level tokenizer: ~24K tokens) so the prefill spans many flushes
+        prompt = " ".join(f"Line {i}: the vault log notes crate {i * 7 % 997}." for i in range(600))
+        seen: list[tuple[str, int]] = []
+
+        def complete() -> bool:  # every distinct state drawn on the way
+            state = _session_state(browser)
+            if not seen or state != seen[-1]:
+                seen.append(state)
+            return state[0].startswith("complete")
+
+        generate(browser, prompt, 240, done=complete)
+        assert seen[-1][0].startswith("complete"), seen[-3:]
+        # live: several distinct states were drawn while the session ran, tokens streamed in
+        running = [s for s in seen if s[0].startswith("recording")]
+        # at least two different pictures while recording (progress text or streamed tokens changed);
+        # how many tokens stream before the random model samples its end-of-message token varies
+        assert len(running) >= 2 and running[-1] != running[0], seen
+        counts = [n for _, n in seen]
+        assert counts == sorted(counts) and counts[-1] >= 10, counts
+        browser.page.locator(".k3-dsa-tokens .k3-token").nth(3).click()
+        browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
+        rows = browser.page.locator(".k3-dsa-readout table.k3-reads tr").count()
+        assert rows == 1 + 2  # header + the tiny preset's two DSA layers
+        time.sleep(1.0)
+        heap_end = browser.js_heap()
+        browser.page.screenshot(path=str(artifacts / "dashboard_live_session.png"), full_page=True)
+        assert browser.counters.errors == []
+        assert browser.counters.external == []
+        numbers = {"first_paint_s": round(browser.opened_s, 2), "heap_start_bytes": heap_start,
+                   "heap_end_bytes": heap_end, "states_seen": len(seen), "ws_bytes": browser.counters.ws_bytes,
+                   "http_bytes": browser.counters.http_bytes}
+        (artifacts / "dashboard_live_session.json").write_text(json.dumps(numbers, indent=1))
+        assert heap_end < heap_start + 64 * 2**20, numbers
 
 
 def test_follow_mode_escapes_text_and_survives_bad_input(hostile_trace: Path, artifacts: Path) -> None:
     config = DashboardConfig(root=hostile_trace.parent, drive=False, token="t0ken")
-    server = start_server(config)
-    try:
-        with Browser(height=2000) as browser:
-            browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-dsa canvas")
-            token = browser.page.locator(".k3-dsa-tokens .k3-token", has_text="window.__k3wb_pwned = 1").first
-            token.wait_for(timeout=30_000)
-            assert token.inner_text() == HOSTILE[0]  # shown as text
-            assert browser.page.evaluate("window.__k3wb_pwned === undefined")  # never run
-            token.click()
-            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
-            assert browser.page.evaluate("window.__k3wb_pwned === undefined")
-            browser.page.screenshot(path=str(artifacts / "dashboard_follow_hostile.png"))
-            assert browser.counters.errors == []
-            # a trace outside the root: an error in the page, the page still works
-            browser.open(url(config, trace="../../etc"), wait_for=".k3-alert")
-            browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
-            # a wrong token: only the refusal
-            browser.open(f"http://127.0.0.1:{config.port}/?token=nope", wait_for=".k3-denied")
-            # and the server still serves a good request afterwards
-            browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-session canvas")
-    finally:
-        server.stop()
+    with served_page(config, hostile_trace.name, wait_for=".k3-view-dsa canvas", height=2000) as browser:
+        token = browser.page.locator(".k3-dsa-tokens .k3-token", has_text="window.__k3wb_pwned = 1").first
+        token.wait_for(timeout=30_000)
+        assert token.inner_text() == HOSTILE[0]  # shown as text
+        assert browser.page.evaluate("window.__k3wb_pwned === undefined")  # never run
+        token.click()
+        browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
+        assert browser.page.evaluate("window.__k3wb_pwned === undefined")
+        browser.page.screenshot(path=str(artifacts / "dashboard_follow_hostile.png"))
+        assert browser.counters.errors == []
+        # a trace outside the root: an error in the page, the page still works
+        browser.open(url(config, trace="../../etc"), wait_for=".k3-alert")
+        browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
+        # a wrong token: only the refusal
+        browser.open(f"http://127.0.0.1:{config.port}/?token=nope", wait_for=".k3-denied")
+        # and the server still serves a good request afterwards
+        browser.open(url(config, trace=hostile_trace.name), wait_for=".k3-view-session canvas")
 
 
 def test_image_overlay_of_a_recorded_image_session(image_trace: Path, artifacts: Path) -> None:
     """Follow mode on a real tiny-preset image session: the DSA map shows the chart's thumbnail with the
     answer's per-patch reads and their chance values; clicking a token shows that token's reads."""
     config = DashboardConfig(root=image_trace.parent, drive=False)
-    server = start_server(config)
-    try:
-        with Browser(height=2600) as browser:
-            browser.open(url(config, trace=image_trace.name), wait_for=".k3-view-dsa canvas")
-            summary = browser.page.locator(".k3-image-summary")
-            line = summary.get_by_text("patches read:").first
-            line.wait_for(timeout=60_000)
-            assert "answer, queries" in line.inner_text() and ", chance " in line.inner_text()
-            assert browser.page.locator(".k3-dsa-image canvas").count() >= 1
-            browser.page.locator(".k3-dsa-tokens .k3-token").nth(2).click()
-            summary.get_by_text("token at position").wait_for(timeout=30_000)
-            time.sleep(1.0)
-            browser.page.locator(".k3-view-dsa").screenshot(path=str(artifacts / "dashboard_image_overlay.png"))
-            assert browser.counters.errors == [] and browser.counters.external == []
-    finally:
-        server.stop()
+    with served_page(config, image_trace.name, wait_for=".k3-view-dsa canvas", height=2600) as browser:
+        summary = browser.page.locator(".k3-image-summary")
+        line = summary.get_by_text("patches read:").first
+        line.wait_for(timeout=60_000)
+        assert "answer, queries" in line.inner_text() and ", chance " in line.inner_text()
+        assert browser.page.locator(".k3-dsa-image canvas").count() >= 1
+        browser.page.locator(".k3-dsa-tokens .k3-token").nth(2).click()
+        summary.get_by_text("token at position").wait_for(timeout=30_000)
+        time.sleep(1.0)
+        browser.page.locator(".k3-view-dsa").screenshot(path=str(artifacts / "dashboard_image_overlay.png"))
+        assert browser.counters.errors == [] and browser.counters.external == []
 
 
 def test_a_frame_that_arrives_while_the_page_loads_reaches_the_browser(small_trace: Path, monkeypatch) -> None:
@@ -167,18 +143,13 @@ def test_a_frame_that_arrives_while_the_page_loads_reaches_the_browser(small_tra
     monkeypatch.setattr(TraceFollower, "publish", publish)
     monkeypatch.setattr(DashboardState, "poll", poll)
     config = DashboardConfig(root=small_trace.parent, drive=False, refresh_ms=50)
-    server = start_server(config)
-    try:
-        with Browser() as browser:
-            browser.open(url(config, trace=small_trace.name), wait_for=".k3-view-session canvas")
-            browser.page.locator(".k3-view-session .k3-has-data").first.wait_for(state="attached", timeout=60_000)
-            browser.page.locator(".k3-session-text .k3-token").first.wait_for(timeout=30_000)
-            shown = browser.page.evaluate(
-                "() => { const d = Bokeh.documents[0]; return d.all_models ? [...d.all_models]"
-                ".filter(m => m.type === 'ColumnDataSource' && m.data.left !== undefined)"
-                ".map(m => m.data.left.length) : []; }")
-            assert shown and max(shown) > 0, shown  # the session map's segments reached the browser
-            assert in_window == []
-            assert browser.counters.errors == []
-    finally:
-        server.stop()
+    with served_page(config, small_trace.name) as browser:
+        browser.page.locator(".k3-view-session .k3-has-data").first.wait_for(state="attached", timeout=60_000)
+        browser.page.locator(".k3-session-text .k3-token").first.wait_for(timeout=30_000)
+        shown = browser.page.evaluate(
+            "() => { const d = Bokeh.documents[0]; return d.all_models ? [...d.all_models]"
+            ".filter(m => m.type === 'ColumnDataSource' && m.data.left !== undefined)"
+            ".map(m => m.data.left.length) : []; }")
+        assert shown and max(shown) > 0, shown  # the session map's segments reached the browser
+        assert in_window == []
+        assert browser.counters.errors == []

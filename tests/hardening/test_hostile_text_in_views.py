@@ -16,16 +16,14 @@ import json
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-import pytest
-
 from apps.dashboard.app import DashboardConfig, url
-from k3testing.browser import Browser, chromium_available, start_server
-from k3testing.synthetic import Dims, Policy, write_synthetic_trace
+from k3testing.browser import Browser
+from k3testing.synthetic import Dims, write_synthetic_trace
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium at /usr/bin/chromium")]
+from tests.apps.conftest import SMALL_POLICY, write_token_text
+from tests.apps.served_page import BROWSER, drive_config, generate, served_page
+
+pytestmark = BROWSER
 
 PAYLOADS = [
     "<img src=x onerror=\"window.__pwned=1;document.title='pwned'\">",
@@ -85,20 +83,13 @@ PAGE_TEXT = """() => {
 
 
 def _hostile_trace(root: Path) -> Path:
-    path = write_synthetic_trace(root / HOSTILE_DIR, 4096, Dims.demo(),
-                                 Policy(prefill_chunk=1024, dsa_prefill_stride=256, dense_mass_stride=512,
-                                        moe_window_every=1024, decode_tokens=256, decode_flush_every=16))
+    path = write_synthetic_trace(root / HOSTILE_DIR, 4096, Dims.demo(), SMALL_POLICY)
     session_file = path / "session.json"
     session = json.loads(session_file.read_text())
     for i, segment in enumerate(session["segments"]):
         segment["name"] = PAYLOADS[i % len(PAYLOADS)]
     session_file.write_text(json.dumps(session))
-    tokens = pq.read_table(path / "tokens.parquet")
-    pieces = tokens["piece"].to_pylist()
-    for i, text in enumerate(PAYLOADS):
-        pieces[-20 + 2 * i] = text
-    tokens = tokens.set_column(tokens.column_names.index("piece"), "piece", pa.array(pieces, pa.string()))
-    pq.write_table(tokens, path / "tokens.parquet")
+    write_token_text(path, {-20 + 2 * i: text for i, text in enumerate(PAYLOADS)})
     return path
 
 
@@ -129,50 +120,43 @@ def _assert_nothing_ran(browser: Browser) -> None:
 def test_hostile_names_and_tokens_stay_text_in_every_view_and_tooltip(tmp_path: Path) -> None:
     trace = _hostile_trace(tmp_path)
     config = DashboardConfig(root=tmp_path, drive=False)
-    server = start_server(config)
-    try:
-        with Browser(height=3600) as browser:
-            browser.open(url(config, trace=trace.name), wait_for=".k3-view-session canvas")
-            browser.wait_views()
-            browser.page.locator(".k3-session-text .k3-token", has_text="window.__pwned=2").first.wait_for(
-                timeout=60_000)
-            time.sleep(1.0)
+    with served_page(config, trace.name, every_view=True, height=3600) as browser:
+        browser.page.locator(".k3-session-text .k3-token", has_text="window.__pwned=2").first.wait_for(timeout=60_000)
+        time.sleep(1.0)
+        _assert_nothing_ran(browser)
+        # generated tokens and the session table show the payloads as their own text
+        text = browser.page.evaluate(PAGE_TEXT)
+        for payload in PAYLOADS:
+            assert payload in text, payload
+        # every figure's tooltips
+        tips = _sweep(browser, "body")
+        assert any(p in tips for p in PAYLOADS), tips[:2000]  # segment names shown as text in tooltips
+        _assert_nothing_ran(browser)
+        # click hostile tokens: the DSA read-out, the token title and the routes of that token
+        for payload in PAYLOADS[:3]:
+            token = browser.page.locator(".k3-dsa-tokens .k3-token", has_text=payload).first
+            token.click()
+            browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
+            time.sleep(0.5)
             _assert_nothing_ran(browser)
-            # generated tokens and the session table show the payloads as their own text
-            text = browser.page.evaluate(PAGE_TEXT)
-            for payload in PAYLOADS:
-                assert payload in text, payload
-            # every figure's tooltips
-            tips = _sweep(browser, "body")
-            assert any(p in tips for p in PAYLOADS), tips[:2000]  # segment names shown as text in tooltips
-            _assert_nothing_ran(browser)
-            # click hostile tokens: the DSA read-out, the token title and the routes of that token
-            for payload in PAYLOADS[:3]:
-                token = browser.page.locator(".k3-dsa-tokens .k3-token", has_text=payload).first
-                token.click()
-                browser.page.locator(".k3-dsa-readout table.k3-reads").wait_for(timeout=30_000)
-                time.sleep(0.5)
-                _assert_nothing_ran(browser)
-            _sweep(browser, ".k3-view-dsa")
-            _sweep(browser, ".k3-view-experts")
-            # the experts' segment choice lists the hostile names as options (text)
-            selects = browser.page.locator(".k3-view-experts select")
-            lists = [selects.nth(i).locator("option").all_inner_texts() for i in range(selects.count())]
-            segment = next(i for i, options in enumerate(lists) if any(PAYLOADS[0] in o for o in options))
-            selects.nth(segment).select_option(index=2)
-            time.sleep(1.5)
-            _assert_nothing_ran(browser)
-            assert browser.counters.errors == [], browser.counters.errors
-            # a URL parameter naming no trace is quoted in an error (a Markdown alert): Markdown in it stays
-            # text too, so the page fetches no image from another site and shows no link
-            browser.open(url(config, trace=MARKDOWN), wait_for=".k3-alert")
-            browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
-            time.sleep(1.0)
-            assert browser.counters.external == [], browser.counters.external
-            assert "![x](http://evil.example/p.png)" in browser.page.evaluate(PAGE_TEXT)
-            assert browser.page.evaluate(INJECTED) == []
-    finally:
-        server.stop()
+        _sweep(browser, ".k3-view-dsa")
+        _sweep(browser, ".k3-view-experts")
+        # the experts' segment choice lists the hostile names as options (text)
+        selects = browser.page.locator(".k3-view-experts select")
+        lists = [selects.nth(i).locator("option").all_inner_texts() for i in range(selects.count())]
+        segment = next(i for i, options in enumerate(lists) if any(PAYLOADS[0] in o for o in options))
+        selects.nth(segment).select_option(index=2)
+        time.sleep(1.5)
+        _assert_nothing_ran(browser)
+        assert browser.counters.errors == [], browser.counters.errors
+        # a URL parameter naming no trace is quoted in an error (a Markdown alert): Markdown in it stays
+        # text too, so the page fetches no image from another site and shows no link
+        browser.open(url(config, trace=MARKDOWN), wait_for=".k3-alert")
+        browser.page.get_by_text("outside the dashboard's trace root").first.wait_for(timeout=30_000)
+        time.sleep(1.0)
+        assert browser.counters.external == [], browser.counters.external
+        assert "![x](http://evil.example/p.png)" in browser.page.evaluate(PAGE_TEXT)
+        assert browser.page.evaluate(INJECTED) == []
 
 
 def test_markdown_in_an_alert_stays_text() -> None:
@@ -187,31 +171,18 @@ def test_markdown_in_an_alert_stays_text() -> None:
 
 
 def test_hostile_upload_name_text_and_prompt_stay_text_in_drive_mode(tmp_path: Path) -> None:
-    config = DashboardConfig(root=tmp_path / "traces", model="preset:tiny", new_tokens=4, refresh_ms=250)
-    server = start_server(config)
-    try:
-        with Browser(height=3400) as browser:
-            browser.open(url(config), wait_for=".k3-view-session canvas")
-            name = PAYLOADS[0].replace("/", "") + ".txt"
-            body = "\n".join(PAYLOADS) + "\nThe crate count is 12.\n"
-            browser.page.locator(".k3-runner input[type=file]").first.set_input_files(
-                files=[{"name": name, "mimeType": "text/plain", "buffer": body.encode()}])
-            browser.page.get_by_text(f"{name} (").first.wait_for(timeout=60_000)
-            _assert_nothing_ran(browser)
-            browser.page.locator(".k3-runner textarea").first.fill(PAYLOADS[1] + " " + PAYLOADS[2])
-            browser.page.get_by_role("button", name="Generate").click()
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                if browser.page.locator(".k3-view-session pre").first.inner_text().startswith("complete"):
-                    break
-                time.sleep(0.5)
-            assert browser.page.locator(".k3-view-session pre").first.inner_text().startswith("complete")
-            time.sleep(1.5)
-            text = browser.page.evaluate(PAGE_TEXT)
-            assert name in text  # the upload's name in the list, the session table
-            tips = _sweep(browser, "body")
-            assert name in tips, tips[:2000]  # the document's segment in the session map's tooltip
-            _assert_nothing_ran(browser)
-            assert browser.counters.errors == [], browser.counters.errors
-    finally:
-        server.stop()
+    with served_page(drive_config(tmp_path / "traces", new_tokens=4), height=3400) as browser:
+        name = PAYLOADS[0].replace("/", "") + ".txt"
+        body = "\n".join(PAYLOADS) + "\nThe crate count is 12.\n"
+        browser.page.locator(".k3-runner input[type=file]").first.set_input_files(
+            files=[{"name": name, "mimeType": "text/plain", "buffer": body.encode()}])
+        browser.page.get_by_text(f"{name} (").first.wait_for(timeout=60_000)
+        _assert_nothing_ran(browser)
+        assert generate(browser, PAYLOADS[1] + " " + PAYLOADS[2], 300)
+        time.sleep(1.5)
+        text = browser.page.evaluate(PAGE_TEXT)
+        assert name in text  # the upload's name in the list, the session table
+        tips = _sweep(browser, "body")
+        assert name in tips, tips[:2000]  # the document's segment in the session map's tooltip
+        _assert_nothing_ran(browser)
+        assert browser.counters.errors == [], browser.counters.errors
