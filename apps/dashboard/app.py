@@ -30,7 +30,7 @@ from apps.dashboard.components.experts import ExpertsView
 from apps.dashboard.components.kda_health import KDAHealthView
 from apps.dashboard.components.kda_state import KDAStateView
 from apps.dashboard.components.lens import LensView
-from apps.dashboard.components.seen import ShownWhenSeen, show_in_turn
+from apps.dashboard.components.seen import ShownWhenSeen
 from apps.dashboard.components.session_map import SessionMap
 from apps.dashboard.components.panes import AlertText, alert_text, set_text, text_pane
 from apps.dashboard.components.token_strip import WidthProbe
@@ -234,13 +234,6 @@ class Dashboard(pn.viewable.Viewer):
         if self.lens is not None and not self.lens_place.objects and self.runner.kept_base is not None:
             self.lens_place.objects = [self.lens]
 
-    def fill_unseen(self) -> None:
-        """In a served page, once it has loaded: the views still waiting to be seen are filled in one at a time
-        (`components.seen.show_in_turn`), the DSA image panel first (it is the nearest)."""
-        places = [self.dsa.__dict__["image_place"]] if "image_place" in self.dsa.__dict__ else []
-        places += [p for p in self._places.values() if isinstance(p, ShownWhenSeen)]
-        show_in_turn(places)
-
     def close(self) -> None:
         if self._callback is not None:
             self._callback.stop()
@@ -368,9 +361,6 @@ def create_app(config: DashboardConfig, session_args: dict | None = None,
     dash.start()
     if pn.state.curdoc is not None:
         pn.state.on_session_destroyed(lambda _ctx: dash.close())
-        if isinstance(dash, Dashboard):
-            # below the first screen: filled once the page has loaded, or earlier where the reader scrolls
-            pn.state.onload(dash.fill_unseen)
         if spare is not None:
             # the next one is built once this page has loaded, never while it is being sent or drawn
             pn.state.onload(spare.fill)

@@ -3,8 +3,7 @@
 - the served document holds a placeholder for each such view (none of the view's models), while the
   view's component already follows the state: once seen, it takes its place drawn with the trace's data;
 - in headless Chromium, a 1400 x 1000 window shows the session map and the DSA map with data and only
-  placeholders below; scrolling to a placeholder builds that view with its data; left alone, a loaded
-  page fills its placeholders itself, one at a time (`seen.show_in_turn`).
+  placeholders below; scrolling to a placeholder builds that view with its data.
 """
 
 from __future__ import annotations
@@ -72,10 +71,7 @@ def test_a_notebook_dashboard_places_every_view(small_trace: Path) -> None:
 
 @pytest.mark.browser
 @pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium at /usr/bin/chromium")
-def test_scrolling_to_a_placeholder_builds_its_view_with_data(small_trace: Path, monkeypatch) -> None:
-    from apps.dashboard.components import seen
-
-    monkeypatch.setattr(seen, "AFTER_LOAD_S", None)  # only the reader's scrolling fills a place here
+def test_scrolling_to_a_placeholder_builds_its_view_with_data(small_trace: Path) -> None:
     config = DashboardConfig(root=small_trace.parent, drive=False)
     server = start_server(config)
     try:
@@ -92,26 +88,5 @@ def test_scrolling_to_a_placeholder_builds_its_view_with_data(small_trace: Path,
             page.locator(".k3-view-experts .k3-has-data").first.wait_for(state="attached", timeout=30_000)
             assert page.locator(".k3-unseen-experts .k3-unseen-note").count() == 0
             assert browser.counters.errors == [] and browser.counters.external == []
-    finally:
-        server.stop()
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium at /usr/bin/chromium")
-def test_a_loaded_page_fills_its_placeholders_in_turn(small_trace: Path, monkeypatch) -> None:
-    from apps.dashboard.components import seen
-
-    monkeypatch.setattr(seen, "AFTER_LOAD_S", 0.5)
-    config = DashboardConfig(root=small_trace.parent, drive=False)
-    server = start_server(config)
-    try:
-        with Browser(width=1400, height=1000) as browser:
-            browser.open(url(config, trace=small_trace.name), wait_for=".k3-view-session canvas")
-            page = browser.page
-            for view in ("kda", "health", "experts"):  # never scrolled to
-                page.locator(f".k3-view-{view} .k3-has-data").first.wait_for(state="attached", timeout=60_000)
-            assert page.locator(".k3-unseen-note").count() == 0
-            assert page.evaluate("document.scrollingElement.scrollTop") == 0
-            assert browser.counters.errors == []
     finally:
         server.stop()

@@ -4,8 +4,6 @@ scrolls near it.
     ShownWhenSeen(component, name, height)   one light placeholder (a title line in a box of about the
                                              view's height) until the browser reports it near the viewport;
                                              then the component, once
-    show_in_turn(places)                     in a served page, once it has loaded: the places not seen yet
-                                             filled one at a time, `GAP_S` apart, from `AFTER_LOAD_S` on
 
 Why: the browser builds every Bokeh model of a page's document before it draws any of it, and the server
 makes the Panel models of every view before it answers the page request; the views under the first screen
@@ -19,30 +17,23 @@ view is usually built before it scrolls into sight). The swap waits for the page
 document's events until then: `page_gate.py`); outside a server session (a notebook, a test) it is
 immediate.
 
-A reader who scrolls down only after the first screen has been read should not meet placeholders, so the
-served page also fills them on its own after it has loaded (`show_in_turn`): one view per step, so the
-browser builds one card at a time between the reader's own events, instead of the whole page at once
-before anything is drawn.
+The page does not fill the places by itself once loaded: tried (one view every 0.5 s from 1 s after
+onload, and every 0.1 s from 0.25 s), it made both the first screen and an at-once scroll to every view
+slower in the same runs, each added card making the browser lay the whole page out again while it was
+still finishing the first screen (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import panel as pn
 import param
 from panel.custom import JSComponent
-from panel.io.state import set_curdoc
 
 # how far outside the viewport a placeholder counts as near it: the view is built while the reader scrolls
 # towards it (about a third of a screen ahead)
 MARGIN_PX = 300
-# a served page fills its unseen places itself from this long after its onload (the first screen has been
-# drawn by then), one every GAP_S: the server builds the next view's models while the browser builds the one
-# before (1.0 s / 0.5 s apart made a reader who scrolls at once wait longer: docs/benchmarks.md); None: only
-# when seen (tests of the placeholders)
-AFTER_LOAD_S: float | None = 0.25
-GAP_S = 0.1
 
 
 class SeenProbe(JSComponent):
@@ -99,27 +90,3 @@ class ShownWhenSeen(pn.viewable.Viewer):
 
     def __panel__(self) -> pn.viewable.Viewable:
         return self.holder
-
-
-def show_in_turn(places: Sequence[ShownWhenSeen], after_s: float | None = None, gap_s: float | None = None) -> None:
-    """Fill `places` that are still placeholders one at a time: the first `after_s` (default `AFTER_LOAD_S`)
-    from now, each next `gap_s` (default `GAP_S`) after the one before. Call it in a served page's onload;
-    outside a server session (or with `AFTER_LOAD_S` None) it does nothing: there the reader's scrolling fills them."""
-    after_s = AFTER_LOAD_S if after_s is None else after_s
-    gap_s = GAP_S if gap_s is None else gap_s
-    doc = pn.state.curdoc
-    if after_s is None or doc is None or getattr(doc, "session_context", None) is None:
-        return
-    waiting = list(places)
-
-    def step() -> None:
-        while waiting and waiting[0].shown:
-            waiting.pop(0)
-        if not waiting:
-            return
-        with set_curdoc(doc):
-            waiting.pop(0).show()
-        if waiting:
-            doc.add_timeout_callback(step, int(gap_s * 1000))
-
-    doc.add_timeout_callback(step, int(after_s * 1000))
