@@ -364,10 +364,12 @@ def create_app(config: DashboardConfig, session_args: dict | None = None,
         if spare is not None:
             # the next one is built once this page has loaded, never while it is being sent or drawn
             pn.state.onload(spare.fill)
+    # a single trace's page places the views below its first screen when scrolled near (`Dashboard.views`)
+    views = dash.views(until_seen=True) if isinstance(dash, Dashboard) else dash.views()
     # one root per template area: Bokeh re-walks every model of the document for each root it adds
     template = DashboardTemplate(
         title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
-        main=[pn.Column(*dash.views(until_seen=True), sizing_mode="stretch_width")], sidebar_width=340)
+        main=[pn.Column(*views, sizing_mode="stretch_width")], sidebar_width=340)
     template.dashboard = dash  # reachable from tests and notebooks
     return template
 
