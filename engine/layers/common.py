@@ -59,10 +59,12 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or up.dtype != gate.dtype
+            or up.shape != gate.shape):
         return F.silu(gate) * up
     # the product written over silu's own output: a prefill's MLPs then hold one [T, F] buffer fewer
-    # (autograd needs that output kept; a compiled graph fuses the two anyway)
+    # (autograd needs that output kept; a compiled graph fuses the two anyway; mixed dtypes or a
+    # broadcast product need a new buffer)
     return F.silu(gate).mul_(up)
 
 
