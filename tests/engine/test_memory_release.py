@@ -105,3 +105,21 @@ def test_heap_released_once_before_the_first_compile(monkeypatch) -> None:
     list(session.generate(2, temperature=0, stop_ids=()))
     assert calls == [1]
     torch._dynamo.reset()
+
+
+def test_silu_mul_in_place_equals_the_product_and_keeps_its_inputs() -> None:
+    from engine.layers.common import silu_mul
+
+    g = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(7, 12, generator=g), torch.randn(7, 12, generator=g)
+    want = torch.nn.functional.silu(gate) * up
+    kept = (gate.clone(), up.clone())
+    with torch.no_grad():  # the in-place form
+        assert torch.equal(silu_mul(gate, up), want)
+        # a mixed-dtype product promotes as `*` does; a broadcast one has the larger shape
+        assert silu_mul(gate.bfloat16(), up).dtype == torch.float32
+        assert silu_mul(gate[:1], up).shape == (7, 12)
+    assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
+    leaf = gate.clone().requires_grad_()
+    silu_mul(leaf, up).sum().backward()  # with autograd: the out-of-place form, gradients flow
+    assert leaf.grad is not None
