@@ -48,7 +48,7 @@ FIRST_SCREEN = (VIEW_SELECTORS["session"], VIEW_SELECTORS["dsa"])
 # recorded in the page from its first script on: websocket messages (time, bytes), long tasks, Bokeh's index
 _PAGE_PROBE = """
 (() => {
-  const k3 = window.__k3probe = {ws: [], longtasks: [], ws_open: null, bokeh_views: null, roots: 0};
+  const k3 = window.__k3probe = {ws: [], longtasks: [], ws_open: null, doc: null, bokeh_views: null, roots: 0};
   const Native = window.WebSocket;
   class Probed extends Native {
     constructor(...args) {
@@ -57,6 +57,8 @@ _PAGE_PROBE = """
       this.addEventListener("message", (e) => {
         const n = typeof e.data === "string" ? e.data.length : (e.data.byteLength ?? e.data.size ?? 0);
         k3.ws.push([performance.now(), n]);
+        // the pulled document (a PULL-DOC-REPLY's content): later view patches can be larger
+        if (k3.doc === null && typeof e.data === "string" && e.data.startsWith('{"doc"')) { k3.doc = [performance.now(), n]; }
       });
     }
   }
@@ -114,7 +116,7 @@ def one_open(address: str, empty: bool = False) -> dict:
             "performance.getEntriesByType('resource').map(r => [r.name, r.startTime, r.responseEnd, r.transferSize])")
         metrics = {m["name"]: m["value"] for m in browser.cdp.send("Performance.getMetrics")["metrics"]}
         ws = probe["ws"]
-        big = max(ws, key=lambda m: m[1]) if ws else None  # the pulled document is the largest message
+        big = probe["doc"]
         scripts = [r for r in resources if r[0].endswith(".js")]
         out = {
             "goto_lag_s": round(origin - start, 3),
