@@ -25,15 +25,22 @@ still finishing the first screen (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import panel as pn
 import param
 from panel.custom import JSComponent
+from panel.io.document import hold
+from panel.io.state import set_curdoc
 
 # how far outside the viewport a placeholder counts as near it: the view is built while the reader scrolls
 # towards it (about a third of a screen ahead)
 MARGIN_PX = 300
+# places seen within this many ms of the first are shown together (one patch, one layout in the browser)
+BATCH_MS = 50
+# per served document: the places seen and not yet shown
+_PENDING: "weakref.WeakKeyDictionary[Any, list[ShownWhenSeen]]" = weakref.WeakKeyDictionary()
 
 
 class SeenProbe(JSComponent):
@@ -81,7 +88,19 @@ class ShownWhenSeen(pn.viewable.Viewer):
     def _seen(self, event: param.parameterized.Event) -> None:
         if event.new and not self.shown:
             # in a served page: after its onload (at once when it has loaded); elsewhere at once
-            pn.state.onload(self.show)
+            pn.state.onload(self._queue)
+
+    def _queue(self) -> None:
+        """Show this place with the others seen within `BATCH_MS` (one scroll often brings two or three near):
+        one held patch for all of them, so the browser lays the page out once instead of once per view."""
+        doc = pn.state.curdoc
+        if doc is None or getattr(doc, "session_context", None) is None:
+            self.show()
+            return
+        pending = _PENDING.setdefault(doc, [])
+        pending.append(self)
+        if len(pending) == 1:
+            doc.add_timeout_callback(lambda: _show_pending(doc), BATCH_MS)
 
     def show(self) -> None:
         """Put the component in its place (once)."""
@@ -90,3 +109,11 @@ class ShownWhenSeen(pn.viewable.Viewer):
 
     def __panel__(self) -> pn.viewable.Viewable:
         return self.holder
+
+
+def _show_pending(doc: Any) -> None:
+    """Show every place of `doc` seen since the first of this batch, in one held (and frozen) patch."""
+    places = _PENDING.pop(doc, [])
+    with set_curdoc(doc), hold(doc, freeze=True):
+        for place in places:
+            place.show()
