@@ -7,15 +7,17 @@ scrolls near it.
 
 Why: the browser builds every Bokeh model of a page's document before it draws any of it, and the server
 makes the Panel models of every view before it answers the page request; the views under the first screen
-(KDA state, KDA health, experts: three quarters of the page's figures) held the session map's first paint
-back by seconds on a 128K trace (docs/benchmarks.md, issue 43). The component itself is built and follows
+(KDA state, KDA health, experts, the DSA image panel: 60% of the page's models) held the session map's
+first paint back by seconds on a 128K trace (docs/benchmarks.md, issue 43). The component itself is built and follows
 the state from the start (its figures hold the current frame's data), so once shown it draws what the page
 would have drawn, and a reader who never scrolls down costs nothing more.
 
 The browser reports with an IntersectionObserver (`SeenProbe.seen`, with a margin of `MARGIN_PX`, so a
 view is usually built before it scrolls into sight). The swap waits for the page's onload (Panel holds a
 document's events until then: `page_gate.py`); outside a server session (a notebook, a test) it is
-immediate.
+immediate. Places seen together (one scroll often brings two or three near) are shown in one held patch
+with the document's model index frozen (`BATCH_MS`): one layout of the page in the browser, one re-index
+on the server.
 
 The page does not fill the places by itself once loaded: tried (one view every 0.5 s from 1 s after
 onload, and every 0.1 s from 0.25 s), it made both the first screen and an at-once scroll to every view
