@@ -89,9 +89,9 @@ def test_the_cli_prints_the_picture_note_for_an_unfamiliar_picture(tmp_path: Pat
 def test_a_few_thousand_token_prefill_shows_its_progress(monkeypatch, capsys) -> None:
     """The bar started at 8K tokens: a 5.7K-token quick start waited 19 s in silence. Now a prefill of 2K
     tokens or more shows it once it has run PROGRESS_DELAY_S (0 here); a short one still prints nothing."""
-    from engine.session import session as session_module
+    from engine.session import prefill as prefill_module
 
-    monkeypatch.setattr(session_module, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(prefill_module, "PROGRESS_DELAY_S", 0.0)
     model = load_model("preset:tiny", seed=3, dtype=torch.float32)
     for tokens, shown in ((2100, True), (600, False)):
         session = Session(model, Tokenizer.byte_level(), prefill_chunk=1024)
@@ -102,9 +102,9 @@ def test_a_few_thousand_token_prefill_shows_its_progress(monkeypatch, capsys) ->
 
 
 def test_the_slow_prefill_bar_waits_before_it_shows() -> None:
-    from engine.session import session as session_module
+    from engine.session import prefill as prefill_module
 
-    assert session_module.PROGRESS_MIN_TOKENS <= 4096 and 0 < session_module.PROGRESS_DELAY_S <= 5
+    assert prefill_module.PROGRESS_MIN_TOKENS <= 4096 and 0 < prefill_module.PROGRESS_DELAY_S <= 5
 
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
