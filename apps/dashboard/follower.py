@@ -146,6 +146,10 @@ class TraceFollower:
         self._computed_options: ViewOptions | None = None
         self.dropped = 0  # frames dropped because the queue was full
         self.completed = 0  # seq of the last complete frame (the end of a poll)
+        # polls of the thread begun and finished, in order: a poll begun after a caller's question reads the
+        # trace as it was then (one in flight may have read it before)
+        self.polls_begun = 0
+        self.polls_done = 0
 
     # ---- control (any thread) -----------------------------------------------------------------
     @property
@@ -195,6 +199,7 @@ class TraceFollower:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._halt.is_set():
+            self.polls_begun += 1
             # intermediate frames as each view is ready, then the complete one
             try:
                 self.publish(self.compute(self.publish))
@@ -203,6 +208,7 @@ class TraceFollower:
                 frame = self._next(error=f"could not read {self.path}: {_one_line(exc)}")
                 self.completed = frame.seq
                 self.publish(frame)
+            self.polls_done += 1
             if self._last.session.status in ("complete", "failed") and self._settled():
                 # a finished trace changes no more: sleep until a view asks for something new
                 self._wake.wait()
@@ -390,14 +396,17 @@ class DashboardState(param.Parameterized):
         if self.follower is None:
             raise RuntimeError("no trace to follow")
         if self.follower.alive:
-            # the follower owns the trace; wait for its next complete frame instead of reading concurrently
-            before = self.follower.completed
+            # the follower owns the trace; wait for a complete frame of a poll begun after this call (one in
+            # flight now may have read the trace before what the caller just wrote) instead of reading
+            # concurrently
+            ticket = self.follower.polls_begun + 1
             self.follower.wake()
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 self.poll()
-                if self.follower.completed > before and self.frame.seq >= self.follower.completed:
+                if self.follower.polls_done >= ticket and self.frame.seq >= self.follower.completed:
                     break
+                self.follower.wake()  # the poll in flight may have cleared the wake-up meant for the next
                 time.sleep(0.02)
             return self.frame
         self.follower.publish(self.follower.compute())
