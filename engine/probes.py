@@ -523,6 +523,11 @@ class ProbePoint:
         first, so a traced step depends on this flag only, not on which sink is attached)."""
         return self.collecting or self.sink is not None
 
+    def may_defer(self, rows: int) -> bool:
+        """Whether a call of `rows` tokens may emit its integrity fields as `Deferred`: an eager call of a
+        decode step's size (at most DEFER_MAX_ROWS), heard only by listeners that take them."""
+        return self.defers and not self.collecting and rows <= DEFER_MAX_ROWS
+
     def emit(self, **data: "torch.Tensor | None") -> None:
         """Hand the tensors (fields of `signal`; None = not measured) to the sink with the tags.
 

@@ -24,7 +24,7 @@ from engine.ops.kda.state_stats import (interval_half_life, interval_means, stat
                                        state_norm)
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import DEFER_MAX_ROWS, Deferred, ProbePoint
+from engine.probes import Deferred, ProbePoint
 from engine.runtime import RuntimeOptions
 
 
@@ -173,8 +173,7 @@ class KimiDeltaAttention(nn.Module):
                     data["mean_beta"] = gather(interval_means(beta, ends))
             # an eager decode step (observed at its every token) hands the checks' input over by reference:
             # the recorder computes them in bulk over many steps (`engine.probes.Deferred`)
-            defer = (point.defers and not point.collecting and len(seen) == g.shape[1] <= DEFER_MAX_ROWS
-                     and not self.parallel.communicates)
+            defer = len(seen) == g.shape[1] and point.may_defer(len(seen)) and not self.parallel.communicates
             if frozen:  # observed after every token (decode): the per-token counts are the interval means
                 if defer:
                     data["frozen"] = Deferred(frozen_channels, g)

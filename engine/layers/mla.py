@@ -30,7 +30,7 @@ from engine.ops.mla.masked import masked_attention_latent
 from engine.ops.mla.reference import dense_attention_expanded, dense_attention_latent, sparse_attention_latent
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import DEFER_MAX_ROWS, ProbePoint
+from engine.probes import ProbePoint
 from engine.runtime import RuntimeOptions
 
 
@@ -240,8 +240,7 @@ class GatedMLA(nn.Module):
             point = self.probe_topk
             ties = point.listening and point.request.wants("tie_band")
             # an eager decode step hands a tie-free band over as `Deferred` (counted in bulk by the recorder)
-            defer = (ties and point.defers and not point.collecting and T <= DEFER_MAX_ROWS
-                     and not self.parallel.communicates)
+            defer = ties and point.may_defer(T) and not self.parallel.communicates
             idx, scores, *band = indexer_topk(p.index_queries, p.index_weights, keys_all, positions, self.indexer.topk,
                                               key_start=key_start, impl=self.runtime.kernels, intervention=rule,
                                               ties=ties, defer_ties=defer)

@@ -26,7 +26,7 @@ from engine.layers.common import GatedMLP, RMSNorm, activation
 from engine.layers.fused import FusedLinears
 from engine.parallel import comm
 from engine.parallel.mesh import SINGLE, ParallelContext
-from engine.probes import DEFER_MAX_ROWS, Deferred, ProbePoint
+from engine.probes import Deferred, ProbePoint
 from engine.runtime import RuntimeOptions
 from engine.ops.moe import MXFP4, ExpertMatrix, routed_experts
 from engine.ops.moe.weights import dense_bytes, take_range
@@ -214,8 +214,7 @@ class LatentMoE(nn.Module):
         else:
             with_entropy, with_health = point.request.wants("entropy"), point.request.wants("logit_sum")
             # an eager decode step hands its checks' inputs over by reference (computed in bulk later)
-            defer = (with_health and point.defers and not point.collecting and shape[0] == 1
-                     and flat.shape[0] <= DEFER_MAX_ROWS)
+            defer = with_health and shape[0] == 1 and point.may_defer(flat.shape[0])
             weights, ids, *extra = self.gate(flat, return_scores=with_entropy, health="raw" if defer else with_health,
                                              **routing)
             scores = extra[:1] if with_entropy else []

@@ -13,8 +13,6 @@ import workbench
 from engine import load_model
 from engine import probes
 from engine.layers import kda as kda_layer
-from engine.layers import mla as mla_layer
-from engine.layers import moe as moe_layer
 from engine.session import Session
 from engine.tokenizer import Tokenizer
 from workbench.recorders import recorder as recorder_module
@@ -47,8 +45,7 @@ def run(model, path, monkeypatch, *, defer: bool, poison_at: int | None = None) 
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(probes.Deferred, "__init__", counting_init)
-    for module in (kda_layer, mla_layer, moe_layer):
-        monkeypatch.setattr(module, "DEFER_MAX_ROWS", probes.DEFER_MAX_ROWS if defer else 0)
+    monkeypatch.setattr(probes, "DEFER_MAX_ROWS", probes.DEFER_MAX_ROWS if defer else 0)  # every layer's rule
     real_decay = kda_layer.KimiDeltaAttention.decay
     session = Session(model, Tokenizer.byte_level(), prefill_chunk=24, progress=False)
     step = [0]
