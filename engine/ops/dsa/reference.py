@@ -194,10 +194,11 @@ def indexer_topk(
             elif run_score.shape[-1] > topk:
                 run_score, run_idx, kth, now = _select(run_score, run_idx, topk, ties=True)
                 selected = True
-                if dropped is not None or now is not None:  # keys at the k-th score left out so far
-                    dropped = (now if dropped is None else
-                               torch.where(kth == run_kth, dropped + (0 if now is None else now),
-                                           torch.zeros_like(dropped) if now is None else now))
+                if dropped is not None:  # ties left out before stay counted while the k-th score stays
+                    now = torch.zeros_like(dropped) if now is None else now
+                    dropped = torch.where(kth == run_kth, dropped + now, now)
+                else:
+                    dropped = now
                 run_kth = kth
             elif run_idx.dim() == 1:
                 run_idx = run_idx.expand(B, q1 - q0, -1)
