@@ -20,6 +20,7 @@ import contextlib
 import functools
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -138,3 +139,16 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
 def nullable_copy(table: pa.Table) -> pa.Table:
     """`table` with every column declared nullable, as writers other than the workbench's write parts."""
     return table.cast(pa.schema([f.with_nullable(True) for f in table.schema], metadata=table.schema.metadata))
+
+
+def hold_at_start(monkeypatch, module: object, name: str) -> threading.Event:
+    """Replace `module.name` by the same function held at its start until the returned event is set (a
+    background job is then surely running when a test clicks Stop)."""
+    gate, real = threading.Event(), getattr(module, name)
+
+    def held(*args, **kwargs):
+        assert gate.wait(60), f"{name} was held for 60 s"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, held)
+    return gate

@@ -22,6 +22,7 @@ from apps.dashboard.follower import DashboardState
 from apps.dashboard.session_runner import SessionRunner
 from apps.dashboard.views import view_options, view_reducers
 from engine.builtin import ROOT as BUILTIN_ROOT
+from tests.helpers import hold_at_start
 from workbench.analysis.views.attribution_view import (MAX_SHOWN_SPANS, AttributionReducer, attribution_data,
                                                        lds_words)
 from workbench.analysis.views.base import ViewOptions
@@ -215,13 +216,7 @@ def test_stop_ends_an_attribution_and_the_trace_keeps_the_one_it_had(attributed,
     written = Path(runner._rerun_base[0].trace) / ATTRIBUTION_FILE
     before = written.read_bytes()
     # the real attribution, held at its start until Stop was clicked (so the click lands while it runs)
-    gate, real = threading.Event(), attribute_panel.attribute_last_answer
-
-    def held(*args, **kwargs):
-        assert gate.wait(60)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attribute_panel, "attribute_last_answer", held)
+    gate = hold_at_start(monkeypatch, attribute_panel, "attribute_last_answer")
     assert panel.stop_button.disabled and not panel.stop()  # nothing to stop
     assert panel.attribute(), panel.message
     assert not panel.stop_button.disabled and panel.button.disabled

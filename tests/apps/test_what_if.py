@@ -20,6 +20,7 @@ from apps.dashboard.what_if import BAN_EXPERTS, HIDE_DSA, RANGE, SUPPRESS_KDA, W
 from engine import load_model
 from engine.session import Session
 from engine.tokenizer import Tokenizer
+from tests.helpers import hold_at_start
 from workbench.causal.reruns import RerunBase, plan_rerun, recorded_spans, span_label
 from workbench.trace.effects_table import EFFECTS_FILE, effect_row, read_effects, write_effects
 
@@ -177,8 +178,6 @@ def test_what_if_reruns_the_last_answer(driven) -> None:
 def test_stop_ends_a_rerun_before_its_next_control(driven, monkeypatch) -> None:
     """Stop, clicked while a rerun runs: its two branches finish, no control runs, the panel says so and the
     effects table is byte for byte as before; the lock is free for the next rerun."""
-    import threading
-
     from apps.dashboard import what_if
 
     runner, trace = driven
@@ -186,13 +185,7 @@ def test_stop_ends_a_rerun_before_its_next_control(driven, monkeypatch) -> None:
     before = (trace / EFFECTS_FILE).read_bytes()
     last = panel.last
     # the real rerun, held at its start until Stop was clicked (so the click lands while it runs)
-    gate, real = threading.Event(), what_if.run_rerun
-
-    def held(*args, **kwargs):
-        assert gate.wait(60)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(what_if, "run_rerun", held)
+    gate = hold_at_start(monkeypatch, what_if, "run_rerun")
     _hide_dsa(panel)
     assert panel.stop_button.disabled and not panel.stop()  # nothing to stop
     assert panel.rerun(), panel.message
