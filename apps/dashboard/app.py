@@ -136,6 +136,7 @@ class Dashboard(pn.viewable.Viewer):
         self._views: dict[str, Any] = {}
         # lazy views' places on the page (`views.ViewSpec.lazy`), and those of views shown when scrolled near
         self._places: dict[str, PlacedWhenReady | ShownWhenSeen] = {}
+        self._shown_together: list[ShownWhenSeen] = []  # the views below the first screen, shown as one
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -271,7 +272,8 @@ class Dashboard(pn.viewable.Viewer):
         if until_seen and spec.until_seen and not spec.lazy:
             place = self._places.get(name)
             if not isinstance(place, ShownWhenSeen):
-                place = self._places[name] = ShownWhenSeen(component, name, spec.height_px, spec.title)
+                place = self._places[name] = ShownWhenSeen(component, name, spec.height_px, spec.title,
+                                                            together=self._shown_together)
             return place
         frame = self.state.frame
         data = frame.view(name)
@@ -366,10 +368,14 @@ def create_app(config: DashboardConfig, session_args: dict | None = None,
             pn.state.onload(spare.fill)
     # a single trace's page places the views below its first screen when scrolled near (`Dashboard.views`)
     views = dash.views(until_seen=True) if isinstance(dash, Dashboard) else dash.views()
-    # one root per template area: Bokeh re-walks every model of the document for each root it adds
+    # each view is a root of the document (a template area item each): BokehJS lays out and restyles a whole root
+    # whenever anything in it changes size or content (`LayoutDOMView.invalidate_layout` walks up to the root),
+    # so a view joining the page or a live update of one view no longer re-lays out the others, nor restyles the
+    # thousands of spans of the token strips (scrolling to the views below the first screen: 1.2x faster,
+    # docs/benchmarks.md). The document's model index is recomputed once for all roots (`DashboardTemplate`)
     template = DashboardTemplate(
         title=title, sidebar=[pn.Column(*dash.sidebar(), sizing_mode="stretch_width")],
-        main=[pn.Column(*views, sizing_mode="stretch_width")], sidebar_width=340)
+        main=list(views), sidebar_width=340)
     template.dashboard = dash  # reachable from tests and notebooks
     return template
 

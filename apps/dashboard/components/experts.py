@@ -55,16 +55,9 @@ class ExpertsView(ViewComponent):
         trim(self.bars)
         self.load_source = ColumnDataSource({"rank": [], "tokens": [], "colour": []})
         self.load_mean = ColumnDataSource({"x": [], "y": []})
-        self.load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
-                           toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots",
-                           x_range=Range1d(-0.5, 0.5), visible=False)
-        self.load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
-        self.load.line(x="x", y="y", source=self.load_mean, line_color="#333", line_dash="dashed",
-                       legend_label="even split (mean)")
-        legend_above(self.load)
-        self.load.xaxis.ticker = FixedTicker(ticks=[])
-        trim(self.load)
         self.load_note = text_pane("", width=320, css_classes=["k3-ep-note"])  # wraps beside the routes
+        # the rank-load figure joins the page when a trace has two ranks or more (`load`)
+        self.load_box = pn.Column(self.load_note)
         self.routes_note = text_pane("Select a token to see its routes.", sizing_mode="stretch_width")
         # the routes figure joins the page with the first selection (a lighter first paint)
         self.routes_box = pn.Column(self.routes_note, sizing_mode="stretch_width")
@@ -128,6 +121,21 @@ class ExpertsView(ViewComponent):
         uniform = 1.0 / max(len(text), 1)
         self.uniform_source.data = {"x": [-0.5, len(text) - 0.5], "y": [uniform, uniform]}
 
+    @cached_property
+    def load(self) -> figure:
+        """Routed slots per expert-parallel rank (built when a trace has several ranks: a one-rank trace, the
+        common case on one machine, has no split to show, and a hidden figure still costs the server its
+        models and the browser their views at every page open)."""
+        load = figure(title="Routed slots per expert-parallel rank", height=200, width=320, tools="",
+                      toolbar_location=None, x_axis_label="EP rank", y_axis_label="slots",
+                      x_range=Range1d(-0.5, 0.5), visible=False)
+        load.vbar(x="rank", top="tokens", width=0.8, fill_color="colour", line_color=None, source=self.load_source)
+        load.line(x="x", y="y", source=self.load_mean, line_color="#333", line_dash="dashed",
+                  legend_label="even split (mean)")
+        legend_above(load)
+        load.xaxis.ticker = FixedTicker(ticks=[])
+        return trim(load)
+
     def _routes(self, data: ExpertsData) -> None:
         if data.routes is None and "routes" not in self.__dict__:
             set_text(self.routes_note, "Select a token to see its routes.")
@@ -165,7 +173,8 @@ class ExpertsView(ViewComponent):
         load = np.asarray(data.rank_load, np.float64)
         if len(load) <= 1:
             # one rank holds every expert: there is no split to be uneven, so no chart
-            self.load.visible = False
+            if "load" in self.__dict__:
+                self.load.visible = False
             self.load_source.data = {"rank": [], "tokens": [], "colour": []}
             set_text(self.load_note, "1 expert-parallel rank holds all experts: no load to balance "
                      "(run with several ranks to see their split)")
@@ -180,6 +189,8 @@ class ExpertsView(ViewComponent):
         self.load.x_range.update(start=-0.5, end=len(load) - 0.5)
         self.load.xaxis.ticker.ticks = list(range(len(load)))
         self.load.visible = True
+        if len(self.load_box.objects) == 1:
+            self.load_box.objects = [self.load, self.load_note]
         worst = data.rank_worst
         note = f"busiest rank {hot}: {load[hot] / mean:.2f} x mean" if mean else ""
         if worst is not None:
@@ -189,5 +200,5 @@ class ExpertsView(ViewComponent):
     def __panel__(self) -> pn.viewable.Viewable:
         return pn.Card(
             self.controls, self.heat.figure, self.bars,
-            pn.Row(self.routes_box, pn.Column(self.load, self.load_note)), self.drawn_marker,
+            pn.Row(self.routes_box, self.load_box), self.drawn_marker,
             title="Experts", sizing_mode="stretch_width", collapsible=False, css_classes=["k3-view-experts"])

@@ -15,9 +15,11 @@ would have drawn, and a reader who never scrolls down costs nothing more.
 The browser reports with an IntersectionObserver (`SeenProbe.seen`, with a margin of `MARGIN_PX`, so a
 view is usually built before it scrolls into sight). The swap waits for the page's onload (Panel holds a
 document's events until then: `page_gate.py`); outside a server session (a notebook, a test) it is
-immediate. Places seen together (one scroll often brings two or three near) are shown in one held patch
-with the document's model index frozen (`BATCH_MS`): one layout of the page in the browser, one re-index
-on the server.
+immediate. Places made `together` (the dashboard's views below the first screen) are shown as one when
+any of them is seen: a reader who scrolls to one goes on to the next, and one held patch with the
+document's model index frozen costs one round trip, one re-index on the server and one layout in the
+browser, where a patch per view cost each of those again. Places seen within `BATCH_MS` of each other
+join the same patch.
 
 The page does not fill the places by itself once loaded: tried (one view every 0.5 s from 1 s after
 onload, and every 0.1 s from 0.25 s), it made both the first screen and an at-once scroll to every view
@@ -39,7 +41,7 @@ from panel.io.state import set_curdoc
 # how far outside the viewport a placeholder counts as near it: the view is built while the reader scrolls
 # towards it (about a third of a screen ahead)
 MARGIN_PX = 300
-# places seen within this many ms of the first are shown together (one patch, one layout in the browser)
+# places seen within this many ms of the first join its patch (one patch, one layout in the browser)
 BATCH_MS = 50
 # per served document: the places seen and not yet shown
 _PENDING: "weakref.WeakKeyDictionary[Any, list[ShownWhenSeen]]" = weakref.WeakKeyDictionary()
@@ -74,9 +76,13 @@ export function render({ model, el }) {
 class ShownWhenSeen(pn.viewable.Viewer):
     """The place of `component` (view `name`) on a served page: `SeenProbe` of `height` px until seen."""
 
-    def __init__(self, component: Any, name: str, height: int, title: str = "") -> None:
+    def __init__(self, component: Any, name: str, height: int, title: str = "",
+                 together: list["ShownWhenSeen"] | None = None) -> None:
         super().__init__()
         self.component, self.view_name = component, name
+        # the places shown with this one when any of them is seen (this one joins the list)
+        self.together = together if together is not None else []
+        self.together.append(self)
         label = f"{title or name}: drawn when scrolled into view"
         self.probe = SeenProbe(label=label, height=height, sizing_mode="stretch_width", margin=(5, 5))
         self.holder = pn.Column(self.probe, sizing_mode="stretch_width", margin=0, css_classes=[f"k3-unseen-{name}"])
@@ -93,15 +99,18 @@ class ShownWhenSeen(pn.viewable.Viewer):
             pn.state.onload(self._queue)
 
     def _queue(self) -> None:
-        """Show this place with the others seen within `BATCH_MS` (one scroll often brings two or three near):
-        one held patch for all of them, so the browser lays the page out once instead of once per view."""
+        """Show this place and the others of its `together` group (the views below the first screen: a
+        reader who scrolls to one scrolls on to the next), in one held patch: one round trip and one
+        layout in the browser instead of one per view."""
         doc = pn.state.curdoc
         if doc is None or getattr(doc, "session_context", None) is None:
-            self.show()
+            for place in self.together:
+                place.show()
             return
         pending = _PENDING.setdefault(doc, [])
-        pending.append(self)
-        if len(pending) == 1:
+        first = not pending
+        pending.extend(p for p in self.together if not p.shown and p not in pending)
+        if first and pending:
             doc.add_timeout_callback(lambda: _show_pending(doc), BATCH_MS)
 
     def show(self) -> None:
