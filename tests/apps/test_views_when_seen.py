@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from bokeh.document import Document
 
-from apps.dashboard.app import DashboardConfig, create_app, url
+from apps.dashboard.app import DashboardConfig, create_app
 from apps.dashboard.components.seen import ShownWhenSeen
 from apps.dashboard.views import VIEWS
-from k3testing.browser import Browser, chromium_available, start_server
+from k3testing.browser import chromium_available
+from tests.apps.served_page import served_page
 
 
 def _figure(component):
@@ -77,22 +78,20 @@ def test_a_notebook_dashboard_places_every_view(small_trace: Path) -> None:
 
 @pytest.mark.browser
 @pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium at /usr/bin/chromium")
-def test_scrolling_to_a_placeholder_builds_its_view_with_data(small_trace: Path) -> None:
-    config = DashboardConfig(root=small_trace.parent, drive=False)
-    server = start_server(config)
-    try:
-        with Browser(width=1400, height=1000) as browser:
-            browser.open(url(config, trace=small_trace.name), wait_for=".k3-view-session canvas")
-            page = browser.page
-            for view in ("session", "dsa"):
-                page.locator(f".k3-view-{view} .k3-has-data").first.wait_for(state="attached", timeout=60_000)
-            page.locator(".k3-unseen-experts .k3-unseen-note").first.wait_for(state="attached", timeout=30_000)
-            assert page.locator(".k3-view-experts").count() == 0
-            assert page.locator(".k3-view-kda").count() == 0
-            page.locator(".k3-unseen-experts").first.scroll_into_view_if_needed()
-            page.locator(".k3-view-experts canvas").first.wait_for(state="visible", timeout=60_000)
-            page.locator(".k3-view-experts .k3-has-data").first.wait_for(state="attached", timeout=30_000)
-            assert page.locator(".k3-unseen-experts .k3-unseen-note").count() == 0
-            assert browser.counters.errors == [] and browser.counters.external == []
-    finally:
-        server.stop()
+def test_scrolling_to_a_placeholder_builds_the_views_below_with_data(small_trace: Path) -> None:
+    with served_page(DashboardConfig(root=small_trace.parent, drive=False), small_trace.name,
+                     width=1400, height=1000) as browser:
+        page = browser.page
+        for view in ("session", "dsa"):
+            page.locator(f".k3-view-{view} .k3-has-data").first.wait_for(state="attached", timeout=60_000)
+        page.locator(".k3-unseen-experts .k3-unseen-note").first.wait_for(state="attached", timeout=30_000)
+        assert page.locator(".k3-view-experts").count() == 0
+        assert page.locator(".k3-view-kda").count() == 0
+        page.locator(".k3-unseen-experts").first.scroll_into_view_if_needed()
+        page.locator(".k3-view-experts canvas").first.wait_for(state="visible", timeout=60_000)
+        page.locator(".k3-view-experts .k3-has-data").first.wait_for(state="attached", timeout=30_000)
+        assert page.locator(".k3-unseen-experts .k3-unseen-note").count() == 0
+        # the other views below the first screen came with it (one patch), drawn with their data too
+        for view in ("kda", "health"):
+            page.locator(f".k3-view-{view} .k3-has-data").first.wait_for(state="attached", timeout=30_000)
+        assert browser.counters.errors == [] and browser.counters.external == []
