@@ -99,10 +99,15 @@ def main() -> None:
     opens = args.rounds + 1
     ready = {name: [_dashboard_parts(args.trace_128k) for _ in range(opens)]
              for name in ("figures", "figures_and_sidebar", "one_figure")}
+
+    def with_sidebar() -> pn.template.BootstrapTemplate:
+        figures, sidebar = ready["figures_and_sidebar"].pop()
+        return _page(_bokeh(figures), sidebar)
+
     pages = {
         "empty": lambda: _page([]),
         "figures": lambda: _page(_bokeh(ready["figures"].pop()[0])),
-        "figures_and_sidebar": lambda: _page(_bokeh((parts := ready["figures_and_sidebar"].pop())[0]), parts[1]),
+        "figures_and_sidebar": with_sidebar,
         "one_figure": lambda: _page(_bokeh(ready["one_figure"].pop()[0][:1])),
     }
     canvases = {"empty": 0, "figures": len(counted), "figures_and_sidebar": len(counted), "one_figure": 1}
