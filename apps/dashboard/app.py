@@ -136,7 +136,8 @@ class Dashboard(pn.viewable.Viewer):
         self._views: dict[str, Any] = {}
         # lazy views' places on the page (`views.ViewSpec.lazy`), and those of views shown when scrolled near
         self._places: dict[str, PlacedWhenReady | ShownWhenSeen] = {}
-        self._shown_together: list[ShownWhenSeen] = []  # the views below the first screen, shown as one
+        # the places below the first screen (the views' and the DSA image panel's), shown as one when any is seen
+        self.shown_together: list[ShownWhenSeen] = []
         self.config = config
         self.session_map = SessionMap(state=self.state)
         self.runner: SessionRunner | None = None
@@ -273,7 +274,7 @@ class Dashboard(pn.viewable.Viewer):
             place = self._places.get(name)
             if not isinstance(place, ShownWhenSeen):
                 place = self._places[name] = ShownWhenSeen(component, name, spec.height_px, spec.title,
-                                                            together=self._shown_together)
+                                                            together=self.shown_together)
             return place
         frame = self.state.frame
         data = frame.view(name)

@@ -82,7 +82,8 @@ def view_options() -> dict[str, Any]:
     return {k: v for spec in VIEWS.values() for k, v in spec.options.items()}
 
 
-register_view(ViewSpec("dsa", VIEW_REDUCERS["dsa"], lambda dash: DSAMemoryMap(state=dash.state)))
+register_view(ViewSpec("dsa", VIEW_REDUCERS["dsa"],
+                       lambda dash: DSAMemoryMap(state=dash.state, shown_together=dash.shown_together)))
 # below the first screen (under the session map and the DSA map): built into the page when scrolled near;
 # the heights are the cards' at demo dims in a 1400 px wide page (a placeholder keeps the page about as long)
 register_view(ViewSpec("kda", VIEW_REDUCERS["kda"], lambda dash: KDAStateView(state=dash.state), until_seen=True,

@@ -41,8 +41,11 @@ class DSAMemoryMap(ViewComponent):
     view = "dsa"
     show_segments = param.Boolean(default=True, doc="mark segment boundaries on the position axes")
 
-    def __init__(self, **params) -> None:
+    def __init__(self, shown_together: list[ShownWhenSeen] | None = None, **params) -> None:
         super().__init__(**params)
+        # the places the image panel's place is shown with when any of them is seen (the dashboard's below the
+        # first screen: `Dashboard.shown_together`)
+        self.shown_together = shown_together if shown_together is not None else []
         self.heat = HeatFigure("How often each context range was selected (all queries so far; hover: beside chance)",
                                "keys", "DSA layer", "selections", palette="inferno", log_scale=True,
                                chance_label="chance (random top-k)")
@@ -93,7 +96,8 @@ class DSAMemoryMap(ViewComponent):
     @cached_property
     def image_place(self) -> ShownWhenSeen:
         """The image panel's place: below the first screen, so it is built into the page when scrolled near."""
-        return ShownWhenSeen(self.image_card, "dsa-image", IMAGE_CARD_PX, "What the DSA layers read in the image")
+        return ShownWhenSeen(self.image_card, "dsa-image", IMAGE_CARD_PX, "What the DSA layers read in the image",
+                             together=self.shown_together)
 
     def _show_detail(self, image: bool = False, reads: bool = False) -> None:
         """Add the image panel (its place until seen) and/or the read-out figure to the page (each once)."""

@@ -15,11 +15,10 @@ would have drawn, and a reader who never scrolls down costs nothing more.
 The browser reports with an IntersectionObserver (`SeenProbe.seen`, with a margin of `MARGIN_PX`, so a
 view is usually built before it scrolls into sight). The swap waits for the page's onload (Panel holds a
 document's events until then: `page_gate.py`); outside a server session (a notebook, a test) it is
-immediate. Places made `together` (the dashboard's views below the first screen) are shown as one when
-any of them is seen: a reader who scrolls to one goes on to the next, and one held patch with the
-document's model index frozen costs one round trip, one re-index on the server and one layout in the
-browser, where a patch per view cost each of those again. Places seen within `BATCH_MS` of each other
-join the same patch.
+immediate. Places made `together` (the dashboard's views below the first screen and the DSA image panel)
+are shown as one when any of them is seen: a reader who scrolls to one goes on to the next, and one held
+patch with the document's model index frozen costs one round trip, one re-index on the server and one
+layout in the browser, where a patch per view cost each of those again.
 
 The page does not fill the places by itself once loaded: tried (one view every 0.5 s from 1 s after
 onload, and every 0.1 s from 0.25 s), it made both the first screen and an at-once scroll to every view
@@ -29,7 +28,6 @@ still finishing the first screen (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import panel as pn
@@ -41,10 +39,6 @@ from panel.io.state import set_curdoc
 # how far outside the viewport a placeholder counts as near it: the view is built while the reader scrolls
 # towards it (about a third of a screen ahead)
 MARGIN_PX = 300
-# places seen within this many ms of the first join its patch (one patch, one layout in the browser)
-BATCH_MS = 50
-# per served document: the places seen and not yet shown
-_PENDING: "weakref.WeakKeyDictionary[Any, list[ShownWhenSeen]]" = weakref.WeakKeyDictionary()
 
 
 class SeenProbe(JSComponent):
@@ -99,19 +93,16 @@ class ShownWhenSeen(pn.viewable.Viewer):
             pn.state.onload(self._queue)
 
     def _queue(self) -> None:
-        """Show this place and the others of its `together` group (the views below the first screen: a
-        reader who scrolls to one scrolls on to the next), in one held patch: one round trip and one
-        layout in the browser instead of one per view."""
+        """Show this place and the others of its `together` group not shown yet (a reader who scrolls to one
+        scrolls on to the next), in one held patch on the document's next tick: one round trip and one layout
+        in the browser instead of one per view."""
+        places = [p for p in self.together if not p.shown]
         doc = pn.state.curdoc
         if doc is None or getattr(doc, "session_context", None) is None:
-            for place in self.together:
+            for place in places:
                 place.show()
             return
-        pending = _PENDING.setdefault(doc, [])
-        first = not pending
-        pending.extend(p for p in self.together if not p.shown and p not in pending)
-        if first and pending:
-            doc.add_timeout_callback(lambda: _show_pending(doc), BATCH_MS)
+        doc.add_next_tick_callback(lambda: _show_held(doc, places))
 
     def show(self) -> None:
         """Put the component in its place (once)."""
@@ -122,9 +113,8 @@ class ShownWhenSeen(pn.viewable.Viewer):
         return self.holder
 
 
-def _show_pending(doc: Any) -> None:
-    """Show every place of `doc` seen since the first of this batch, in one held (and frozen) patch."""
-    places = _PENDING.pop(doc, [])
+def _show_held(doc: Any, places: list[ShownWhenSeen]) -> None:
+    """Show `places` of `doc` in one held (and frozen) patch; those shown meanwhile stay as they are."""
     with set_curdoc(doc), hold(doc, freeze=True):
         for place in places:
             place.show()
