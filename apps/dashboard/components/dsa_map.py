@@ -20,7 +20,6 @@ import numpy as np
 import panel as pn
 import param
 from bokeh.models import Span
-from bokeh.plotting import figure
 
 from apps.dashboard.components.base import ViewComponent
 from apps.dashboard.components.figures import HeatFigure, segment_starts
