@@ -91,14 +91,14 @@ def main() -> None:
     args = ap.parse_args()
     if not chromium_available():
         raise SystemExit("needs /usr/bin/chromium (apt-get install chromium)")
-    counted = _dashboard_parts(args.trace_128k)[0]
-    print(f"{len(counted)} figures: {[f.title.text if f.title is not None else type(f).__name__ for f in counted]}",
-          flush=True)
     # every open gets figures of its own (a Bokeh model belongs to one document), built before the server starts:
     # the pages' time is then the browser's and the transfer's, not the building of a dashboard per request
     opens = args.rounds + 1
     ready = {name: [_dashboard_parts(args.trace_128k) for _ in range(opens)]
              for name in ("figures", "figures_and_sidebar", "one_figure")}
+    counted = ready["figures"][0][0]
+    print(f"{len(counted)} figures: {[f.title.text if f.title is not None else type(f).__name__ for f in counted]}",
+          flush=True)
 
     def with_sidebar() -> pn.template.BootstrapTemplate:
         figures, sidebar = ready["figures_and_sidebar"].pop()
